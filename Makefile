@@ -1,0 +1,20 @@
+# The two commands of the quickstart. Everything else is reached through them.
+.PHONY: demo test lint bench
+
+demo:
+	bash scripts/setup.sh
+	.venv/bin/admission demo
+
+test:
+	bash scripts/setup.sh
+	.venv/bin/ruff check admission engine tests loadtest
+	.venv/bin/ruff format --check admission engine tests loadtest
+	.venv/bin/mypy
+	.venv/bin/pytest -q
+
+lint:
+	.venv/bin/ruff check admission engine tests loadtest
+	.venv/bin/mypy
+
+bench:
+	.venv/bin/python -m loadtest.bench_admit

@@ -1,0 +1,187 @@
+"""The node agent: one per GPU host. Samples NVML and the host's vLLM, publishes node state.
+
+Every `period_s` for each node it serves: read GPU memory (NVML, or the emulator's simulated
+device), scrape vLLM `/metrics` and `/health`, compute the effective memory fraction, apply the
+watermark state machine, and write one JSON state to Redis with a TTL of `stale_after_s`, so a
+silent agent reads as a down node. Sidecars read these states; they never scrape engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from admission import keys
+from admission.gpu import GpuReader, NvmlReader, SimulatedGpuReader
+from admission.policy import Node, Policy
+from admission.watermarks import DOWN, OPEN, effective_fraction, next_state
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineSample:
+    kv_usage: float | None = None
+    running: int = 0
+    waiting: int = 0
+    preemptions: float = 0.0
+    kv_pool_bytes: int | None = None
+    kv_tokens: int | None = None  # KV pool capacity in tokens (blocks × block size)
+
+
+def parse_vllm_metrics(text: str) -> EngineSample:
+    """Pick what admission needs out of vLLM's Prometheus text (summed over engines)."""
+    s = EngineSample()
+    for fam in text_string_to_metric_families(text):
+        for sm in fam.samples:
+            if sm.name == "vllm:kv_cache_usage_perc":
+                s.kv_usage = max(s.kv_usage or 0.0, sm.value)
+            elif sm.name == "vllm:num_requests_running":
+                s.running += int(sm.value)
+            elif sm.name == "vllm:num_requests_waiting":
+                s.waiting += int(sm.value)
+            elif sm.name == "vllm:num_preemptions_total":
+                s.preemptions += sm.value
+            elif sm.name == "vllm:cache_config_info":
+                blocks = sm.labels.get("num_gpu_blocks")
+                size = sm.labels.get("block_size")
+                if blocks not in (None, "None", "") and size not in (None, "None", ""):
+                    s.kv_tokens = int(float(blocks)) * int(float(size))
+                mem = sm.labels.get("kv_cache_memory_bytes")
+                if mem not in (None, "None", ""):
+                    s.kv_pool_bytes = int(float(mem))
+    return s
+
+
+class NodeProbe:
+    """Samples one node and keeps its watermark state between samples."""
+
+    def __init__(
+        self, node: Node, session: aiohttp.ClientSession, gpu: GpuReader | None, timeout_s: float
+    ) -> None:
+        self.node = node
+        self.session = session
+        self.gpu = gpu
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.state = DOWN
+        self.seq = 0
+        self._warned: set[str] = set()
+
+    async def sample(self, policy: Policy) -> dict[str, Any]:
+        node = self.node
+        self.seq += 1
+        out: dict[str, Any] = {"node": node.id, "seq": self.seq, "source": node.memory_source}
+        try:
+            async with self.session.get(f"{node.url}/health", timeout=self.timeout) as r:
+                healthy = r.status == 200
+            async with self.session.get(f"{node.url}/metrics", timeout=self.timeout) as r:
+                engine = parse_vllm_metrics(await r.text()) if r.status == 200 else EngineSample()
+            gpu = await self.gpu.read(node.gpus) if self.gpu is not None else None
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError, KeyError) as exc:
+            self.state = DOWN
+            out.update(state=DOWN, healthy=False, error=type(exc).__name__)
+            return out
+        pool = node.kv_pool_bytes or engine.kv_pool_bytes
+        source = node.memory_source
+        if source == "effective" and (gpu is None or pool is None):
+            source = "kv" if gpu is None else "nvml"
+            self._warn_once(f"{node.id}: memory_source effective lacks inputs, using {source}")
+        try:
+            fraction = effective_fraction(source, gpu, engine.kv_usage, pool)
+        except ValueError as exc:
+            self.state = DOWN
+            out.update(state=DOWN, healthy=healthy, error=str(exc))
+            return out
+        per_token = 0.0
+        if engine.kv_tokens:
+            if source == "kv":
+                per_token = 1.0 / engine.kv_tokens
+            elif pool and gpu is not None:
+                per_token = pool / engine.kv_tokens / gpu.total_bytes
+        self.state = next_state(self.state, fraction, policy.watermarks) if healthy else DOWN
+        out.update(
+            state=self.state,
+            healthy=healthy,
+            memory=round(fraction, 5),
+            per_token=per_token,
+            kv_usage=engine.kv_usage,
+            running=engine.running,
+            waiting=engine.waiting,
+            preemptions=engine.preemptions,
+            gpu_used_bytes=gpu.used_bytes if gpu else None,
+            gpu_total_bytes=gpu.total_bytes if gpu else None,
+        )
+        return out
+
+    def _warn_once(self, msg: str) -> None:
+        if msg not in self._warned:
+            self._warned.add(msg)
+            log.warning(msg)
+
+
+class Agent:
+    """Publishes the state of `node_ids` (default: every node in the policy) to Redis."""
+
+    def __init__(
+        self, redis: Any, policy: Policy, node_ids: list[str] | None = None, period_s: float = 0.2
+    ) -> None:
+        self.redis = redis
+        self.policy = policy
+        self.node_ids = node_ids
+        self.period_s = period_s
+        self.nvml = NvmlReader()
+        if not self.nvml.available:
+            log.warning("no NVML on this host: nodes use their device_url or KV usage alone")
+        self._probes: dict[str, NodeProbe] = {}
+
+    def _probe(self, node: Node, session: aiohttp.ClientSession) -> NodeProbe:
+        p = self._probes.get(node.id)
+        if p is None or p.node != node:
+            gpu: GpuReader | None
+            if node.device_url:
+                gpu = SimulatedGpuReader(session, node.device_url)
+            else:
+                gpu = self.nvml if self.nvml.available else None
+            p = NodeProbe(node, session, gpu, timeout_s=max(0.2, self.period_s * 2))
+            self._probes[node.id] = p
+        return p
+
+    async def tick(self, session: aiohttp.ClientSession) -> list[dict[str, Any]]:
+        nodes = [
+            n for n in self.policy.nodes.values() if not self.node_ids or n.id in self.node_ids
+        ]
+        states = await asyncio.gather(*(self._probe(n, session).sample(self.policy) for n in nodes))
+        ttl_ms = int(self.policy.watermarks.stale_after_s * 1000)
+        pipe = self.redis.pipeline(transaction=False)
+        for st in states:
+            pipe.set(keys.node_state(st["node"]), json.dumps(st), px=ttl_ms)
+        await pipe.execute()
+        return list(states)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        async with aiohttp.ClientSession() as session:
+            last: dict[str, str] = {}
+            while not stop.is_set():
+                try:
+                    for st in await self.tick(session):
+                        if last.get(st["node"]) != st["state"]:
+                            log.info(
+                                "node %s: %s (memory %s)", st["node"], st["state"], st.get("memory")
+                            )
+                            last[st["node"]] = st["state"]
+                except Exception as exc:  # keep sampling through Redis blips
+                    log.error("agent tick failed: %s", exc)
+                try:
+                    await asyncio.wait_for(stop.wait(), self.period_s)
+                except TimeoutError:
+                    pass
+        self.nvml.close()
+
+
+__all__ = ["OPEN", "Agent", "EngineSample", "NodeProbe", "parse_vllm_metrics"]

@@ -1,0 +1,173 @@
+"""The `admission` command: check, serve, agent, node, up, demo, emulator."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import urllib.request
+from pathlib import Path
+
+from admission.errors import PolicyError
+from admission.metrics import Metrics
+from admission.policy import load_policy
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    try:
+        policy = load_policy(args.path)
+    except PolicyError as exc:
+        for problem in exc.problems:
+            print(problem)
+        return 1
+    print(
+        f"ok: {len(policy.tenants)} tenants, {len(policy.classes)} classes, "
+        f"{len(policy.nodes)} nodes"
+    )
+    return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from aiohttp import web
+
+    from admission.reload import PolicyHolder
+    from admission.server import build_app
+
+    try:
+        policy = load_policy(args.policy)
+    except PolicyError as exc:
+        for problem in exc.problems:
+            logging.error("%s", problem)
+        return 1
+    _use_uvloop()
+    holder = PolicyHolder(Path(args.policy), policy, Metrics())
+    app = build_app(holder, edge_table=Path(args.edge_table) if args.edge_table else None)
+
+    async def main() -> None:
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await runner.setup()
+        sites: list[web.BaseSite] = []
+        if args.unix:
+            Path(args.unix).unlink(missing_ok=True)
+            sites.append(web.UnixSite(runner, args.unix))
+        if args.port is not None:
+            sites.append(web.TCPSite(runner, args.host, args.port))
+        for s in sites:
+            await s.start()
+        logging.info("sidecar listening on %s", ", ".join(s.name for s in sites))
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        logging.info("stopping: draining in-flight admissions")
+        await runner.cleanup()
+
+    asyncio.run(main())
+    return 0
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from admission.agent import Agent
+    from admission.limiter import connect
+
+    policy = load_policy(args.policy)
+
+    async def main() -> None:
+        redis = connect(policy.redis)
+        agent = Agent(redis, policy, args.node or None, period_s=args.period_s)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await agent.run(stop)
+        finally:
+            await redis.aclose()
+
+    asyncio.run(main())
+    return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    url = f"{args.sidecar.rstrip('/')}/nodes"
+    if args.action == "list":
+        with urllib.request.urlopen(url, timeout=5) as r:
+            for n in json.load(r)["nodes"]:
+                print(
+                    f"{n['node']:<16} {n['state']:<12} mem {n['projected_memory']:.3f} "
+                    f"inflight {n['inflight']}/{n['max_inflight']}"
+                )
+        return 0
+    req = urllib.request.Request(f"{url}/{args.node}/{args.action}", method="POST", data=b"")
+    with urllib.request.urlopen(req, timeout=5) as r:
+        print(r.read().decode())
+    return 0
+
+
+def _use_uvloop() -> None:
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:  # pragma: no cover - uvloop is a dependency; keep serving without it
+        pass
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="admission", description=__doc__)
+    p.add_argument("--log-level", default="info")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    c = sub.add_parser("check", help="validate a policies.yaml; exit 1 listing every problem")
+    c.add_argument("path")
+    c.set_defaults(fn=cmd_check)
+
+    s = sub.add_parser("serve", help="run the admission sidecar")
+    s.add_argument("--policy", default="policies.yaml")
+    s.add_argument("--unix", help="listen on this unix socket")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int)
+    s.add_argument("--edge-table", help="write the edge's tenant table here (JSON) on each load")
+    s.set_defaults(fn=cmd_serve)
+
+    a = sub.add_parser("agent", help="run a node agent (NVML + vLLM metrics → Redis)")
+    a.add_argument("--policy", default="policies.yaml")
+    a.add_argument("--node", action="append", help="node id to sample (repeatable; default all)")
+    a.add_argument("--period-s", type=float, default=0.2)
+    a.set_defaults(fn=cmd_agent)
+
+    n = sub.add_parser("node", help="operate nodes through a sidecar: list, drain, undrain")
+    n.add_argument("action", choices=["list", "drain", "undrain"])
+    n.add_argument("node", nargs="?")
+    n.add_argument("--sidecar", default="http://127.0.0.1:9001")
+    n.set_defaults(fn=cmd_node)
+
+    try:
+        from admission import stack
+
+        stack.add_commands(sub)
+    except ImportError:  # pragma: no cover
+        pass
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    _setup_logging(args.log_level)
+    rc: int = args.fn(args)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

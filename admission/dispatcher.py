@@ -1,0 +1,343 @@
+"""The dispatcher: admits queued requests onto nodes with room, in weighted-fair order.
+
+It owns the sidecar's `FairQueue` and a view of every node (state published by the node agents
+in Redis, plus what this sidecar admitted since the last sample: "projected usage"). A request
+is dispatched when some node serving its model is open, below the hold watermark after
+projection, and under its in-flight cap; the in-flight lease is then taken atomically in Redis
+(lease.lua), so several sidecars never over-admit one node together.
+
+Routing: among eligible nodes, the least loaded by max(projected memory / hold, in-flight / cap);
+the next ones are the edge's fallbacks for a connect failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from admission import keys
+from admission.errors import BackendUnavailable, QueueTimeout
+from admission.limiter import REDIS_DOWN, _script
+from admission.metrics import Metrics
+from admission.policy import Node, Policy
+from admission.queue import FairQueue, Item
+from admission.watermarks import DOWN, MAINTENANCE, OPEN, STATES
+
+log = logging.getLogger(__name__)
+
+REFRESH_S = 0.1  # node-state poll period: a fraction of the agents' sample period
+MAX_FALLBACKS = 2
+
+
+@dataclass
+class NodeView:
+    node: Node
+    state: str = DOWN
+    memory: float = 0.0
+    per_token: float = 0.0  # memory fraction one token of KV takes
+    seq: int = -1
+    projected_tokens: int = 0  # admitted by this sidecar since the node's last sample
+    inflight: int = 0
+    waiting: int = 0
+
+    def projected(self) -> float:
+        return self.memory + self.projected_tokens * self.per_token
+
+    def load(self, hold: float) -> float:
+        return max(self.projected() / hold, self.inflight / self.node.max_inflight)
+
+
+@dataclass(frozen=True)
+class Admission:
+    ticket: str
+    node: str
+    url: str
+    fallbacks: list[tuple[str, str]]
+    priority: int
+    cls: str
+    queued_s: float
+    degraded: bool = False
+
+
+@dataclass
+class _Waiter:
+    future: asyncio.Future[Admission] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+def new_request_id() -> str:
+    return secrets.token_hex(8)
+
+
+def make_ticket(rid: str, node: str, tenant: str) -> str:
+    """Tickets carry request id, node and tenant, so any sidecar process can take the release."""
+    return f"{rid}:{node}:{tenant}"
+
+
+def parse_ticket(ticket: str) -> tuple[str, str, str]:
+    """(request id, node, tenant) of a ticket; ValueError if it is not one of ours."""
+    parts = ticket.split(":", 2)
+    if len(parts) != 3 or not all(parts) or len(parts[0]) != 16:
+        raise ValueError("malformed ticket")
+    return parts[0], parts[1], parts[2]
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        redis: Any,
+        policy: Callable[[], Policy],
+        metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.redis = redis
+        self.policy = policy
+        self.metrics = metrics
+        self.clock = clock
+        self.queue = FairQueue(policy())
+        self.views: dict[str, NodeView] = {}
+        self._lease = redis.register_script(_script("lease"))
+        self._wake = asyncio.Event()
+        self._last_refresh_ok = clock()
+        self.set_policy(policy())
+
+    # -- policy ----------------------------------------------------------------------------
+    def set_policy(self, policy: Policy) -> None:
+        self.queue.set_policy(policy)
+        old = self.views
+        self.views = {}
+        for nid, node in policy.nodes.items():
+            v = old.get(nid)
+            if v is None:
+                v = NodeView(node)
+            v.node = node
+            self.views[nid] = v
+        self._wake.set()
+
+    # -- requests --------------------------------------------------------------------------
+    async def submit(self, item: Item) -> Admission:
+        """Queue `item` and wait for a node (or QueueFull now, or QueueTimeout at its deadline).
+
+        Cancelling the caller (the client went away) removes the item from the queue, or
+        releases its lease if it was admitted in the meantime.
+        """
+        waiter = _Waiter()
+        item.payload = waiter
+        self.queue.push(item)
+        self._gauge_depth()
+        self._wake.set()
+        timeout = max(0.0, item.deadline_at - self.clock())
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
+        except TimeoutError:
+            self.queue.cancel(item)
+            self._gauge_depth()
+            if waiter.future.done():  # admitted at the very last moment
+                return waiter.future.result()
+            exc = QueueTimeout(
+                self.clock() - item.enqueued_at, self.queue.retry_after(len(self.queue))
+            )
+            # A dispatch in flight for this item sees the settled future and gives its lease back.
+            waiter.future.set_exception(exc)
+            waiter.future.exception()  # mark retrieved
+            raise exc from None
+        except asyncio.CancelledError:
+            self.queue.cancel(item)
+            self._gauge_depth()
+            if waiter.future.done():
+                if not waiter.future.cancelled() and waiter.future.exception() is None:
+                    await self.release_lease(waiter.future.result().ticket)
+            else:
+                waiter.future.cancel()
+            raise
+
+    async def release_lease(self, ticket: str) -> None:
+        _rid, node, _tenant = parse_ticket(ticket)
+        v = self.views.get(node)
+        if v is not None:
+            v.inflight = max(0, v.inflight - 1)
+        try:
+            await self.redis.zrem(keys.node_leases(node), ticket)
+        except REDIS_DOWN:
+            self.metrics.redis_errors.labels("release").inc()
+        self._wake.set()
+
+    # -- the loop --------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Refresh node views and dispatch, until cancelled."""
+        next_refresh = 0.0
+        while True:
+            now = self.clock()
+            if now >= next_refresh:
+                await self.refresh()
+                next_refresh = now + REFRESH_S
+            started = time.process_time()
+            await self.dispatch()
+            self.metrics.dispatch_seconds.observe(time.process_time() - started)
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), REFRESH_S)
+            except TimeoutError:
+                pass
+
+    async def refresh(self) -> None:
+        """Read every node's published state, admin flag and lease count from Redis."""
+        views = list(self.views.values())
+        pipe = self.redis.pipeline(transaction=False)
+        for v in views:
+            pipe.get(keys.node_state(v.node.id))
+            pipe.get(keys.node_admin(v.node.id))
+            pipe.zcard(keys.node_leases(v.node.id))
+        try:
+            res = await pipe.execute()
+        except REDIS_DOWN:
+            self.metrics.redis_errors.labels("refresh").inc()
+            self._refresh_failed()
+            return
+        self._last_refresh_ok = self.clock()
+        for i, v in enumerate(views):
+            raw, admin, leases = res[3 * i], res[3 * i + 1], res[3 * i + 2]
+            st = json.loads(raw) if raw else None
+            if st is None:
+                v.state = DOWN
+            else:
+                v.state = MAINTENANCE if admin else str(st.get("state", DOWN))
+                v.memory = float(st.get("memory") or 0.0)
+                v.per_token = float(st.get("per_token") or 0.0)
+                v.waiting = int(st.get("waiting") or 0)
+                if st.get("seq") != v.seq:
+                    v.seq = st.get("seq", -1)
+                    v.projected_tokens = 0
+            v.inflight = int(leases)
+        self._gauge_nodes()
+
+    def _refresh_failed(self) -> None:
+        if self.clock() - self._last_refresh_ok < self.policy().watermarks.stale_after_s:
+            return  # keep the last view through a blip
+        fail_open = self.policy().redis.failure_mode == "open"
+        for v in self.views.values():
+            if v.state != MAINTENANCE:
+                v.state = OPEN if fail_open else DOWN
+
+    def eligible_nodes(self, model: str) -> list[NodeView]:
+        hold = self.policy().watermarks.hold
+        ok = [
+            v
+            for v in self.views.values()
+            if model in v.node.models
+            and v.state == OPEN
+            and v.projected() < hold
+            and v.inflight < v.node.max_inflight
+        ]
+        ok.sort(key=lambda v: (v.load(hold), v.node.id))
+        return ok
+
+    def serves(self, model: str) -> bool:
+        return any(model in n.models for n in self.policy().nodes.values())
+
+    async def dispatch(self) -> int:
+        """Admit as many queued requests as nodes have room for; return how many."""
+        admitted = 0
+        self.queue.age(self.clock())
+        while True:
+            item = self.queue.pop(self.clock(), lambda it: bool(self.eligible_nodes(it.model)))
+            if item is None:
+                break
+            waiter: _Waiter = item.payload
+            if waiter.future.done():  # the waiter gave up between pop and now
+                continue
+            nodes = self.eligible_nodes(item.model)
+            chosen = nodes[0]
+            ticket = make_ticket(item.rid, chosen.node.id, item.tenant)
+            try:
+                got = await self._take_lease(chosen.node, ticket)
+            except BackendUnavailable as exc:
+                waiter.future.set_exception(exc)
+                continue
+            if not got:
+                chosen.inflight = chosen.node.max_inflight  # another sidecar filled it
+                if not waiter.future.done():
+                    self.queue.requeue_front(item)
+                continue
+            if waiter.future.done():  # timed out or cancelled while the lease was taken
+                await self.release_lease(ticket)
+                continue
+            chosen.inflight += 1
+            chosen.projected_tokens += item.cost
+            cls = self.policy().classes.get(item.cls)
+            now = self.clock()
+            waiter.future.set_result(
+                Admission(
+                    ticket=ticket,
+                    node=chosen.node.id,
+                    url=chosen.node.url,
+                    fallbacks=[(v.node.id, v.node.url) for v in nodes[1 : 1 + MAX_FALLBACKS]],
+                    priority=cls.priority if cls else 0,
+                    cls=item.cls,
+                    queued_s=now - item.enqueued_at,
+                )
+            )
+            self.metrics.queue_wait_seconds.labels(item.cls).observe(now - item.enqueued_at)
+            admitted += 1
+        self._gauge_depth()
+        return admitted
+
+    async def _take_lease(self, node: Node, ticket: str) -> bool:
+        ttl_us = int(self.policy().queue.lease_ttl_s * 1_000_000)
+        try:
+            res = await self._lease(
+                keys=[keys.node_leases(node.id)], args=[node.max_inflight, ttl_us, ticket]
+            )
+        except REDIS_DOWN as exc:
+            self.metrics.redis_errors.labels("lease").inc()
+            if self.policy().redis.failure_mode == "closed":
+                raise BackendUnavailable(
+                    "lease store unavailable", code="limiter_unavailable"
+                ) from exc
+            return True  # fail-open: local in-flight counting only
+        return int(res[0]) == 1
+
+    # -- admin -----------------------------------------------------------------------------
+    async def set_maintenance(self, node: str, on: bool) -> None:
+        if on:
+            await self.redis.set(keys.node_admin(node), "drain")
+        else:
+            await self.redis.delete(keys.node_admin(node))
+        await self.refresh()
+        self._wake.set()
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        hold = self.policy().watermarks.hold
+        return [
+            {
+                "node": v.node.id,
+                "url": v.node.url,
+                "models": list(v.node.models),
+                "state": v.state,
+                "memory": round(v.memory, 4),
+                "projected_memory": round(v.projected(), 4),
+                "inflight": v.inflight,
+                "max_inflight": v.node.max_inflight,
+                "waiting": v.waiting,
+                "load": round(v.load(hold), 4),
+            }
+            for v in self.views.values()
+        ]
+
+    def _gauge_depth(self) -> None:
+        for name in self.policy().classes:
+            self.metrics.queue_depth.labels(name).set(self.queue.depth(name))
+
+    def _gauge_nodes(self) -> None:
+        for v in self.views.values():
+            for s in STATES:
+                self.metrics.node_state.labels(v.node.id, s).set(1 if v.state == s else 0)
+            self.metrics.node_memory.labels(v.node.id).set(v.projected())
+            self.metrics.node_inflight.labels(v.node.id).set(v.inflight)

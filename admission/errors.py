@@ -1,0 +1,132 @@
+"""Every error the admission controller raises on purpose.
+
+    AdmissionError                 base; carries the HTTP status and an OpenAI-shaped code
+    ├── PolicyError                policies.yaml is invalid (every problem, with its path)
+    ├── BadRequest                 the /admit or /release payload is malformed (400)
+    ├── Throttled                  a tenant limit says no (429 + Retry-After)
+    │   └── QueueFull              the queue is at its bound (429 queue_full)
+    ├── RequestTooLarge            a cost no bucket can ever hold (400, do not retry)
+    ├── QueueTimeout               waited past the class deadline (503 queue_timeout)
+    └── BackendUnavailable         Redis down under fail-closed, or no node serves the model (503)
+
+Third-party errors (redis-py, aiohttp) are translated into these at exactly one boundary each
+(`admission.limiter` for Redis, `admission.server` for HTTP), with `raise ... from exc`.
+"""
+
+from __future__ import annotations
+
+
+class AdmissionError(Exception):
+    """Base class: an error that maps to one HTTP answer."""
+
+    status = 500
+    error_type = "server_error"
+
+    def __init__(self, message: str, *, code: str = "internal_error") -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+    def retry_after_s(self) -> int | None:
+        """Seconds the client should wait before retrying, or None if retrying will not help."""
+        return None
+
+
+class PolicyError(AdmissionError):
+    """policies.yaml (or its in-memory form) is invalid.
+
+    `problems` lists every problem found, one line each, as ``path: message``; loading never
+    stops at the first one, so an SRE fixes the whole file in one pass.
+    """
+
+    status = 500
+    error_type = "policy_error"
+
+    def __init__(self, problems: list[str]) -> None:
+        super().__init__(
+            f"{len(problems)} problem(s) in policy:\n" + "\n".join(problems), code="invalid_policy"
+        )
+        self.problems = problems
+
+
+class BadRequest(AdmissionError):
+    """The caller sent something malformed; nothing was queued or debited."""
+
+    status = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, message: str, *, code: str = "invalid_request") -> None:
+        super().__init__(message, code=code)
+
+
+class RequestTooLarge(AdmissionError):
+    """The request costs more than a bucket can ever hold: retrying cannot succeed."""
+
+    status = 400
+    error_type = "invalid_request_error"
+
+    def __init__(self, limit: str, cost: int, capacity: int) -> None:
+        super().__init__(
+            f"request needs {cost} units of {limit} but the tenant's capacity is {capacity}",
+            code="request_exceeds_limit",
+        )
+        self.limit = limit
+        self.cost = cost
+        self.capacity = capacity
+
+
+class Throttled(AdmissionError):
+    """A tenant limit denies the request now; it may succeed after `retry_after`."""
+
+    status = 429
+    error_type = "rate_limit_exceeded"
+
+    def __init__(self, reason: str, retry_after: float, message: str | None = None) -> None:
+        super().__init__(message or f"rate limited: {reason}", code=reason)
+        self.reason = reason
+        self.retry_after = max(0.0, retry_after)
+
+    def retry_after_s(self) -> int:
+        # Retry-After is whole seconds; never 0 (clients would spin).
+        return max(1, int(-(-self.retry_after // 1)))
+
+
+class QueueFull(Throttled):
+    """The global or per-tenant queue bound is reached."""
+
+    def __init__(self, scope: str, retry_after: float) -> None:
+        super().__init__("queue_full", retry_after, f"queue is full ({scope})")
+        self.scope = scope
+
+
+class QueueTimeout(AdmissionError):
+    """The request waited past its class deadline; its reserved tokens were refunded."""
+
+    status = 503
+    error_type = "service_unavailable"
+
+    def __init__(self, waited_s: float, retry_after: float) -> None:
+        super().__init__(
+            f"no capacity within the class deadline (waited {waited_s:.1f}s)", code="queue_timeout"
+        )
+        self.waited_s = waited_s
+        self.retry_after = retry_after
+
+    def retry_after_s(self) -> int:
+        return max(1, int(-(-self.retry_after // 1)))
+
+
+class BackendUnavailable(AdmissionError):
+    """A dependency needed for the decision is down (Redis under fail-closed, no node)."""
+
+    status = 503
+    error_type = "service_unavailable"
+
+    def __init__(
+        self, message: str, *, code: str = "backend_unavailable", retry_after: float = 1.0
+    ):
+        super().__init__(message, code=code)
+        self.retry_after = retry_after
+
+    def retry_after_s(self) -> int:
+        return max(1, int(-(-self.retry_after // 1)))

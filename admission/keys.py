@@ -1,0 +1,40 @@
+"""Every Redis key the project uses, defined in one place.
+
+Keys a script touches together share one hash tag (`{t:<tenant>}` or `{n:<node>}`), so every
+script runs unchanged on Redis Cluster.
+"""
+
+from __future__ import annotations
+
+PREFIX = "adm"
+
+
+def tenant_keys(tenant: str, ticket: str) -> list[str]:
+    """The keys of the acquire/settle scripts, in the order the scripts expect them."""
+    tag = f"{PREFIX}:{{t:{tenant}}}"
+    return [
+        f"{tag}:rq",  # request bucket: hash {l: level in micro-requests, t: last refill µs}
+        f"{tag}:tk",  # LLM-token bucket: same shape, micro-tokens
+        f"{tag}:bw",  # burst guard: zset ticket → admit time µs (sliding window)
+        f"{tag}:cc",  # concurrency leases: zset ticket → expiry µs
+        f"{tag}:res:{ticket}",  # reservation: hash {tok: reserved tokens}; TTL = lease TTL
+    ]
+
+
+def node_leases(node: str) -> str:
+    """In-flight leases on a node: zset ticket → expiry µs (taken atomically by lease.lua)."""
+    return f"{PREFIX}:{{n:{node}}}:leases"
+
+
+def node_state(node: str) -> str:
+    """The node agent's latest sample (JSON), with a TTL of a few sample periods."""
+    return f"{PREFIX}:{{n:{node}}}:state"
+
+
+def node_admin(node: str) -> str:
+    """Set by an SRE (`admission node drain`): the node takes nothing new until cleared."""
+    return f"{PREFIX}:{{n:{node}}}:admin"
+
+
+def all_tenant_keys_pattern() -> str:
+    return f"{PREFIX}:{{t:*"

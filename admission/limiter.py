@@ -1,0 +1,221 @@
+"""Per-tenant limits in Redis: one atomic script debits every bucket, another settles usage.
+
+This module is the one boundary where redis-py errors become ours: a Redis that cannot answer
+within the policy's short timeouts turns into fail-open (local in-process buckets at a fraction
+of each rate, so N sidecars cannot jointly exceed the limit by much) or fail-closed
+(`BackendUnavailable`). After a failure Redis is left alone for `RETRY_AFTER_FAILURE_S`, then
+tried again: recovery needs no operator.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis import exceptions as rex
+
+from admission import keys
+from admission.errors import BackendUnavailable, RequestTooLarge, Throttled
+from admission.metrics import Metrics
+from admission.policy import Limits, Policy, RedisSettings, Tenant
+
+log = logging.getLogger(__name__)
+
+U = 1_000_000  # micro-units per request or token: integer arithmetic in the scripts
+RETRY_AFTER_FAILURE_S = 1.0
+REDIS_DOWN = (rex.ConnectionError, rex.TimeoutError, rex.BusyLoadingError, OSError)
+
+
+def connect(settings: RedisSettings) -> Any:
+    """A redis-py asyncio client with short timeouts and a *blocking* pool.
+
+    The default pool raises once all connections are busy; a blocking pool makes the excess
+    wait `pool_wait_ms` instead, which under bursts is the difference between a queue and 503s.
+    """
+    timeout = settings.command_timeout_ms / 1000
+    if settings.cluster:
+        return aioredis.RedisCluster.from_url(
+            settings.url,
+            socket_timeout=timeout,
+            socket_connect_timeout=settings.connect_timeout_ms / 1000,
+            max_connections=settings.pool_size,
+        )
+    pool = aioredis.BlockingConnectionPool.from_url(
+        settings.url,
+        max_connections=settings.pool_size,
+        timeout=settings.pool_wait_ms / 1000,
+        socket_timeout=timeout,
+        socket_connect_timeout=settings.connect_timeout_ms / 1000,
+    )
+    return aioredis.Redis(connection_pool=pool)
+
+
+def _script(name: str) -> str:
+    return resources.files("admission").joinpath(f"lua/{name}.lua").read_text()
+
+
+@dataclass(frozen=True)
+class Rates:
+    """A tenant's limits as the scripts take them: integer micro-units."""
+
+    req_cap_u: int
+    req_rate_u: int
+    tok_cap_u: int
+    tok_rate_u: int
+
+    @classmethod
+    def of(cls, lim: Limits) -> Rates:
+        return cls(
+            req_cap_u=lim.request_burst * U,
+            req_rate_u=max(1, round(lim.requests_per_s * U)),
+            tok_cap_u=lim.token_burst * U,
+            tok_rate_u=max(1, round(lim.tokens_per_min * U / 60)),
+        )
+
+
+class LocalBucket:
+    """In-process token bucket for fail-open mode (monotonic clock, injected for tests)."""
+
+    def __init__(self, capacity: float, rate_per_s: float, clock: Callable[[], float]) -> None:
+        self.capacity = capacity
+        self.rate_per_s = rate_per_s
+        self.clock = clock
+        self.level = capacity
+        self.at = clock()
+
+    def wait_s(self, cost: float) -> float:
+        """Seconds until `cost` fits (0 if it fits now); refills but debits nothing."""
+        now = self.clock()
+        self.level = min(self.capacity, self.level + (now - self.at) * self.rate_per_s)
+        self.at = now
+        return 0.0 if cost <= self.level else (cost - self.level) / self.rate_per_s
+
+
+class Limiter:
+    """Checks and settles a tenant's limits; Redis-backed, with the policy's failure mode."""
+
+    def __init__(
+        self,
+        redis: Any,
+        policy: Callable[[], Policy],
+        metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.redis = redis
+        self.policy = policy
+        self.metrics = metrics
+        self.clock = clock
+        self._acquire = redis.register_script(_script("acquire"))
+        self._settle = redis.register_script(_script("settle"))
+        self._down_until = 0.0
+        self._local: dict[tuple[str, str], LocalBucket] = {}
+
+    @property
+    def degraded(self) -> bool:
+        return self.clock() < self._down_until
+
+    async def acquire(self, tenant: Tenant, ticket: str, tokens: int, lease_ttl_s: float) -> str:
+        """Debit one request and `tokens` LLM tokens; return "redis" or "local" (fail-open).
+
+        Raises Throttled (with the limit and Retry-After), RequestTooLarge, or
+        BackendUnavailable under fail-closed when Redis is unreachable.
+        """
+        lim = tenant.limits
+        r = Rates.of(lim)
+        if not self.degraded:
+            args = [
+                r.req_cap_u, r.req_rate_u, U,
+                r.tok_cap_u, r.tok_rate_u, tokens * U,
+                int(lim.burst_window_s * U), lim.burst_max,
+                lim.max_concurrent, int(lease_ttl_s * U), ticket, tokens,
+            ]  # fmt: skip
+            try:
+                res = await self._acquire(keys=keys.tenant_keys(tenant.id, ticket), args=args)
+            except REDIS_DOWN as exc:
+                self._failed("acquire", exc)
+            else:
+                self._recovered()
+                if int(res[0]) == 1:
+                    return "redis"
+                reason = _s(res[1])
+                if reason.endswith("_exceed_capacity"):
+                    limit = "tokens_per_min" if reason.startswith("tokens") else "requests_per_s"
+                    cost = tokens if limit == "tokens_per_min" else 1
+                    raise RequestTooLarge(limit, cost, int(res[3]) // U)
+                raise Throttled(reason, int(res[2]) / 1000)
+        return self._acquire_local(tenant, tokens)
+
+    async def settle(self, tenant: Tenant, ticket: str, actual_tokens: int) -> int:
+        """Refund (positive) or charge (negative) the difference to the reservation; idempotent."""
+        if self.degraded:
+            return 0
+        r = Rates.of(tenant.limits)
+        k = keys.tenant_keys(tenant.id, ticket)
+        try:
+            res = await self._settle(
+                keys=[k[1], k[3], k[4]], args=[r.tok_cap_u, r.tok_rate_u, actual_tokens, ticket]
+            )
+        except REDIS_DOWN as exc:
+            self._failed("settle", exc)
+            return 0
+        delta = int(res[1])
+        if delta > 0:
+            self.metrics.settled_tokens.labels(tenant.id, "refund").inc(delta)
+        elif delta < 0:
+            self.metrics.settled_tokens.labels(tenant.id, "overage").inc(-delta)
+        return delta
+
+    def _failed(self, op: str, exc: BaseException) -> None:
+        self.metrics.redis_errors.labels(op).inc()
+        if not self.degraded:
+            log.error(
+                "redis unreachable during %s (%s): failure mode %s",
+                op,
+                type(exc).__name__,
+                self.policy().redis.failure_mode,
+            )
+        self._down_until = self.clock() + RETRY_AFTER_FAILURE_S
+        self.metrics.redis_fallback.set(1)
+
+    def _recovered(self) -> None:
+        if self._local:
+            log.warning("redis reachable again: limits enforced in Redis")
+            self._local.clear()
+        self.metrics.redis_fallback.set(0)
+
+    def _acquire_local(self, tenant: Tenant, tokens: int) -> str:
+        settings = self.policy().redis
+        if settings.failure_mode == "closed":
+            raise BackendUnavailable(
+                "rate-limit store unavailable", code="limiter_unavailable", retry_after=1
+            )
+        lim = tenant.limits
+        if tokens > lim.token_burst:
+            raise RequestTooLarge("tokens_per_min", tokens, lim.token_burst)
+        f = settings.fail_open_fraction
+        rq = self._bucket(tenant.id, "rq", lim.request_burst * f, lim.requests_per_s * f)
+        tk = self._bucket(tenant.id, "tk", lim.token_burst * f, lim.tokens_per_min * f / 60)
+        # Check both before debiting either: all-or-nothing, as in Redis.
+        if (wait := rq.wait_s(1)) > 0:
+            raise Throttled("requests_per_s", wait)
+        if (wait := tk.wait_s(tokens)) > 0:
+            raise Throttled("tokens_per_min", wait)
+        rq.level -= 1
+        tk.level -= tokens
+        return "local"
+
+    def _bucket(self, tenant: str, kind: str, cap: float, rate: float) -> LocalBucket:
+        b = self._local.get((tenant, kind))
+        if b is None or b.capacity != cap or b.rate_per_s != rate:
+            b = LocalBucket(max(cap, 1.0), rate, self.clock)
+            self._local[(tenant, kind)] = b
+        return b
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)

@@ -1,0 +1,40 @@
+-- settle.lua: settle a reservation against actual usage, once per ticket.
+--
+-- KEYS: 1 token bucket, 2 concurrency zset, 3 reservation
+-- ARGV: 1 tok_cap_u  2 tok_rate_u  3 actual tokens (whole; -1 = unknown, keep the charge)
+--       4 ticket
+-- Refunds reserved-but-unused tokens, or debits overage (the level may go below zero, down to
+-- -capacity: the tenant pays it back before its next request). Deleting the reservation makes a
+-- second settle of the same ticket a no-op; an expired reservation settles nothing, harmlessly.
+-- Returns {1, delta_tokens} (positive = refunded) or {0, 0} when there was nothing to settle.
+
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local cap, rate = tonumber(ARGV[1]), tonumber(ARGV[2])
+redis.call('ZREM', KEYS[2], ARGV[4])
+local reserved = redis.call('HGET', KEYS[3], 'tok')
+if not reserved then return {0, 0} end
+redis.call('DEL', KEYS[3])
+local actual = tonumber(ARGV[3])
+if actual < 0 then return {1, 0} end
+local delta = tonumber(reserved) - actual
+if delta == 0 then return {1, 0} end
+
+local v = redis.call('HMGET', KEYS[1], 'l', 't')
+local l = cap
+if v[1] then
+  l = tonumber(v[1])
+  local elapsed = now - tonumber(v[2])
+  if l < cap and elapsed > 0 then
+    local fill_us = math.ceil((cap - l) * 1000000 / rate)
+    if elapsed >= fill_us then l = cap else l = math.min(cap, l + math.floor(elapsed * rate / 1000000)) end
+  end
+end
+l = math.max(-cap, math.min(cap, l + delta * 1000000))
+if l >= cap then
+  redis.call('DEL', KEYS[1])
+else
+  redis.call('HSET', KEYS[1], 'l', l, 't', now)
+  redis.call('PEXPIRE', KEYS[1], math.max(1, math.ceil((cap - l) * 1000 / rate)))
+end
+return {1, delta}

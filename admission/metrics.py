@@ -1,0 +1,94 @@
+"""Prometheus metrics of the sidecar, in one registry per process.
+
+Labels never carry API keys (tenants are named by id only), and every label set is bounded by
+the policy (tenants, classes, nodes, reasons).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.decisions = Counter(
+            "admission_decisions_total",
+            "Admission outcomes by tenant, class, outcome (admitted/throttled/rejected/timeout/"
+            "cancelled/error) and reason.",
+            ["tenant", "cls", "outcome", "reason"],
+            registry=r,
+        )
+        self.decision_seconds = Histogram(
+            "admission_decision_seconds",
+            "Time from /admit arrival to its answer, queue wait included.",
+            ["cls"],
+            buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=r,
+        )
+        self.queue_wait_seconds = Histogram(
+            "admission_queue_wait_seconds",
+            "Time admitted requests spent in the queue.",
+            ["cls"],
+            buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "admission_queue_depth",
+            "Requests waiting in this sidecar's queue.",
+            ["cls"],
+            registry=r,
+        )
+        self.redis_errors = Counter(
+            "admission_redis_errors_total",
+            "Redis calls that failed, by operation.",
+            ["op"],
+            registry=r,
+        )
+        self.redis_fallback = Gauge(
+            "admission_redis_fallback",
+            "1 while Redis is unreachable and the failure mode is in force.",
+            registry=r,
+        )
+        self.policy_reloads = Counter(
+            "admission_policy_reloads_total",
+            "Policy reloads by result (ok/invalid).",
+            ["result"],
+            registry=r,
+        )
+        self.policy_loaded = Gauge(
+            "admission_policy_loaded_timestamp_seconds",
+            "When the running policy was loaded.",
+            registry=r,
+        )
+        self.settled_tokens = Counter(
+            "admission_settled_tokens_total",
+            "Tokens refunded (direction=refund) or charged as overage (direction=overage).",
+            ["tenant", "direction"],
+            registry=r,
+        )
+        self.node_state = Gauge(
+            "admission_node_state",
+            "1 for the node's current state (open/hold/drain/down/maintenance).",
+            ["node", "state"],
+            registry=r,
+        )
+        self.node_memory = Gauge(
+            "admission_node_memory_fraction",
+            "Projected effective memory fraction of the node as the dispatcher sees it.",
+            ["node"],
+            registry=r,
+        )
+        self.node_inflight = Gauge(
+            "admission_node_inflight",
+            "Requests this sidecar admitted to the node and not released.",
+            ["node"],
+            registry=r,
+        )
+        self.dispatch_seconds = Histogram(
+            "admission_dispatch_seconds",
+            "CPU time of one dispatcher pass.",
+            buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2),
+            registry=r,
+        )

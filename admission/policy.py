@@ -1,0 +1,477 @@
+"""The policy model: what an SRE writes in policies.yaml, as frozen, validated dataclasses.
+
+Pure: no aiohttp, no redis. `parse_policy` collects *every* problem (dotted path, YAML line
+where known) into one `PolicyError`; nothing half-valid ever reaches the running service.
+The field-by-field reference lives in README.md ("Configuration reference").
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from admission.errors import PolicyError
+from admission.policy_parse import Checker, line_map
+
+log = logging.getLogger(__name__)
+
+MEMORY_SOURCES = ("effective", "kv", "nvml")
+FAILURE_MODES = ("open", "closed")
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    """Where shared state lives and how hard we try to reach it.
+
+    Timeouts are short on purpose: an admission decision that waits on a sick Redis is worse
+    than the fail-open/closed answer.
+    """
+
+    url: str = "redis://127.0.0.1:6379/0"
+    connect_timeout_ms: int = 250
+    command_timeout_ms: int = 150
+    pool_size: int = 64  # connections per sidecar process; callers beyond it wait (blocking pool)
+    pool_wait_ms: int = 100
+    failure_mode: str = "open"  # open: local buckets at a fraction of the rate; closed: 503
+    fail_open_fraction: float = (
+        0.5  # share of each rate a sidecar grants itself while Redis is down
+    )
+    cluster: bool = False
+
+
+@dataclass(frozen=True)
+class QueueSettings:
+    """Bounds of the weighted-fair queue (per sidecar process)."""
+
+    max_depth: int = 10_000
+    max_depth_per_tenant: int = 1_000
+    long_request_tokens: int = 0  # > 0: requests estimated above this drop one class; 0 = off
+    lease_ttl_s: float = 600.0  # longest a request may run; a lost release frees its slots then
+
+
+@dataclass(frozen=True)
+class Watermarks:
+    """Node memory thresholds as fractions of GPU memory (effective, see DESIGN.md)."""
+
+    hold: float = 0.80  # at or above: no new admissions, requests wait in the queue
+    drain: float = 0.85  # at or above: no new requests at all; in-flight finish
+    reopen: float = 0.75  # hysteresis: a held/drained node opens again below this
+    stale_after_s: float = 3.0  # a node state older than this means the node is down
+
+
+@dataclass(frozen=True)
+class ClassPolicy:
+    """A request class: its share of capacity, patience and the vLLM priority it maps to."""
+
+    name: str
+    weight: float
+    min_share: float  # fraction of admitted cost guaranteed when backlogged (0 = none)
+    priority: int  # vLLM `priority` field: lower runs earlier
+    deadline_s: float  # max wait in the queue before 503 queue_timeout
+    promote_after_s: float | None  # waited this long → moves up one class (None: never)
+    slo_ttft_ms: float | None = None
+    slo_e2e_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-tenant limits, enforced across all sidecars in Redis."""
+
+    requests_per_s: float
+    request_burst: int
+    tokens_per_min: float
+    token_burst: int
+    burst_window_s: float = 1.0  # sliding window of the burst guard
+    burst_max: int = 0  # max requests in any burst window; 0 = guard off
+    max_concurrent: int = 0  # requests admitted and not yet released; 0 = unlimited
+    max_queued: int = 0  # per-sidecar queue bound for this tenant; 0 = queue default
+
+
+@dataclass(frozen=True)
+class Tenant:
+    id: str
+    tier: str
+    weight: float
+    key_digests: tuple[str, ...]  # lowercase hex SHA-256 of each API key
+    classes: tuple[str, ...]
+    default_class: str
+    limits: Limits
+    models: tuple[str, ...] = ()  # empty: every model some node serves
+    demo_keys: tuple[str, ...] = ()  # plaintext keys, demo only (never logged)
+
+
+@dataclass(frozen=True)
+class Node:
+    id: str
+    url: str  # base URL of the vLLM OpenAI server, e.g. http://10.0.0.5:8000
+    models: tuple[str, ...]
+    memory_source: str = "effective"
+    max_inflight: int = 64
+    kv_pool_bytes: int | None = None  # overrides what vLLM's cache_config_info reports
+    gpus: tuple[int, ...] = (0,)  # NVML indices the node's vLLM uses (tensor parallel: several)
+    device_url: str | None = None  # emulator only: simulated GPU read instead of NVML
+
+
+@dataclass(frozen=True)
+class EdgeSettings:
+    max_body_bytes: int = 1_048_576
+    sidecar_failure_mode: str = "closed"  # no sidecar reachable: open = proxy unadmitted (logged)
+    chars_per_token: float = 4.0  # prompt-size estimate at the edge
+    default_max_tokens: int = 256  # cost estimate when a request sets no max_tokens
+
+
+@dataclass(frozen=True)
+class Policy:
+    redis: RedisSettings
+    queue: QueueSettings
+    watermarks: Watermarks
+    edge: EdgeSettings
+    classes: dict[str, ClassPolicy]  # ordered most urgent first (lowest priority value)
+    tenants: dict[str, Tenant]
+    nodes: dict[str, Node]
+    key_index: dict[str, str] = field(default_factory=dict)  # sha256 digest → tenant id
+
+    def class_above(self, name: str) -> str:
+        """The next more urgent class (aging), or `name` itself at the top."""
+        order = list(self.classes)
+        i = order.index(name)
+        return order[max(0, i - 1)]
+
+    def class_below(self, name: str) -> str:
+        order = list(self.classes)
+        i = order.index(name)
+        return order[min(len(order) - 1, i + 1)]
+
+    def models(self) -> set[str]:
+        return {m for n in self.nodes.values() for m in n.models}
+
+
+def digest_key(api_key: str) -> str:
+    """SHA-256 hex digest of an API key: the only form keys are stored or compared in."""
+    return hashlib.sha256(api_key.encode()).hexdigest()
+
+
+def load_policy(path: str | Path) -> Policy:
+    """Read and validate a policies.yaml file; raise PolicyError listing every problem."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise PolicyError([f"{path}: cannot read: {exc.strerror}"]) from exc
+    return parse_policy(text, source=str(path))
+
+
+def parse_policy(text: str, source: str = "<policy>") -> Policy:
+    try:
+        data = yaml.safe_load(text)
+        lines = line_map(yaml.compose(text))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1})" if mark is not None else ""
+        raise PolicyError([f"{source}: not valid YAML{where}: {exc}"]) from exc
+    c = Checker(lines)
+    policy = _build(c, data)
+    if c.problems or policy is None:
+        raise PolicyError(c.problems)
+    for tenant in policy.tenants.values():
+        if tenant.demo_keys:
+            log.warning(
+                "tenant %s has %d plaintext demo key(s): store `sha256:<digest>` in production",
+                tenant.id,
+                len(tenant.demo_keys),
+            )
+    return policy
+
+
+_TOP = {"version", "redis", "queue", "watermarks", "edge", "tiers", "classes", "tenants", "nodes"}
+
+
+def _build(c: Checker, data: Any) -> Policy | None:
+    top = c.mapping(data, "", _TOP, required={"classes", "tenants", "nodes"})
+    if top is None:
+        return None
+    if top.get("version", 1) != 1:
+        c.err("version", f"must be 1, got {top.get('version')!r}")
+    redis = _redis(c, top.get("redis", {}))
+    queue = _queue(c, top.get("queue", {}))
+    wm = _watermarks(c, top.get("watermarks", {}))
+    edge = _edge(c, top.get("edge", {}))
+    tiers = _tiers(c, top.get("tiers", {}))
+    classes = _classes(c, top.get("classes"))
+    tenants = _tenants(c, top.get("tenants"), tiers, classes)
+    nodes = _nodes(c, top.get("nodes"))
+    key_index: dict[str, str] = {}
+    for t in tenants.values():
+        for i, d in enumerate(t.key_digests):
+            if d in key_index:
+                c.err(f"tenants.{t.id}.keys[{i}]", f"key already belongs to tenant {key_index[d]}")
+            key_index[d] = t.id
+    served = {m for n in nodes.values() for m in n.models}
+    for t in tenants.values():
+        for i, m in enumerate(t.models):
+            if m not in served:
+                c.err(f"tenants.{t.id}.models[{i}]", f"no node serves model {m!r}")
+    if c.problems:
+        return None
+    return Policy(redis, queue, wm, edge, classes, tenants, nodes, key_index)
+
+
+def _redis(c: Checker, raw: Any) -> RedisSettings:
+    m = c.mapping(raw, "redis", set(RedisSettings.__dataclass_fields__)) or {}
+    d = RedisSettings()
+    return RedisSettings(
+        url=c.string(m, "url", "redis", d.url, prefixes=("redis://", "rediss://", "unix://")),
+        connect_timeout_ms=c.integer(m, "connect_timeout_ms", "redis", d.connect_timeout_ms, lo=1),
+        command_timeout_ms=c.integer(m, "command_timeout_ms", "redis", d.command_timeout_ms, lo=1),
+        pool_size=c.integer(m, "pool_size", "redis", d.pool_size, lo=1),
+        pool_wait_ms=c.integer(m, "pool_wait_ms", "redis", d.pool_wait_ms, lo=1),
+        failure_mode=c.choice(m, "failure_mode", "redis", d.failure_mode, FAILURE_MODES),
+        fail_open_fraction=c.number(
+            m, "fail_open_fraction", "redis", d.fail_open_fraction, lo=0, hi=1, lo_open=True
+        ),
+        cluster=c.boolean(m, "cluster", "redis", d.cluster),
+    )
+
+
+def _queue(c: Checker, raw: Any) -> QueueSettings:
+    m = c.mapping(raw, "queue", set(QueueSettings.__dataclass_fields__)) or {}
+    d = QueueSettings()
+    return QueueSettings(
+        max_depth=c.integer(m, "max_depth", "queue", d.max_depth, lo=1),
+        max_depth_per_tenant=c.integer(
+            m, "max_depth_per_tenant", "queue", d.max_depth_per_tenant, lo=1
+        ),
+        long_request_tokens=c.integer(
+            m, "long_request_tokens", "queue", d.long_request_tokens, lo=0
+        ),
+        lease_ttl_s=c.number(m, "lease_ttl_s", "queue", d.lease_ttl_s, lo=1),
+    )
+
+
+def _watermarks(c: Checker, raw: Any) -> Watermarks:
+    m = c.mapping(raw, "watermarks", set(Watermarks.__dataclass_fields__)) or {}
+    d = Watermarks()
+    w = Watermarks(
+        hold=c.number(m, "hold", "watermarks", d.hold, lo=0, hi=1, lo_open=True),
+        drain=c.number(m, "drain", "watermarks", d.drain, lo=0, hi=1, lo_open=True),
+        reopen=c.number(m, "reopen", "watermarks", d.reopen, lo=0, hi=1),
+        stale_after_s=c.number(
+            m, "stale_after_s", "watermarks", d.stale_after_s, lo=0, lo_open=True
+        ),
+    )
+    if w.hold >= w.drain:
+        c.err("watermarks.hold", f"must be below drain ({w.drain}), got {w.hold}")
+    if w.reopen >= w.hold:
+        c.err("watermarks.reopen", f"must be below hold ({w.hold}), got {w.reopen}")
+    return w
+
+
+def _edge(c: Checker, raw: Any) -> EdgeSettings:
+    m = c.mapping(raw, "edge", set(EdgeSettings.__dataclass_fields__)) or {}
+    d = EdgeSettings()
+    return EdgeSettings(
+        max_body_bytes=c.integer(m, "max_body_bytes", "edge", d.max_body_bytes, lo=1024),
+        sidecar_failure_mode=c.choice(
+            m, "sidecar_failure_mode", "edge", d.sidecar_failure_mode, FAILURE_MODES
+        ),
+        chars_per_token=c.number(
+            m, "chars_per_token", "edge", d.chars_per_token, lo=0, lo_open=True
+        ),
+        default_max_tokens=c.integer(m, "default_max_tokens", "edge", d.default_max_tokens, lo=1),
+    )
+
+
+def _tiers(c: Checker, raw: Any) -> dict[str, float]:
+    m = c.mapping(raw, "tiers", None) or {}
+    return {str(k): c.number(m, k, "tiers", None, lo=0, lo_open=True) for k in m}
+
+
+_CLASS_KEYS = {"weight", "min_share", "priority", "deadline_s", "promote_after_s", "slo"}
+
+
+def _classes(c: Checker, raw: Any) -> dict[str, ClassPolicy]:
+    m = c.mapping(raw, "classes", None)
+    if m is None:
+        return {}
+    if not m:
+        c.err("classes", "must define at least one class")
+    out: list[ClassPolicy] = []
+    for name, body in m.items():
+        p = f"classes.{name}"
+        b = c.mapping(body, p, _CLASS_KEYS, required={"weight", "priority", "deadline_s"}) or {}
+        slo = c.mapping(b.get("slo", {}), f"{p}.slo", {"ttft_ms", "e2e_ms"}) or {}
+        out.append(
+            ClassPolicy(
+                name=str(name),
+                weight=c.number(b, "weight", p, 1.0, lo=0, lo_open=True),
+                min_share=c.number(b, "min_share", p, 0.0, lo=0, hi=1),
+                priority=c.integer(b, "priority", p, 0),
+                deadline_s=c.number(b, "deadline_s", p, 30.0, lo=0, lo_open=True),
+                promote_after_s=c.optional_number(b, "promote_after_s", p, lo=0, lo_open=True),
+                slo_ttft_ms=c.optional_number(slo, "ttft_ms", f"{p}.slo", lo=0, lo_open=True),
+                slo_e2e_ms=c.optional_number(slo, "e2e_ms", f"{p}.slo", lo=0, lo_open=True),
+            )
+        )
+    if sum(k.min_share for k in out) > 1:
+        c.err("classes", "min_share values add up to more than 1")
+    prios = [k.priority for k in out]
+    if len(set(prios)) != len(prios):
+        c.err("classes", f"priority values must be distinct, got {prios}")
+    out.sort(key=lambda k: k.priority)
+    return {k.name: k for k in out}
+
+
+_TENANT_KEYS = {"tier", "weight", "keys", "classes", "default_class", "limits", "models"}
+_LIMIT_KEYS = set(Limits.__dataclass_fields__)
+
+
+def _tenants(
+    c: Checker, raw: Any, tiers: dict[str, float], classes: dict[str, ClassPolicy]
+) -> dict[str, Tenant]:
+    m = c.mapping(raw, "tenants", None)
+    if m is None:
+        return {}
+    out: dict[str, Tenant] = {}
+    for tid, body in m.items():
+        p = f"tenants.{tid}"
+        if (
+            not isinstance(tid, str)
+            or not tid
+            or not all(ch.isalnum() or ch in "-_." for ch in tid)
+        ):
+            c.err(p, "tenant id must be letters, digits, '-', '_' or '.'")
+        b = c.mapping(body, p, _TENANT_KEYS, required={"keys", "limits"}) or {}
+        tier = c.string(b, "tier", p, "default")
+        if "weight" in b:
+            weight = c.number(b, "weight", p, 1.0, lo=0, lo_open=True)
+        elif tier in tiers:
+            weight = tiers[tier]
+        else:
+            if "tier" in b:
+                c.err(f"{p}.tier", f"unknown tier {tier!r} (define it under tiers: or set weight)")
+            weight = 1.0
+        digests, demo = _keys(c, b.get("keys"), f"{p}.keys")
+        allowed = tuple(c.string_list(b, "classes", p, list(classes)))
+        for i, k in enumerate(allowed):
+            if k not in classes:
+                c.err(f"{p}.classes[{i}]", f"unknown class {k!r}")
+        default = c.string(b, "default_class", p, allowed[0] if allowed else "")
+        if allowed and default not in allowed:
+            c.err(
+                f"{p}.default_class", f"{default!r} is not in the tenant's classes {list(allowed)}"
+            )
+        out[str(tid)] = Tenant(
+            id=str(tid),
+            tier=tier,
+            weight=weight,
+            key_digests=digests,
+            classes=allowed,
+            default_class=default,
+            limits=_limits(c, b.get("limits"), f"{p}.limits"),
+            models=tuple(c.string_list(b, "models", p, [])),
+            demo_keys=demo,
+        )
+    return out
+
+
+def _keys(c: Checker, raw: Any, p: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    if not isinstance(raw, list) or not raw:
+        c.err(p, "must be a non-empty list of 'sha256:<hex digest>' or 'plain:<demo key>'")
+        return (), ()
+    digests: list[str] = []
+    demo: list[str] = []
+    for i, item in enumerate(raw):
+        if isinstance(item, str) and item.startswith("sha256:"):
+            d = item[7:].lower()
+            if len(d) != 64 or any(ch not in "0123456789abcdef" for ch in d):
+                c.err(f"{p}[{i}]", "sha256 digest must be 64 hex characters")
+                continue
+            digests.append(d)
+        elif isinstance(item, str) and item.startswith("plain:") and len(item) > 6:
+            # Never echo the key itself in an error or log line.
+            demo.append(item[6:])
+            digests.append(digest_key(item[6:]))
+        else:
+            c.err(f"{p}[{i}]", "must be 'sha256:<hex digest>' or 'plain:<demo key>'")
+    for i, d in enumerate(digests):
+        if d in digests[:i]:
+            c.err(f"{p}[{i}]", "duplicate key")
+    return tuple(digests), tuple(demo)
+
+
+def _limits(c: Checker, raw: Any, p: str) -> Limits:
+    req = {"requests_per_s", "tokens_per_min"}
+    b = c.mapping(raw, p, _LIMIT_KEYS, required=req) or {}
+    rps = c.number(b, "requests_per_s", p, 1.0, lo=0, lo_open=True)
+    tpm = c.number(b, "tokens_per_min", p, 1.0, lo=0, lo_open=True)
+    lim = Limits(
+        requests_per_s=rps,
+        request_burst=c.integer(b, "request_burst", p, max(1, int(rps)), lo=1),
+        tokens_per_min=tpm,
+        token_burst=c.integer(b, "token_burst", p, max(1, int(tpm)), lo=1),
+        burst_window_s=c.number(b, "burst_window_s", p, 1.0, lo=0.001),
+        burst_max=c.integer(b, "burst_max", p, 0, lo=0),
+        max_concurrent=c.integer(b, "max_concurrent", p, 0, lo=0),
+        max_queued=c.integer(b, "max_queued", p, 0, lo=0),
+    )
+    # Integer micro-unit arithmetic in the Redis script stays exact below 2**53.
+    if lim.token_burst > 10**9:
+        c.err(f"{p}.token_burst", f"must be <= 1e9, got {lim.token_burst}")
+    if rps > 10**6 or tpm > 10**9:
+        c.err(p, "rates above 1e6 requests/s or 1e9 tokens/min are not supported")
+    return lim
+
+
+_NODE_KEYS = {
+    "url",
+    "models",
+    "memory_source",
+    "max_inflight",
+    "kv_pool_bytes",
+    "gpus",
+    "device_url",
+}
+
+
+def _nodes(c: Checker, raw: Any) -> dict[str, Node]:
+    m = c.mapping(raw, "nodes", None)
+    if m is None:
+        return {}
+    out: dict[str, Node] = {}
+    urls: dict[str, str] = {}
+    for nid, body in m.items():
+        p = f"nodes.{nid}"
+        if (
+            not isinstance(nid, str)
+            or not nid
+            or not all(ch.isalnum() or ch in "-_." for ch in nid)
+        ):
+            c.err(p, "node id must be letters, digits, '-', '_' or '.'")
+        b = c.mapping(body, p, _NODE_KEYS, required={"url", "models"}) or {}
+        url = c.string(b, "url", p, "", prefixes=("http://", "https://")).rstrip("/")
+        if url and url in urls:
+            c.err(f"{p}.url", f"same URL as node {urls[url]}")
+        urls[url] = str(nid)
+        models = tuple(c.string_list(b, "models", p, []))
+        if not models:
+            c.err(f"{p}.models", "must list at least one model")
+        gpus = b.get("gpus", [0])
+        if not isinstance(gpus, list) or not all(isinstance(g, int) and g >= 0 for g in gpus):
+            c.err(f"{p}.gpus", "must be a list of NVML device indices (integers >= 0)")
+            gpus = [0]
+        kv = b.get("kv_pool_bytes")
+        out[str(nid)] = Node(
+            id=str(nid),
+            url=url,
+            models=models,
+            memory_source=c.choice(b, "memory_source", p, "effective", MEMORY_SOURCES),
+            max_inflight=c.integer(b, "max_inflight", p, 64, lo=1),
+            kv_pool_bytes=c.integer(b, "kv_pool_bytes", p, 0, lo=1) if kv is not None else None,
+            gpus=tuple(gpus),
+            device_url=c.string(b, "device_url", p, "") or None,
+        )
+    return out

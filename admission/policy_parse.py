@@ -1,0 +1,156 @@
+"""Validation helpers for the policy loader: typed reads that record problems instead of raising.
+
+Every read takes the mapping, the key and the dotted path of the mapping, and returns a usable
+default when the value is wrong, so that one pass reports every problem in the file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import yaml
+
+
+def line_map(
+    node: yaml.Node | None, path: str = "", out: dict[str, int] | None = None
+) -> dict[str, int]:
+    """Dotted path → 1-based YAML line, from a composed node tree."""
+    out = {} if out is None else out
+    if node is None:
+        return out
+    out.setdefault(path, node.start_mark.line + 1)
+    if isinstance(node, yaml.MappingNode):
+        for k, v in node.value:
+            sub = f"{path}.{k.value}" if path else str(k.value)
+            out[sub] = k.start_mark.line + 1
+            line_map(v, sub, out)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            line_map(v, f"{path}[{i}]", out)
+    return out
+
+
+class Checker:
+    def __init__(self, lines: dict[str, int]) -> None:
+        self.lines = lines
+        self.problems: list[str] = []
+
+    def err(self, path: str, message: str) -> None:
+        line = self.lines.get(path)
+        where = f" (line {line})" if line else ""
+        self.problems.append(f"{path or '<root>'}{where}: {message}")
+
+    def mapping(
+        self, value: Any, path: str, allowed: set[str] | None, required: Iterable[str] = ()
+    ) -> dict[Any, Any] | None:
+        if value is None and not path:
+            self.err(path, "file is empty")
+            return None
+        if not isinstance(value, dict):
+            self.err(path, f"must be a mapping, got {type(value).__name__}")
+            return None
+        for key in value:
+            if allowed is not None and key not in allowed:
+                self.err(_join(path, key), f"unknown key (allowed: {', '.join(sorted(allowed))})")
+        for key in required:
+            if key not in value:
+                self.err(_join(path, key), "is required")
+        return value
+
+    def number(
+        self,
+        m: dict[Any, Any],
+        key: str,
+        path: str,
+        default: float | None,
+        *,
+        lo: float | None = None,
+        hi: float | None = None,
+        lo_open: bool = False,
+    ) -> float:
+        fallback = float(default) if default is not None else 1.0
+        if key not in m:
+            return fallback
+        v = m[key]
+        p = _join(path, key)
+        if isinstance(v, bool) or not isinstance(v, int | float):
+            self.err(p, f"must be a number, got {type(v).__name__} {v!r}")
+            return fallback
+        if lo is not None and (v <= lo if lo_open else v < lo):
+            self.err(p, f"must be {'>' if lo_open else '>='} {lo}, got {v}")
+            return fallback
+        if hi is not None and v > hi:
+            self.err(p, f"must be <= {hi}, got {v}")
+            return fallback
+        return float(v)
+
+    def optional_number(
+        self, m: dict[Any, Any], key: str, path: str, *, lo: float, lo_open: bool = False
+    ) -> float | None:
+        if m.get(key) is None:
+            return None
+        return self.number(m, key, path, None, lo=lo, lo_open=lo_open)
+
+    def integer(
+        self, m: dict[Any, Any], key: str, path: str, default: int, *, lo: int | None = None
+    ) -> int:
+        if key not in m:
+            return default
+        v = m[key]
+        p = _join(path, key)
+        if isinstance(v, bool) or not isinstance(v, int):
+            self.err(p, f"must be an integer, got {type(v).__name__} {v!r}")
+            return default
+        if lo is not None and v < lo:
+            self.err(p, f"must be >= {lo}, got {v}")
+            return default
+        return v
+
+    def string(
+        self, m: dict[Any, Any], key: str, path: str, default: str, prefixes: tuple[str, ...] = ()
+    ) -> str:
+        if key not in m:
+            return default
+        v = m[key]
+        p = _join(path, key)
+        if not isinstance(v, str) or not v:
+            self.err(p, f"must be a non-empty string, got {v!r}")
+            return default
+        if prefixes and not v.startswith(prefixes):
+            self.err(p, f"must start with one of {', '.join(prefixes)}, got {v!r}")
+            return default
+        return v
+
+    def choice(
+        self, m: dict[Any, Any], key: str, path: str, default: str, options: tuple[str, ...]
+    ) -> str:
+        v = self.string(m, key, path, default)
+        if v not in options:
+            self.err(_join(path, key), f"must be one of {', '.join(options)}, got {v!r}")
+            return default
+        return v
+
+    def boolean(self, m: dict[Any, Any], key: str, path: str, default: bool) -> bool:
+        v = m.get(key, default)
+        if not isinstance(v, bool):
+            self.err(_join(path, key), f"must be true or false, got {v!r}")
+            return default
+        return v
+
+    def string_list(self, m: dict[Any, Any], key: str, path: str, default: list[str]) -> list[str]:
+        if key not in m:
+            return default
+        v = m[key]
+        p = _join(path, key)
+        if not isinstance(v, list) or not all(isinstance(x, str) and x for x in v):
+            self.err(p, "must be a list of non-empty strings")
+            return default
+        for i, x in enumerate(v):
+            if x in v[:i]:
+                self.err(f"{p}[{i}]", f"duplicate {x!r}")
+        return list(v)
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)

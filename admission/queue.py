@@ -1,0 +1,269 @@
+"""The weighted-fair priority queue with aging. Pure: no I/O, time is passed in.
+
+Two levels of stride scheduling (virtual "pass" values, cost in tokens):
+- classes: each backlogged class advances by cost / share, where share is its weight among the
+  backlogged classes, raised to its min_share when the weights would give less. An idle class
+  is skipped (its share is borrowed) and re-enters at the current virtual time, so it cannot
+  bank credit while idle: busy → proportional, idle → borrow.
+- tenants inside a class: each advances by cost / weight (weighted fair queuing on virtual
+  finish time), so a tenant sending long requests spends its share faster.
+Inside one tenant and class, arrival order.
+
+Aging: a request that has waited `promote_after_s` in its class moves to the tail of the next
+more urgent class (and may climb again), so starvation is impossible. Long requests (estimated
+tokens above `queue.long_request_tokens`) start one class lower.
+
+Cancellation is lazy (an item is flagged and skipped at the head), so it is O(1).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from admission.errors import QueueFull
+from admission.policy import Policy
+
+_seq = itertools.count()
+
+
+@dataclass(eq=False)
+class Item:
+    """One waiting request. `cost` is in tokens (prompt estimate + max_tokens)."""
+
+    tenant: str
+    cls: str
+    cost: int
+    model: str
+    enqueued_at: float
+    deadline_at: float
+    class_since: float = 0.0
+    rid: str = ""
+    requested_cls: str = ""
+    payload: Any = None
+    cancelled: bool = False
+    dispatched: bool = False
+    promotions: int = 0
+    seq: int = field(default_factory=lambda: next(_seq))
+
+
+class _Lane:
+    """A tenant's FIFO inside one class."""
+
+    __slots__ = ("items", "live", "pass_")
+
+    def __init__(self, pass_: float) -> None:
+        self.items: deque[Item] = deque()
+        self.live = 0
+        self.pass_ = pass_
+
+    def head(self) -> Item | None:
+        while self.items and self.items[0].cancelled:
+            self.items.popleft()
+        return self.items[0] if self.items else None
+
+
+class _ClassQ:
+    __slots__ = ("lanes", "live", "pass_", "vtime")
+
+    def __init__(self) -> None:
+        self.lanes: dict[str, _Lane] = {}
+        self.live = 0
+        self.pass_ = 0.0
+        self.vtime = 0.0  # tenant-level virtual time inside this class
+
+
+class FairQueue:
+    """Weighted-fair, aging priority queue of `Item`s, bounded globally and per tenant."""
+
+    def __init__(self, policy: Policy) -> None:
+        self.policy = policy
+        self._classes: dict[str, _ClassQ] = {name: _ClassQ() for name in policy.classes}
+        self._vtime = 0.0  # class-level virtual time
+        self._live = 0
+        self._per_tenant: dict[str, int] = {}
+        self._drain_rate = 0.0  # pops per second (EWMA), for Retry-After
+        self._last_pop: float | None = None
+
+    # -- size -------------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return self._live
+
+    def depth(self, cls: str) -> int:
+        q = self._classes.get(cls)
+        return q.live if q else 0
+
+    def tenant_depth(self, tenant: str) -> int:
+        return self._per_tenant.get(tenant, 0)
+
+    def items(self) -> Iterator[Item]:
+        for q in self._classes.values():
+            for lane in q.lanes.values():
+                yield from (i for i in lane.items if not i.cancelled)
+
+    # -- policy -----------------------------------------------------------------------------
+    def set_policy(self, policy: Policy) -> None:
+        """Swap in a reloaded policy. Items of a removed class move to the least urgent class."""
+        self.policy = policy
+        old = self._classes
+        self._classes = {name: old.get(name) or _ClassQ() for name in policy.classes}
+        fallback = list(policy.classes)[-1]
+        for name, q in old.items():
+            if name in self._classes:
+                continue
+            for lane in q.lanes.values():
+                for item in lane.items:
+                    if not item.cancelled:
+                        item.cls = fallback
+                        self._append(item)
+
+    # -- enqueue / cancel -------------------------------------------------------------------
+    def push(self, item: Item) -> None:
+        """Enqueue, or raise QueueFull (nothing changes) when a bound is reached."""
+        p = self.policy
+        t = p.tenants.get(item.tenant)
+        tenant_max = (t.limits.max_queued if t else 0) or p.queue.max_depth_per_tenant
+        if self._live >= p.queue.max_depth:
+            raise QueueFull("global", self.retry_after(self._live))
+        if self.tenant_depth(item.tenant) >= tenant_max:
+            raise QueueFull("tenant", self.retry_after(self._live))
+        item.requested_cls = item.requested_cls or item.cls
+        if p.queue.long_request_tokens and item.cost > p.queue.long_request_tokens:
+            item.cls = p.class_below(item.cls)
+        item.class_since = item.enqueued_at
+        self._append(item)
+        self._live += 1
+        self._per_tenant[item.tenant] = self._per_tenant.get(item.tenant, 0) + 1
+
+    def cancel(self, item: Item) -> bool:
+        """Remove a waiting item (deadline passed, client gone). False if it already left."""
+        if item.cancelled or item.dispatched:
+            return False
+        item.cancelled = True
+        self._forget(item)
+        return True
+
+    # -- dispatch ---------------------------------------------------------------------------
+    def pop(self, now: float, eligible: Callable[[Item], bool] = lambda _i: True) -> Item | None:
+        """Remove and return the next item to run among those `eligible` accepts (e.g. whose
+        model has a node with room), in weighted-fair order; None if there is none."""
+        backlogged = [(n, q) for n, q in self._classes.items() if q.live > 0]
+        if not backlogged:
+            return None
+        shares = self._shares([n for n, _ in backlogged])
+        for name, q in sorted(backlogged, key=lambda nq: (nq[1].pass_, nq[0])):
+            for tenant, lane in sorted(q.lanes.items(), key=lambda tl: (tl[1].pass_, tl[0])):
+                head = lane.head()
+                if head is None or not eligible(head):
+                    continue
+                lane.items.popleft()
+                weight = self._tenant_weight(tenant)
+                q.vtime = max(q.vtime, lane.pass_)
+                lane.pass_ += head.cost / weight
+                self._vtime = max(self._vtime, q.pass_)
+                q.pass_ += max(head.cost, 1) / shares[name]
+                self._forget(head)
+                head.dispatched = True
+                self._note_pop(now)
+                return head
+        return None
+
+    def requeue_front(self, item: Item) -> None:
+        """Put a popped item back at the head of its lane (its node lease was refused)."""
+        item.dispatched = False
+        q = self._classes[item.cls]
+        lane = q.lanes.get(item.tenant)
+        if lane is None:
+            lane = q.lanes[item.tenant] = _Lane(q.vtime)
+        lane.items.appendleft(item)
+        lane.live += 1
+        q.live += 1
+        self._live += 1
+        self._per_tenant[item.tenant] = self._per_tenant.get(item.tenant, 0) + 1
+
+    def age(self, now: float) -> int:
+        """Promote every item that has waited its class's promote_after_s; return how many."""
+        moved = 0
+        order = list(self._classes)
+        for i, name in enumerate(order):
+            limit = self.policy.classes[name].promote_after_s
+            if limit is None or i == 0:
+                continue
+            q = self._classes[name]
+            for lane in list(q.lanes.values()):
+                while (head := lane.head()) is not None and now - head.class_since >= limit:
+                    lane.items.popleft()
+                    lane.live -= 1
+                    q.live -= 1
+                    head.cls = order[i - 1]
+                    head.class_since = now
+                    head.promotions += 1
+                    self._append(head)
+                    moved += 1
+        return moved
+
+    def retry_after(self, position: int) -> float:
+        """Seconds until a request at `position` would likely be dispatched (≥ 1)."""
+        if self._drain_rate <= 0:
+            return 1.0
+        return max(1.0, min(60.0, position / self._drain_rate))
+
+    # -- internals --------------------------------------------------------------------------
+    def _shares(self, names: list[str]) -> dict[str, float]:
+        """Weight shares among backlogged classes, raised to min_share where needed."""
+        classes = self.policy.classes
+        fixed: dict[str, float] = {}
+        while True:
+            free = [n for n in names if n not in fixed]
+            rest = 1.0 - sum(fixed.values())
+            total = sum(classes[n].weight for n in free)
+            shares = {n: rest * classes[n].weight / total for n in free} if total else {}
+            low = [n for n in free if shares[n] < classes[n].min_share]
+            if not low:
+                shares.update(fixed)
+                return {n: max(s, 1e-9) for n, s in shares.items()}
+            for n in low:
+                fixed[n] = classes[n].min_share
+
+    def _tenant_weight(self, tenant: str) -> float:
+        t = self.policy.tenants.get(tenant)
+        return t.weight if t else 1.0
+
+    def _append(self, item: Item) -> None:
+        q = self._classes[item.cls]
+        if q.live == 0:
+            # Re-entering after idle: start at the current virtual time (no banked credit).
+            q.pass_ = max(q.pass_, self._vtime)
+        lane = q.lanes.get(item.tenant)
+        if lane is None:
+            lane = q.lanes[item.tenant] = _Lane(q.vtime)
+        if lane.live == 0:
+            lane.pass_ = max(lane.pass_, q.vtime)
+        lane.items.append(item)
+        lane.live += 1
+        q.live += 1
+
+    def _forget(self, item: Item) -> None:
+        q = self._classes.get(item.cls)
+        if q is not None:
+            lane = q.lanes.get(item.tenant)
+            if lane is not None:
+                lane.live -= 1
+                if lane.live == 0 and not lane.head():
+                    del q.lanes[item.tenant]
+            q.live -= 1
+        self._live -= 1
+        left = self._per_tenant.get(item.tenant, 1) - 1
+        if left:
+            self._per_tenant[item.tenant] = left
+        else:
+            self._per_tenant.pop(item.tenant, None)
+
+    def _note_pop(self, now: float) -> None:
+        if self._last_pop is not None:
+            gap = max(now - self._last_pop, 1e-6)
+            self._drain_rate = 0.9 * self._drain_rate + 0.1 * (1.0 / gap)
+        self._last_pop = now

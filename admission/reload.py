@@ -1,0 +1,116 @@
+"""Policy hot reload: build and validate the new policy completely, then swap one reference.
+
+Triggers: a change of the file (watchfiles, which sees editors' rename-over-write too) and
+SIGHUP. An invalid file leaves the running policy in force; its problems are logged one per
+line and counted in `admission_policy_reloads_total{result="invalid"}`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from admission.errors import PolicyError
+from admission.metrics import Metrics
+from admission.policy import Policy, load_policy
+
+log = logging.getLogger(__name__)
+
+
+class PolicyHolder:
+    """The running policy, swapped atomically; listeners run after each successful swap."""
+
+    def __init__(self, path: Path, policy: Policy, metrics: Metrics) -> None:
+        self.path = path
+        self.current = policy
+        self.metrics = metrics
+        self.listeners: list[Callable[[Policy], None]] = []
+        metrics.policy_loaded.set(time.time())
+
+    def __call__(self) -> Policy:
+        return self.current
+
+    def reload(self) -> bool:
+        try:
+            new = load_policy(self.path)
+        except PolicyError as exc:
+            self.metrics.policy_reloads.labels("invalid").inc()
+            log.error("policy %s rejected, keeping the running policy:", self.path)
+            for problem in exc.problems:
+                log.error("  %s", problem)
+            return False
+        if new == self.current:
+            return True
+        self.current = new
+        for listener in self.listeners:
+            listener(new)
+        self.metrics.policy_reloads.labels("ok").inc()
+        self.metrics.policy_loaded.set(time.time())
+        log.info("policy %s reloaded", self.path)
+        return True
+
+    async def watch(self) -> None:
+        """Reload on file change and on SIGHUP, until cancelled."""
+        from watchfiles import awatch
+
+        loop = asyncio.get_running_loop()
+        hup = asyncio.Event()
+        try:
+            loop.add_signal_handler(signal.SIGHUP, hup.set)
+        except (RuntimeError, ValueError):  # not the main thread (tests): file watching only
+            pass
+        target = self.path.resolve()
+
+        async def on_hup() -> None:
+            while True:
+                await hup.wait()
+                hup.clear()
+                log.info("SIGHUP: reloading policy")
+                self.reload()
+
+        hup_task = asyncio.create_task(on_hup())
+        try:
+            async for changes in awatch(target.parent, debounce=200, step=50):
+                if any(Path(p).resolve() == target for _c, p in changes):
+                    self.reload()
+        finally:
+            hup_task.cancel()
+            try:
+                loop.remove_signal_handler(signal.SIGHUP)
+            except (RuntimeError, ValueError):
+                pass
+
+
+def edge_table(policy: Policy) -> dict[str, object]:
+    """What the NGINX edge needs from the policy: key digests → tenant, classes, models, limits."""
+    served = sorted(policy.models())
+    return {
+        "keys": dict(policy.key_index),
+        "tenants": {
+            t.id: {
+                "classes": list(t.classes),
+                "default_class": t.default_class,
+                "models": list(t.models) or served,
+            }
+            for t in policy.tenants.values()
+        },
+        "classes": {c.name: c.priority for c in policy.classes.values()},
+        "deadline_s": {c.name: c.deadline_s for c in policy.classes.values()},
+        "max_body_bytes": policy.edge.max_body_bytes,
+        "chars_per_token": policy.edge.chars_per_token,
+        "sidecar_failure_mode": policy.edge.sidecar_failure_mode,
+        "nodes": {n.id: n.url for n in policy.nodes.values()},
+    }
+
+
+def write_edge_table(policy: Policy, path: Path) -> None:
+    """Atomically replace the edge's table (the edge re-reads it once a second)."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(edge_table(policy), sort_keys=True))
+    tmp.replace(path)

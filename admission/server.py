@@ -1,0 +1,300 @@
+"""The sidecar's HTTP API (aiohttp): /admit, /release, /healthz, /metrics and node admin.
+
+Resources start and stop in one place (`build_app`'s cleanup contexts, in dependency order:
+Redis → policy watcher → dispatcher), and `error_middleware` is the one place where our errors
+become HTTP answers (OpenAI-shaped JSON, Retry-After where retrying can help).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from admission.dispatcher import Dispatcher, new_request_id, parse_ticket
+from admission.errors import AdmissionError, BadRequest, QueueFull, QueueTimeout, Throttled
+from admission.limiter import Limiter, connect
+from admission.metrics import Metrics
+from admission.policy import Policy, Tenant
+from admission.queue import Item
+from admission.reload import PolicyHolder, write_edge_table
+
+log = logging.getLogger(__name__)
+
+POLICY = web.AppKey("policy", PolicyHolder)
+METRICS = web.AppKey("metrics", Metrics)
+REDIS = web.AppKey("redis", Any)
+LIMITER = web.AppKey("limiter", Limiter)
+DISPATCHER = web.AppKey("dispatcher", Dispatcher)
+
+ADMIT_KEYS = {"tenant", "class", "model", "prompt_tokens", "max_tokens", "stream", "request_id"}
+RELEASE_KEYS = {"ticket", "status", "usage"}
+MAX_TOKENS_LIMIT = 10_000_000
+
+
+class Forbidden(AdmissionError):
+    status = 403
+    error_type = "permission_error"
+
+
+class Unauthorized(AdmissionError):
+    status = 401
+    error_type = "authentication_error"
+
+
+class NotFound(AdmissionError):
+    status = 404
+    error_type = "invalid_request_error"
+
+
+def error_response(exc: AdmissionError) -> web.Response:
+    body = {"error": {"message": exc.message, "type": exc.error_type, "code": exc.code}}
+    headers = {}
+    if (ra := exc.retry_after_s()) is not None:
+        headers["Retry-After"] = str(ra)
+    return web.json_response(body, status=exc.status, headers=headers)
+
+
+@web.middleware
+async def error_middleware(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except AdmissionError as exc:
+        return error_response(exc)
+    except web.HTTPRequestEntityTooLarge:
+        return error_response(BadRequest("request body too large", code="body_too_large"))
+
+
+async def _json_object(request: web.Request, allowed: set[str]) -> dict[str, Any]:
+    try:
+        body = await request.json(loads=json.loads)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("body must be a JSON object", code="invalid_json")
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise BadRequest(f"unknown field(s): {', '.join(unknown)}", code="unknown_field")
+    return body
+
+
+def _int_field(body: dict[str, Any], key: str, *, lo: int, default: int | None = None) -> int:
+    v = body.get(key, default)
+    if v is None and default is not None:
+        v = default
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= MAX_TOKENS_LIMIT:
+        raise BadRequest(f"{key} must be an integer in [{lo}, {MAX_TOKENS_LIMIT}], got {v!r}")
+    return v
+
+
+def _tenant(policy: Policy, body: dict[str, Any]) -> Tenant:
+    tid = body.get("tenant")
+    if not isinstance(tid, str):
+        raise BadRequest("tenant must be a string")
+    tenant = policy.tenants.get(tid)
+    if tenant is None:
+        raise Unauthorized("unknown tenant", code="invalid_api_key")
+    return tenant
+
+
+async def admit(request: web.Request) -> web.Response:
+    started = time.perf_counter()
+    holder, metrics = request.app[POLICY], request.app[METRICS]
+    policy = holder.current
+    body = await _json_object(request, ADMIT_KEYS)
+    tenant = _tenant(policy, body)
+    cls = body.get("class") or tenant.default_class
+    if not isinstance(cls, str) or cls not in tenant.classes:
+        raise Forbidden(f"class {cls!r} is not allowed for this tenant", code="class_not_allowed")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("model must be a non-empty string", code="invalid_model")
+    dispatcher = request.app[DISPATCHER]
+    if not dispatcher.serves(model):
+        raise NotFound(f"model {model!r} does not exist", code="model_not_found")
+    if tenant.models and model not in tenant.models:
+        raise Forbidden(f"model {model!r} is not allowed for this tenant", code="model_not_allowed")
+    prompt = _int_field(body, "prompt_tokens", lo=0, default=0)
+    max_tokens = _int_field(body, "max_tokens", lo=1, default=policy.edge.default_max_tokens)
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise BadRequest("stream must be true or false")
+    cost = prompt + max_tokens
+    rid = new_request_id()
+    limiter = request.app[LIMITER]
+    outcome, reason = "error", "internal"
+    try:
+        mode = await limiter.acquire(tenant, rid, cost, policy.queue.lease_ttl_s)
+        now = dispatcher.clock()
+        item = Item(
+            tenant=tenant.id,
+            cls=cls,
+            cost=cost,
+            model=model,
+            enqueued_at=now,
+            deadline_at=now + policy.classes[cls].deadline_s,
+            rid=rid,
+        )
+        try:
+            adm = await dispatcher.submit(item)
+        except (QueueFull, QueueTimeout, asyncio.CancelledError):
+            await limiter.settle(tenant, rid, 0)  # nothing ran: refund the whole reservation
+            raise
+        outcome, reason = "admitted", "degraded" if mode == "local" else "ok"
+        return web.json_response(
+            {
+                "ticket": adm.ticket,
+                "node": adm.node,
+                "url": adm.url,
+                "fallbacks": [{"node": n, "url": u} for n, u in adm.fallbacks],
+                "priority": adm.priority,
+                "class": adm.cls,
+                "queued_ms": round(adm.queued_s * 1000, 3),
+            }
+        )
+    except QueueTimeout:
+        outcome, reason = "timeout", "queue_timeout"
+        raise
+    except Throttled as exc:
+        outcome, reason = "throttled", exc.reason
+        raise
+    except asyncio.CancelledError:
+        outcome, reason = "cancelled", "client_gone"
+        raise
+    except AdmissionError as exc:
+        outcome, reason = "rejected", exc.code
+        raise
+    finally:
+        metrics.decisions.labels(tenant.id, cls, outcome, reason).inc()
+        metrics.decision_seconds.labels(cls).observe(time.perf_counter() - started)
+
+
+async def release(request: web.Request) -> web.Response:
+    body = await _json_object(request, RELEASE_KEYS)
+    ticket = body.get("ticket")
+    try:
+        if not isinstance(ticket, str):
+            raise ValueError
+        rid, _node, tid = parse_ticket(ticket)
+    except ValueError:
+        raise BadRequest("ticket is missing or malformed", code="invalid_ticket") from None
+    status = body.get("status", 200)
+    if isinstance(status, bool) or not isinstance(status, int):
+        raise BadRequest("status must be an integer")
+    usage = body.get("usage")
+    actual = -1  # unknown: keep the reservation as charged
+    if isinstance(usage, dict):
+        p, c = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (p, c)):
+            raise BadRequest(
+                "usage.prompt_tokens and usage.completion_tokens must be integers >= 0"
+            )
+        actual = p + c
+    elif usage is not None:
+        raise BadRequest("usage must be an object or null")
+    elif status == 0 or status >= 500:
+        actual = 0  # the engine never answered: nothing was consumed
+    await request.app[DISPATCHER].release_lease(ticket)
+    tenant = request.app[POLICY].current.tenants.get(tid)
+    refunded = await request.app[LIMITER].settle(tenant, rid, actual) if tenant else 0
+    return web.json_response({"released": True, "refunded_tokens": refunded})
+
+
+async def healthz(request: web.Request) -> web.Response:
+    limiter = request.app[LIMITER]
+    dispatcher = request.app[DISPATCHER]
+    return web.json_response(
+        {
+            "status": "ok",
+            "redis": "degraded" if limiter.degraded else "ok",
+            "queued": len(dispatcher.queue),
+            "nodes": {v["node"]: v["state"] for v in dispatcher.snapshot()},
+        }
+    )
+
+
+async def metrics_view(request: web.Request) -> web.Response:
+    data = generate_latest(request.app[METRICS].registry)
+    return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def nodes_view(request: web.Request) -> web.Response:
+    return web.json_response({"nodes": request.app[DISPATCHER].snapshot()})
+
+
+async def node_admin(request: web.Request) -> web.Response:
+    node = request.match_info["node"]
+    action = request.match_info["action"]
+    if node not in request.app[POLICY].current.nodes:
+        raise NotFound(f"no node {node!r} in the policy", code="node_not_found")
+    if action not in ("drain", "undrain"):
+        raise NotFound(f"unknown action {action!r}", code="not_found")
+    await request.app[DISPATCHER].set_maintenance(node, action == "drain")
+    log.warning("node %s: %s by operator", node, action)
+    return web.json_response({"node": node, "maintenance": action == "drain"})
+
+
+def build_app(
+    holder: PolicyHolder, metrics: Metrics | None = None, edge_table: Path | None = None
+) -> web.Application:
+    """The sidecar application; resources open and close in its cleanup contexts."""
+    app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024)
+    app[POLICY] = holder
+    app[METRICS] = metrics or holder.metrics
+
+    async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
+        client = connect(holder.current.redis)
+        app[REDIS] = client
+        app[LIMITER] = Limiter(client, holder, app[METRICS])
+        yield
+        await client.aclose()
+
+    async def watcher_ctx(app: web.Application) -> AsyncIterator[None]:
+        if edge_table is not None:
+            write_edge_table(holder.current, edge_table)
+            holder.listeners.append(lambda p: write_edge_table(p, edge_table))
+        task = asyncio.create_task(holder.watch(), name="policy-watcher")
+        yield
+        await _stop(task)
+
+    async def dispatcher_ctx(app: web.Application) -> AsyncIterator[None]:
+        d = Dispatcher(app[REDIS], holder, app[METRICS])
+        holder.listeners.append(d.set_policy)
+        app[DISPATCHER] = d
+        await d.refresh()
+        task = asyncio.create_task(d.run(), name="dispatcher")
+        task.add_done_callback(_log_death)
+        yield
+        await _stop(task)
+
+    app.cleanup_ctx.extend([redis_ctx, watcher_ctx, dispatcher_ctx])
+    app.router.add_post("/admit", admit)
+    app.router.add_post("/release", release)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics_view)
+    app.router.add_get("/nodes", nodes_view)
+    app.router.add_post("/nodes/{node}/{action}", node_admin)
+    return app
+
+
+def _log_death(task: asyncio.Task[Any]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.critical("background task %s died: %r", task.get_name(), task.exception())
+
+
+async def _stop(task: asyncio.Task[Any], timeout_s: float = 5.0) -> None:
+    task.cancel()
+    try:
+        await asyncio.wait_for(task, timeout_s)
+    except asyncio.CancelledError:
+        pass
+    except TimeoutError:
+        log.error("task %s did not stop within %ss", task.get_name(), timeout_s)
