@@ -52,7 +52,7 @@ def connect(settings: RedisSettings) -> Any:
         socket_timeout=timeout,
         socket_connect_timeout=settings.connect_timeout_ms / 1000,
     )
-    return aioredis.Redis(connection_pool=pool)
+    return aioredis.Redis.from_pool(pool)  # the client owns (and closes) its pool
 
 
 def _script(name: str) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from admission.errors import PolicyError
-from admission.policy_parse import Checker, line_map
+from admission.policy_parse import Checker, duplicate_keys, line_map
 
 log = logging.getLogger(__name__)
 
@@ -168,12 +168,15 @@ def load_policy(path: str | Path) -> Policy:
 def parse_policy(text: str, source: str = "<policy>") -> Policy:
     try:
         data = yaml.safe_load(text)
-        lines = line_map(yaml.compose(text))
+        tree = yaml.compose(text)
+        lines = line_map(tree)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
         raise PolicyError([f"{source}: not valid YAML{where}: {exc}"]) from exc
     c = Checker(lines)
+    for path, line in duplicate_keys(tree):
+        c.problems.append(f"{path} (line {line}): duplicate key")
     policy = _build(c, data)
     if c.problems or policy is None:
         raise PolicyError(c.problems)

@@ -31,6 +31,27 @@ def line_map(
     return out
 
 
+def duplicate_keys(node: yaml.Node | None, path: str = "") -> list[tuple[str, int]]:
+    """(dotted path, line) of every key that appears twice in one mapping.
+
+    PyYAML silently keeps the last duplicate; for tenants or nodes that would drop one without
+    a word, so the loader reports them instead.
+    """
+    out: list[tuple[str, int]] = []
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for k, v in node.value:
+            sub = f"{path}.{k.value}" if path else str(k.value)
+            if k.value in seen:
+                out.append((sub, k.start_mark.line + 1))
+            seen.add(k.value)
+            out.extend(duplicate_keys(v, sub))
+    elif isinstance(node, yaml.SequenceNode):
+        for i, v in enumerate(node.value):
+            out.extend(duplicate_keys(v, f"{path}[{i}]"))
+    return out
+
+
 class Checker:
     def __init__(self, lines: dict[str, int]) -> None:
         self.lines = lines

@@ -1,0 +1,142 @@
+"""Policy loading: every problem reported with its path (and line), `admission check`."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from admission.errors import PolicyError
+from admission.policy import digest_key, load_policy, parse_policy
+from tests.conftest import ROOT
+from tests.conftest import BASE_POLICY as _BASE
+
+BASE_POLICY = _BASE.replace("REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+def problems(text: str) -> list[str]:
+    with pytest.raises(PolicyError) as ei:
+        parse_policy(text)
+    return ei.value.problems
+
+
+def test_repository_policy_is_valid() -> None:
+    p = load_policy(ROOT / "policies.yaml")
+    assert list(p.classes) == ["realtime", "batch", "offline"]
+    assert {t.id: t.weight for t in p.tenants.values()}["acme"] == 5
+    assert p.key_index[digest_key("sk-demo-acme")] == "acme"
+
+
+def test_every_problem_is_reported_with_path_and_line() -> None:
+    bad = (
+        BASE_POLICY.replace("hold: 0.8,", "hold: 0.9,")
+        .replace("weight: 8,", "weight: 0,")
+        .replace("max_inflight: 4}", "max_inflight: -1, colour: red}")
+        .replace("requests_per_s: 10,", "requests_per_s: -5,")
+        .replace("tokens_per_min: 600,", "tokens_per_min: lots,")
+    )
+    got = problems(bad)
+    text = "\n".join(got)
+    assert "watermarks.hold (line 4): must be below drain (0.85), got 0.9" in text
+    assert "classes.realtime.weight (line 6): must be > 0, got 0" in text
+    assert "nodes.n1.colour (line 21): unknown key" in text
+    assert "nodes.n1.max_inflight (line 21): must be >= 1, got -1" in text
+    assert "tenants.acme.limits.requests_per_s" in text and "got -5" in text
+    assert "tenants.small.limits.tokens_per_min" in text and "must be a number" in text
+    assert len(got) == 6
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        (
+            "classes: [realtime]\n",
+            "classes: [realtime]\n    default_class: batch\n",
+            "tenants.small.default_class (line 19): 'batch' is not in the tenant's classes",
+        ),
+        (
+            '"plain:sk-small"',
+            '"plain:sk-acme"',
+            "tenants.small.keys[0] (line 17): key already belongs to tenant acme",
+        ),
+        (
+            "  small:\n    weight: 1\n",
+            "  small:\n    tier: diamond\n",
+            "tenants.small.tier (line 16): unknown tier 'diamond'",
+        ),
+        (
+            "classes: [realtime]\n",
+            "classes: [realtime, vip]\n",
+            "tenants.small.classes[1] (line 18): unknown class 'vip'",
+        ),
+        ("reopen: 0.75", "reopen: 0.8", "watermarks.reopen (line 4): must be below hold"),
+        (
+            '"plain:sk-small"',
+            '"sha256:abc"',
+            "tenants.small.keys[0] (line 17): sha256 digest must be 64 hex",
+        ),
+        ("version: 1", "version: 1\nbogus: true", "bogus (line 3): unknown key"),
+        ("priority: 1,", "priority: 0,", "classes (line 5): priority values must be distinct"),
+        ("models: [m]", "models: []", "nodes.n1.models (line 21): must list at least one model"),
+        (
+            'url: "http://127.0.0.1:1"',
+            'url: "ftp://x"',
+            "nodes.n1.url (line 21): must start with one of http://",
+        ),
+    ],
+)
+def test_specific_errors(old: str, new: str, expected: str) -> None:
+    assert old in BASE_POLICY
+    got = problems(BASE_POLICY.replace(old, new, 1))
+    assert any(expected in p for p in got), got
+
+
+def test_duplicate_tenant_ids_are_a_yaml_error_we_report() -> None:
+    extra = "  acme:\n    keys: ['plain:x']\n    limits: {requests_per_s: 1, tokens_per_min: 1}\nnodes:\n"
+    dup = BASE_POLICY.replace("nodes:\n", extra)
+    # PyYAML keeps the last duplicate silently; we refuse the file instead.
+    got = problems(dup)
+    assert "tenants.acme (line 20): duplicate key" in got, got
+
+
+def test_invalid_yaml_and_wrong_top_level_type() -> None:
+    assert "not valid YAML (line 2)" in problems("a: [1\nb: 2")[0]
+    assert problems("[1, 2]") == ["<root> (line 1): must be a mapping, got list"]
+    assert problems("") == ["<root>: file is empty"]
+
+
+def test_plaintext_key_is_never_in_errors_or_logs(caplog: pytest.LogCaptureFixture) -> None:
+    got = problems(BASE_POLICY.replace("weight: 8,", "weight: 0,"))
+    assert not any("sk-acme" in p for p in got)
+    parse_policy(BASE_POLICY)
+    assert "plaintext" in caplog.text and "sk-acme" not in caplog.text
+
+
+def test_check_command(tmp_path: Path) -> None:
+    good = subprocess.run(
+        [sys.executable, "-m", "admission.cli", "check", str(ROOT / "policies.yaml")],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert good.returncode == 0 and good.stdout.startswith("ok:")
+    bad_file = tmp_path / "p.yaml"
+    bad_file.write_text(
+        BASE_POLICY.replace("hold: 0.8,", "hold: 0.9,").replace("weight: 8,", "weight: 0,")
+    )
+    bad = subprocess.run(
+        [sys.executable, "-m", "admission.cli", "check", str(bad_file)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert bad.returncode == 1
+    assert bad.stdout.splitlines() == [
+        "watermarks.hold (line 4): must be below drain (0.85), got 0.9",
+        "classes.realtime.weight (line 6): must be > 0, got 0",
+    ]
+    missing = subprocess.run(
+        [sys.executable, "-m", "admission.cli", "check", str(tmp_path / "nope.yaml")],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert missing.returncode == 1 and "cannot read" in missing.stdout

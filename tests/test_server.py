@@ -1,0 +1,222 @@
+"""The sidecar API against a real redis-server; node states written as an agent would."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from admission import keys
+from admission.metrics import Metrics
+from admission.policy import load_policy
+from admission.reload import PolicyHolder
+from admission.server import build_app
+from tests.conftest import BASE_POLICY
+from tests.procs import RedisServer
+
+
+async def set_node(
+    redis: Any, node: str, state: str = "open", memory: float = 0.1, seq: int = 1
+) -> None:
+    st = {"node": node, "state": state, "memory": memory, "per_token": 0.0, "seq": seq}
+    await redis.set(keys.node_state(node), json.dumps(st), px=5000)
+
+
+@pytest.fixture
+async def sidecar(
+    redis: Any, redis_server: RedisServer, tmp_path: Path
+) -> AsyncIterator[tuple[TestClient[Any, Any], PolicyHolder, Path]]:
+    path = tmp_path / "policies.yaml"
+    path.write_text(BASE_POLICY.replace("REDIS_URL", redis_server.url))
+    holder = PolicyHolder(path, load_policy(path), Metrics())
+    await set_node(redis, "n1")
+    app = build_app(holder, edge_table=tmp_path / "edge.json")
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    yield client, holder, path
+    await client.close()
+
+
+def admit_body(**kw: Any) -> dict[str, Any]:
+    body = {"tenant": "acme", "model": "m", "prompt_tokens": 10, "max_tokens": 90, "stream": False}
+    body.update(kw)
+    return body
+
+
+async def test_admit_and_release_refunds(sidecar: Any, redis: Any) -> None:
+    client, _h, _p = sidecar
+    r = await client.post("/admit", json=admit_body())
+    assert r.status == 200
+    adm = await r.json()
+    assert adm["node"] == "n1" and adm["url"] == "http://127.0.0.1:1" and adm["priority"] == 0
+    assert adm["class"] == "realtime"
+    assert await redis.zcard(keys.node_leases("n1")) == 1
+    r = await client.post(
+        "/release",
+        json={
+            "ticket": adm["ticket"],
+            "status": 200,
+            "usage": {"prompt_tokens": 10, "completion_tokens": 20},
+        },
+    )
+    assert (await r.json())["refunded_tokens"] == 70
+    assert await redis.zcard(keys.node_leases("n1")) == 0
+    r = await client.post("/release", json={"ticket": adm["ticket"], "status": 200, "usage": None})
+    assert (await r.json())["refunded_tokens"] == 0  # idempotent
+
+
+@pytest.mark.parametrize(
+    ("raw", "status", "code"),
+    [
+        (b"{not json", 400, "invalid_json"),
+        (b"[1]", 400, "invalid_json"),
+        (json.dumps(admit_body(colour="red")).encode(), 400, "unknown_field"),
+        (json.dumps(admit_body(max_tokens=-1)).encode(), 400, "invalid_request"),
+        (json.dumps(admit_body(max_tokens="9")).encode(), 400, "invalid_request"),
+        (json.dumps(admit_body(prompt_tokens=True)).encode(), 400, "invalid_request"),
+        (json.dumps(admit_body(tenant="nobody")).encode(), 401, "invalid_api_key"),
+        (
+            json.dumps(admit_body(tenant="small", **{"class": "batch"})).encode(),
+            403,
+            "class_not_allowed",
+        ),
+        (json.dumps(admit_body(model="gpt-9")).encode(), 404, "model_not_found"),
+        (b"x" * 70_000, 400, "body_too_large"),
+    ],
+)
+async def test_bad_input_is_rejected_and_debits_nothing(
+    sidecar: Any, redis: Any, raw: bytes, status: int, code: str
+) -> None:
+    client, _h, _p = sidecar
+    r = await client.post("/admit", data=raw, headers={"Content-Type": "application/json"})
+    assert r.status == status
+    body = await r.json()
+    assert body["error"]["code"] == code and body["error"]["message"]
+    assert await redis.keys("adm:{t:*") == []
+
+
+async def test_throttled_tenant_gets_429_with_retry_after(sidecar: Any) -> None:
+    client, _h, _p = sidecar
+    codes = []
+    for _ in range(3):
+        r = await client.post("/admit", json=admit_body(tenant="small", max_tokens=10))
+        codes.append(r.status)
+    assert codes == [200, 200, 429]
+    assert r.headers["Retry-After"] == "1"
+    assert (await r.json())["error"]["code"] == "requests_per_s"
+
+
+async def test_request_larger_than_bucket_is_400(sidecar: Any) -> None:
+    client, _h, _p = sidecar
+    r = await client.post("/admit", json=admit_body(tenant="small", max_tokens=301))
+    assert r.status == 400 and "Retry-After" not in r.headers
+    assert (await r.json())["error"]["code"] == "request_exceeds_limit"
+
+
+async def test_queue_timeout_refunds_tokens(sidecar: Any, redis: Any) -> None:
+    client, holder, path = sidecar
+    path.write_text(path.read_text().replace("deadline_s: 5", "deadline_s: 0.3"))
+    assert holder.reload()
+    await set_node(redis, "n1", state="down")
+    await asyncio.sleep(0.25)  # the dispatcher's next refresh sees it
+    r = await client.post("/admit", json=admit_body(max_tokens=1000))
+    assert r.status == 503 and int(r.headers["Retry-After"]) >= 1
+    assert (await r.json())["error"]["code"] == "queue_timeout"
+    level = int(await redis.hget(keys.tenant_keys("acme", "x")[1], "l") or 0)
+    assert level == 0 or level >= 5000 * 10**6 - 10**6  # refunded (key deleted when full)
+
+
+async def test_hold_waits_then_admits_when_memory_frees(sidecar: Any, redis: Any) -> None:
+    client, _h, _p = sidecar
+    await set_node(redis, "n1", state="hold", memory=0.82)
+    await asyncio.sleep(0.25)
+    pending = asyncio.ensure_future(client.post("/admit", json=admit_body()))
+    await asyncio.sleep(0.5)
+    assert not pending.done()  # held, not rejected
+    await set_node(redis, "n1", state="open", memory=0.5, seq=2)
+    r = await asyncio.wait_for(pending, 3)
+    assert r.status == 200 and (await r.json())["queued_ms"] >= 400
+
+
+async def test_inflight_cap_and_client_disconnect_frees_queue_slot(
+    sidecar: Any, redis: Any
+) -> None:
+    client, _h, _p = sidecar
+    tickets = []
+    for _ in range(4):  # max_inflight 4
+        r = await client.post("/admit", json=admit_body(max_tokens=10))
+        tickets.append((await r.json())["ticket"])
+    url = str(client.make_url("/admit"))
+    async with aiohttp.ClientSession() as s:
+        waiting = asyncio.ensure_future(s.post(url, json=admit_body(max_tokens=10)))
+        await asyncio.sleep(0.4)
+        h = await client.get("/healthz")
+        assert (await h.json())["queued"] == 1
+        waiting.cancel()  # the client goes away
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+    await asyncio.sleep(0.3)
+    assert (await (await client.get("/healthz")).json())["queued"] == 0
+    await client.post("/release", json={"ticket": tickets[0], "status": 200, "usage": None})
+    r = await client.post("/admit", json=admit_body(max_tokens=10))
+    assert r.status == 200
+    assert await redis.zcard(keys.node_leases("n1")) == 4
+
+
+async def test_operator_drain_and_undrain(sidecar: Any) -> None:
+    client, _h, _p = sidecar
+    r = await client.post("/nodes/n1/drain")
+    assert r.status == 200
+    nodes = (await (await client.get("/nodes")).json())["nodes"]
+    assert nodes[0]["state"] == "maintenance"
+    await client.post("/nodes/n1/undrain")
+    nodes = (await (await client.get("/nodes")).json())["nodes"]
+    assert nodes[0]["state"] == "open"
+    assert (await client.post("/nodes/zz/drain")).status == 404
+
+
+async def test_hot_reload_valid_swap_invalid_kept(sidecar: Any, tmp_path: Path) -> None:
+    client, holder, path = sidecar
+    path.write_text(path.read_text().replace("max_inflight: 4", "max_inflight: 9"))
+    for _ in range(40):
+        await asyncio.sleep(0.1)
+        if holder.current.nodes["n1"].max_inflight == 9:
+            break
+    assert holder.current.nodes["n1"].max_inflight == 9  # picked up by the file watcher
+    edge = json.loads((tmp_path / "edge.json").read_text())
+    assert set(edge["tenants"]) == {"acme", "small"} and "sk-acme" not in json.dumps(edge)
+    path.write_text(path.read_text().replace("hold: 0.8,", "hold: 0.9,"))
+    for _ in range(40):
+        await asyncio.sleep(0.1)
+        m = await (await client.get("/metrics")).text()
+        if 'admission_policy_reloads_total{result="invalid"} 1.0' in m:
+            break
+    assert 'admission_policy_reloads_total{result="invalid"} 1.0' in m
+    assert holder.current.watermarks.hold == 0.8  # running policy stays
+    r = await client.post("/admit", json=admit_body())
+    assert r.status == 200
+
+
+async def test_metrics_count_decisions_without_secrets(sidecar: Any) -> None:
+    client, _h, _p = sidecar
+    await client.post("/admit", json=admit_body())
+    await client.post("/admit", json=admit_body(model="nope"))
+    text = await (await client.get("/metrics")).text()
+    assert (
+        'admission_decisions_total{cls="realtime",outcome="admitted",reason="ok",tenant="acme"} 1.0'
+        in text
+    )
+    assert "admission_decision_seconds_bucket" in text
+    assert "sk-acme" not in text
+
+
+async def test_release_rejects_garbage(sidecar: Any) -> None:
+    client, _h, _p = sidecar
+    r = await client.post("/release", json={"ticket": "nope"})
+    assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_ticket"

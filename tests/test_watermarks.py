@@ -1,0 +1,99 @@
+"""Effective memory and the node state machine, on hand-computed cases; the NVML reader."""
+
+from __future__ import annotations
+
+import pytest
+
+from admission.agent import parse_vllm_metrics
+from admission.gpu import NvmlReader
+from admission.policy import Watermarks
+from admission.watermarks import DOWN, DRAIN, HOLD, OPEN, GpuMemory, effective_fraction, next_state
+
+GiB = 1 << 30
+WM = Watermarks(hold=0.80, drain=0.85, reopen=0.75, stale_after_s=3)
+
+
+def test_effective_memory_counts_free_kv_blocks_as_free() -> None:
+    # 80 GiB card, vLLM took 72 GiB (0.9) of which 40 GiB is KV pool.
+    gpu = GpuMemory(used_bytes=72 * GiB, total_bytes=80 * GiB)
+    assert effective_fraction("effective", gpu, 0.0, 40 * GiB) == pytest.approx(32 / 80)
+    assert effective_fraction("effective", gpu, 0.5, 40 * GiB) == pytest.approx(52 / 80)
+    assert effective_fraction("effective", gpu, 1.0, 40 * GiB) == pytest.approx(72 / 80)
+    # Raw NVML would sit at 0.9 (drained) from the first second: the trap DESIGN.md describes.
+    assert effective_fraction("nvml", gpu, 0.0, None) == pytest.approx(0.9)
+    # A leak of 8 GiB elsewhere on the card shows up in effective memory; KV usage alone misses it.
+    leak = GpuMemory(used_bytes=80 * GiB, total_bytes=80 * GiB)
+    assert effective_fraction("effective", leak, 0.0, 40 * GiB) == pytest.approx(40 / 80)
+    assert effective_fraction("kv", None, 0.3, None) == pytest.approx(0.3)
+
+
+def test_missing_inputs_are_errors_not_guesses() -> None:
+    with pytest.raises(ValueError):
+        effective_fraction("effective", None, 0.5, GiB)
+    with pytest.raises(ValueError):
+        effective_fraction("effective", GpuMemory(1, 2), None, GiB)
+    with pytest.raises(ValueError):
+        effective_fraction("kv", None, None, None)
+
+
+@pytest.mark.parametrize(
+    ("state", "fraction", "expected"),
+    [
+        (OPEN, 0.79, OPEN),
+        (OPEN, 0.80, HOLD),
+        (OPEN, 0.85, DRAIN),
+        (HOLD, 0.78, HOLD),  # hysteresis: not below reopen yet
+        (HOLD, 0.7499, OPEN),
+        (HOLD, 0.86, DRAIN),
+        (DRAIN, 0.84, DRAIN),  # between hold and drain: stays drained
+        (DRAIN, 0.79, HOLD),
+        (DRAIN, 0.74, OPEN),
+        (DOWN, 0.50, OPEN),
+        (DOWN, 0.82, HOLD),
+    ],
+)
+def test_state_machine(state: str, fraction: float, expected: str) -> None:
+    assert next_state(state, fraction, WM) == expected
+
+
+def test_no_flapping_around_hold() -> None:
+    state = OPEN
+    seen = []
+    for f in [0.79, 0.80, 0.79, 0.80, 0.79, 0.76, 0.74, 0.76]:
+        state = next_state(state, f, WM)
+        seen.append(state)
+    assert seen == [OPEN, HOLD, HOLD, HOLD, HOLD, HOLD, OPEN, OPEN]
+
+
+VLLM_METRICS = """
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="tiny"} 0.25
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="tiny"} 3.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="tiny"} 2.0
+# TYPE vllm:num_preemptions counter
+vllm:num_preemptions_total{engine="0",model_name="tiny"} 7.0
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",engine="0",gpu_memory_utilization="0.9",num_gpu_blocks="1000",kv_cache_memory_bytes="2097152000"} 1.0
+"""
+
+
+def test_parse_vllm_metrics() -> None:
+    s = parse_vllm_metrics(VLLM_METRICS)
+    assert (s.kv_usage, s.running, s.waiting, s.preemptions) == (0.25, 3, 2, 7.0)
+    assert s.kv_tokens == 16_000 and s.kv_pool_bytes == 2_097_152_000
+
+
+def test_nvml_reader_against_pynvml() -> None:
+    """On a host without a GPU the reader says so; with one, it returns real totals."""
+    reader = NvmlReader()
+    try:
+        if not reader.available:
+            assert reader.read_sync((0,)) is None and reader.device_count() == 0
+        else:
+            mem = reader.read_sync((0,))
+            assert mem is not None and 0 < mem.used_bytes <= mem.total_bytes
+    finally:
+        reader.close()
