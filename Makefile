@@ -3,7 +3,7 @@
 
 demo:
 	bash scripts/setup.sh
-	.venv/bin/admission demo
+	.venv/bin/admission up
 
 test:
 	bash scripts/setup.sh

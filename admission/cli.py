@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import signal
 import sys
 import urllib.request
@@ -64,6 +65,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             sites.append(web.TCPSite(runner, args.host, args.port))
         for s in sites:
             await s.start()
+        if args.unix:
+            # NGINX workers run as an unprivileged user; the socket is as reachable as a
+            # loopback port would be, no more.
+            os.chmod(args.unix, 0o666)
         logging.info("sidecar listening on %s", ", ".join(s.name for s in sites))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

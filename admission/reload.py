@@ -76,9 +76,11 @@ class PolicyHolder:
 
         hup_task = asyncio.create_task(on_hup())
         try:
-            async for changes in awatch(target.parent, debounce=200, step=50):
-                if any(Path(p).resolve() == target for _c, p in changes):
-                    self.reload()
+            only_policy = lambda _change, path: Path(path).resolve() == target  # noqa: E731
+            async for _changes in awatch(
+                target.parent, watch_filter=only_policy, debounce=200, step=50
+            ):
+                self.reload()
         finally:
             hup_task.cancel()
             try:

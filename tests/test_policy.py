@@ -10,8 +10,8 @@ import pytest
 
 from admission.errors import PolicyError
 from admission.policy import digest_key, load_policy, parse_policy
-from tests.conftest import ROOT
 from tests.conftest import BASE_POLICY as _BASE
+from tests.conftest import ROOT
 
 BASE_POLICY = _BASE.replace("REDIS_URL", "redis://127.0.0.1:6379/0")
 

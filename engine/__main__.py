@@ -1,0 +1,25 @@
+"""`python -m engine`: run one emulated vLLM node (see engine.emulator)."""
+
+from __future__ import annotations
+
+import argparse
+
+from engine.emulator import serve
+from engine.profiles import PROFILES
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m engine", description=__doc__)
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--profile", default="a100-40gb-llama3-8b", choices=sorted(PROFILES))
+    p.add_argument("--scheduling-policy", default="priority", choices=["priority", "fcfs"])
+    p.add_argument("--num-gpu-blocks-override", type=int)
+    p.add_argument("--served-model-name")
+    p.add_argument("--start-delay-s", type=float, default=0.0, help="fault injection: slow start")
+    a = p.parse_args()
+    serve(a.port, a.profile, a.scheduling_policy, a.num_gpu_blocks_override, a.served_model_name,
+          a.start_delay_s)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Hardware profiles for the emulator's step-time cost model.
+
+Decode is memory-bound: one step reads the weights once plus each sequence's KV cache, so
+    step_s = weights_bytes / hbm_bytes_per_s + Σ context_tokens × kv_bytes_per_token / hbm
+Prefill is compute-bound: ~2 × params FLOPs per token at a realistic model FLOPs utilisation.
+Public figures (see README "Emulator calibration"): A100-40GB HBM2 1.555 TB/s, 312 TFLOPS bf16;
+H100-80GB SXM HBM3 3.35 TB/s, 989 TFLOPS bf16 (×2 with tensor parallel 2). Llama-3-8B: 8.0e9
+params, 32 layers × 8 KV heads × 128 × 2 (K,V) × 2 B = 128 KiB KV per token; Llama-3-70B: 80
+layers → 320 KiB per token (fp16).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    model: str
+    total_bytes: int  # GPU memory (summed over tensor-parallel GPUs)
+    weights_bytes: int
+    activation_bytes: int  # non-KV working memory vLLM reserves at start
+    kv_bytes_per_token: int
+    params: float
+    hbm_bytes_per_s: float
+    flops_per_s: float  # achievable (peak × MFU)
+    gpu_memory_utilization: float = 0.9
+    block_size: int = 16
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    step_overhead_s: float = 0.002  # scheduler + sampling + launch per step
+
+    @property
+    def kv_pool_bytes(self) -> int:
+        return (
+            int(self.total_bytes * self.gpu_memory_utilization)
+            - self.weights_bytes
+            - self.activation_bytes
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv_pool_bytes // (self.kv_bytes_per_token * self.block_size)
+
+    def step_s(self, prefill_tokens: int, context_tokens: int) -> float:
+        """Seconds one engine step takes: weights read once, KV read per context token,
+        prefill at compute speed."""
+        decode = (
+            self.weights_bytes + context_tokens * self.kv_bytes_per_token
+        ) / self.hbm_bytes_per_s
+        prefill = prefill_tokens * 2 * self.params / self.flops_per_s
+        return self.step_overhead_s + decode + prefill
+
+
+PROFILES = {
+    "a100-40gb-llama3-8b": Profile(
+        name="a100-40gb-llama3-8b",
+        model="llama-3-8b",
+        total_bytes=40 * GiB,
+        weights_bytes=16 * GiB,
+        activation_bytes=2 * GiB,
+        kv_bytes_per_token=128 * 1024,
+        params=8.0e9,
+        hbm_bytes_per_s=1.555e12,
+        flops_per_s=312e12 * 0.5,
+    ),
+    "h100-80gb-llama3-70b": Profile(
+        name="h100-80gb-llama3-70b",
+        model="llama-3-70b",
+        total_bytes=2 * 80 * GiB,  # tensor parallel 2
+        weights_bytes=70 * GiB,  # fp8 weights
+        activation_bytes=4 * GiB,
+        kv_bytes_per_token=320 * 1024,
+        params=70e9,
+        hbm_bytes_per_s=2 * 3.35e12,
+        flops_per_s=2 * 989e12 * 0.4,
+        max_num_seqs=512,
+        max_num_batched_tokens=8192,
+    ),
+    # Small enough that a handful of requests move KV usage: for tests.
+    "tiny": Profile(
+        name="tiny",
+        model="tiny",
+        total_bytes=1 * GiB,
+        weights_bytes=256 << 20,
+        activation_bytes=64 << 20,
+        kv_bytes_per_token=64 * 1024,
+        params=1e8,
+        hbm_bytes_per_s=1e11,
+        flops_per_s=1e13,
+        gpu_memory_utilization=0.5,  # 512 MiB - 320 MiB = 192 MiB pool = 3072 tokens = 192 blocks
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+        step_overhead_s=0.005,
+    ),
+}

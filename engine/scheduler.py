@@ -1,0 +1,195 @@
+"""The emulator's engine core: vLLM-style continuous batching, step by step. No I/O.
+
+Per step: every running sequence past its prompt decodes one token; sequences still in their
+prompt get chunked prefill within the step's token budget; waiting sequences are admitted in
+policy order (priority: (priority, arrival); fcfs: arrival) while a slot is free and their
+whole prompt fits in free KV blocks, stopping at the first that does not fit (vLLM's
+head-of-line behaviour). When a decoding sequence needs a block and none is free, the
+worst-priority newest running sequence is preempted: its blocks are freed and it goes back to
+the front of the waiting queue to be recomputed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from engine.profiles import Profile
+
+_ids = itertools.count()
+
+
+@dataclass(eq=False)
+class Seq:
+    prompt_tokens: int
+    max_tokens: int
+    priority: int = 0
+    arrival: float = 0.0
+    id: int = field(default_factory=lambda: next(_ids))
+    computed: int = 0  # prompt tokens prefilled so far
+    generated: int = 0
+    blocks: int = 0
+    first_token_at: float | None = None
+    scheduled_at: float | None = None
+    finished_at: float | None = None
+    finish_reason: str | None = None
+    preemptions: int = 0
+    on_token: Callable[[Seq], None] | None = None
+
+    @property
+    def context(self) -> int:
+        return self.computed + self.generated
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.computed < self.prompt_tokens
+
+
+@dataclass
+class StepResult:
+    duration_s: float
+    prefill_tokens: int
+    decoded: list[Seq]
+    finished: list[Seq]
+    preempted: int
+
+
+class Scheduler:
+    def __init__(
+        self, profile: Profile, policy: str = "priority", num_blocks: int | None = None
+    ) -> None:
+        self.p = profile
+        self.policy = policy
+        self.num_blocks = num_blocks if num_blocks is not None else profile.num_blocks
+        self.free_blocks = self.num_blocks
+        self.waiting: list[Seq] = []
+        self.running: list[Seq] = []
+        self.preemptions_total = 0
+        self.max_waiting = 10_000
+
+    # -- requests --------------------------------------------------------------------------
+    def add(self, seq: Seq) -> None:
+        if len(self.waiting) >= self.max_waiting:
+            raise OverflowError("engine waiting queue is full")
+        self.waiting.append(seq)
+
+    def abort(self, seq: Seq) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+            self._free(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.finish_reason = seq.finish_reason or "abort"
+
+    @property
+    def kv_usage(self) -> float:
+        return 1.0 - self.free_blocks / self.num_blocks if self.num_blocks else 0.0
+
+    def idle(self) -> bool:
+        return not self.running and not self.waiting
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self, now: float) -> StepResult:
+        budget = self.p.max_num_batched_tokens
+        decoded: list[Seq] = []
+        preempted = 0
+        # 1. decode: running sequences past their prompt, one token each (best priority first).
+        for seq in sorted(self.running, key=self._order):
+            if seq not in self.running or seq.in_prefill or budget <= 0:
+                continue
+            while self._blocks_for(seq.context + 1) > seq.blocks and self.free_blocks == 0:
+                victim = self._victim()
+                self._preempt(victim)
+                preempted += 1
+                if victim is seq:
+                    break
+            if seq not in self.running:
+                continue
+            self._grow(seq, seq.context + 1)
+            decoded.append(seq)
+            budget -= 1
+        # 2. chunked prefill of running sequences still in their prompt.
+        prefill = 0
+        for seq in sorted(self.running, key=self._order):
+            if budget <= 0:
+                break
+            if seq.in_prefill:
+                chunk = min(budget, seq.prompt_tokens - seq.computed)
+                seq.computed += chunk
+                budget -= chunk
+                prefill += chunk
+        # 3. admit waiting sequences whose whole prompt fits, in policy order.
+        self.waiting.sort(key=self._order)
+        while self.waiting and budget > 0 and len(self.running) < self.p.max_num_seqs:
+            seq = self.waiting[0]
+            need = self._blocks_for(seq.prompt_tokens + seq.generated)
+            if need > self.free_blocks:
+                break  # head-of-line: vLLM stops at the first request that does not fit
+            self.waiting.pop(0)
+            self._grow(seq, seq.prompt_tokens + seq.generated)
+            seq.scheduled_at = seq.scheduled_at if seq.scheduled_at is not None else now
+            self.running.append(seq)
+            chunk = min(budget, seq.prompt_tokens - seq.computed)
+            seq.computed += chunk
+            budget -= chunk
+            prefill += chunk
+        context = sum(s.context for s in self.running)
+        duration = self.p.step_s(prefill, context) if (decoded or prefill) else 0.0
+        finished: list[Seq] = []
+        end = now + duration
+        for seq in decoded:
+            seq.generated += 1
+            if seq.first_token_at is None:
+                seq.first_token_at = end
+            if seq.generated >= seq.max_tokens:
+                seq.finish_reason = "length"
+                seq.finished_at = end
+                finished.append(seq)
+        # A sequence whose prompt completed this step emits its first token in this step too.
+        for seq in self.running:
+            if not seq.in_prefill and seq.generated == 0 and seq not in decoded:
+                seq.generated = 1
+                seq.first_token_at = end
+                decoded.append(seq)
+                if seq.generated >= seq.max_tokens:
+                    seq.finish_reason = "length"
+                    seq.finished_at = end
+                    finished.append(seq)
+        for seq in finished:
+            self.running.remove(seq)
+            self._free(seq)
+        return StepResult(duration, prefill, decoded, finished, preempted)
+
+    # -- internals --------------------------------------------------------------------------
+    def _order(self, s: Seq) -> tuple[float, float, int]:
+        if self.policy == "priority":
+            return (s.priority, s.arrival, s.id)
+        return (0, s.arrival, s.id)
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.p.block_size)
+
+    def _grow(self, seq: Seq, tokens: int) -> None:
+        need = self._blocks_for(tokens) - seq.blocks
+        if need > 0:
+            assert need <= self.free_blocks, "block accounting bug"
+            seq.blocks += need
+            self.free_blocks -= need
+
+    def _free(self, seq: Seq) -> None:
+        self.free_blocks += seq.blocks
+        seq.blocks = 0
+        assert 0 <= self.free_blocks <= self.num_blocks, "block accounting bug"
+
+    def _victim(self) -> Seq:
+        # Worst priority, then newest (fcfs: newest).
+        return max(self.running, key=self._order)
+
+    def _preempt(self, seq: Seq) -> None:
+        self.running.remove(seq)
+        self._free(seq)
+        seq.computed = 0  # recompute: the prompt and generated tokens are prefilled again
+        seq.preemptions += 1
+        self.preemptions_total += 1
+        self.waiting.insert(0, seq)

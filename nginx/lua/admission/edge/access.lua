@@ -1,0 +1,80 @@
+-- admission.edge.access: the access phase of /v1/completions and /v1/chat/completions.
+-- identify → read features → class check → ask the sidecar → rewrite the body → let
+-- proxy_pass + the balancer move the bytes. Every refusal goes through admission.edge.respond.
+local edge_table = require "admission.edge.table"
+local identify = require "admission.edge.identify"
+local request = require "admission.edge.request"
+local admit = require "admission.edge.admit"
+local respond = require "admission.edge.respond"
+
+local ngx = ngx
+local ngx_var = ngx.var
+local log = ngx.log
+local WARN = ngx.WARN
+
+local _M = { _VERSION = "0.1.0" }
+
+local function allowed(list, value)
+  for _, v in ipairs(list or {}) do
+    if v == value then return true end
+  end
+  return false
+end
+
+local fail_open_rr = 0
+
+function _M.run()
+  identify.strip_internal_headers()
+  local tid, tenant = identify.tenant()
+  if not tid then
+    return respond.error(401, tenant == "missing_api_key" and "missing_api_key" or "invalid_api_key",
+                         "missing or unknown API key")
+  end
+  local t = edge_table.get()
+  local chat = ngx_var.uri == "/v1/chat/completions"
+  local f, status, code, msg = request.read(chat, t.chars_per_token or 4)
+  if not f then
+    return respond.error(status, code, msg)
+  end
+  local class = ngx_var.http_x_request_class or tenant.default_class
+  if not allowed(tenant.classes, class) then
+    return respond.error(403, "class_not_allowed", "request class not allowed for this tenant")
+  end
+  if not allowed(tenant.models, f.model) then
+    return respond.error(404, "model_not_found", "model does not exist or is not available")
+  end
+  local ctx = ngx.ctx
+  ctx.stream = f.stream
+  -- A client that goes away while queued aborts the subrequest, which frees its queue slot.
+  ngx.on_abort(function() ngx.exit(499) end)
+  local d, res, err = admit.ask({ tenant = tid, class = class, model = f.model,
+                                  prompt_tokens = f.prompt_tokens, max_tokens = f.max_tokens,
+                                  stream = f.stream })
+  if not d then
+    if res then
+      return respond.passthrough(res)
+    end
+    if t.sidecar_failure_mode == "open" then
+      log(WARN, "admission sidecar unavailable (", err, "): fail-open, proxying unadmitted")
+      local peers = {}
+      for node, url in pairs(t.nodes) do peers[#peers + 1] = { node = node, url = url } end
+      table.sort(peers, function(a, b) return a.node < b.node end)
+      fail_open_rr = fail_open_rr + 1
+      local first = (fail_open_rr % #peers) + 1
+      ctx.peers = { peers[first] }
+      for i, p in ipairs(peers) do if i ~= first then ctx.peers[#ctx.peers + 1] = p end end
+      request.rewrite(f, t.classes[class] or 0)
+      return
+    end
+    log(WARN, "admission sidecar unavailable (", err, "): fail-closed")
+    return respond.error(503, "admission_unavailable", "admission service unavailable", 1)
+  end
+  ctx.ticket = d.ticket
+  local peers = { { node = d.node, url = d.url } }
+  for _, fb in ipairs(d.fallbacks or {}) do peers[#peers + 1] = fb end
+  ctx.peers = peers
+  request.rewrite(f, d.priority)
+  ngx.req.set_header("X-Admission-Class", d.class)
+end
+
+return _M

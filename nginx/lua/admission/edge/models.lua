@@ -1,0 +1,24 @@
+-- admission.edge.models: GET /v1/models from the policy, without a backend call (content phase).
+local cjson = require "cjson.safe"
+local identify = require "admission.edge.identify"
+local respond = require "admission.edge.respond"
+
+local ngx = ngx
+
+local _M = { _VERSION = "0.1.0" }
+
+function _M.serve()
+  identify.strip_internal_headers()
+  local tid, tenant = identify.tenant()
+  if not tid then
+    return respond.error(401, tenant, "missing or unknown API key")
+  end
+  local data = {}
+  for i, m in ipairs(tenant.models or {}) do
+    data[i] = { id = m, object = "model", owned_by = "admission" }
+  end
+  ngx.header["Content-Type"] = "application/json"
+  ngx.say(cjson.encode({ object = "list", data = data }))
+end
+
+return _M

@@ -1,0 +1,60 @@
+-- admission.edge.usage: see the response body pass (body_filter phase) without holding it back,
+-- and find the token usage: the JSON `usage` of a plain response, or the final SSE usage chunk
+-- of a stream. Only a bounded tail of the stream is kept, never the whole of it.
+local cjson = require "cjson.safe"
+
+local ngx = ngx
+local str_find = string.find
+local str_sub = string.sub
+
+local _M = { _VERSION = "0.1.0" }
+
+local TAIL = 8192 -- bytes of a stream kept to find the usage chunk
+local MAX_JSON = 1048576 -- a plain response larger than this is not parsed for usage
+
+function _M.body_filter()
+  local ctx = ngx.ctx
+  if not ctx.ticket then
+    return
+  end
+  local chunk = ngx.arg[1]
+  if chunk and chunk ~= "" then
+    local buf = (ctx.usage_buf or "") .. chunk
+    if ctx.stream then
+      if #buf > TAIL then buf = str_sub(buf, -TAIL) end
+    elseif #buf > MAX_JSON then
+      buf = ""
+    end
+    ctx.usage_buf = buf
+  end
+end
+
+-- Returns {prompt_tokens, completion_tokens} or nil.
+function _M.extract(ctx)
+  local buf = ctx.usage_buf
+  if not buf or buf == "" then
+    return nil
+  end
+  local doc
+  if ctx.stream then
+    local last
+    local pos = 1
+    while true do
+      local s, e = str_find(buf, "data: {[^\n]*\"usage\"[^\n]*", pos)
+      if not s then break end
+      last = str_sub(buf, s + 6, e)
+      pos = e + 1
+    end
+    if not last then return nil end
+    doc = cjson.decode(last)
+  else
+    doc = cjson.decode(buf)
+  end
+  local u = type(doc) == "table" and doc.usage
+  if type(u) ~= "table" or type(u.prompt_tokens) ~= "number" then
+    return nil
+  end
+  return { prompt_tokens = u.prompt_tokens, completion_tokens = u.completion_tokens or 0 }
+end
+
+return _M
