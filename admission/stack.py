@@ -130,12 +130,7 @@ class Stack:
             p = self._spawn("redis", ["redis-server", "--port", str(rport), "--bind", "127.0.0.1",
                                       "--save", "", "--appendonly", "no", "--dir", str(self.run_dir)])  # fmt: skip
             self.redis_url = f"redis://127.0.0.1:{rport}/0"
-            _wait(
-                lambda: socket.create_connection(("127.0.0.1", rport), 1).close() is None,
-                10,
-                "redis",
-                p,
-            )
+            _wait(lambda: _port_open(rport), 10, "redis", p)
         raw.setdefault("redis", {})["url"] = self.redis_url
         raw["nodes"] = self._start_nodes()
         for section, values in self.overrides.items():
