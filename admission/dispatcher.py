@@ -128,6 +128,14 @@ class Dispatcher:
         Cancelling the caller (the client went away) removes the item from the queue, or
         releases its lease if it was admitted in the meantime.
         """
+        if len(self.queue) == 0:
+            # Fast path: nobody is waiting, so admitting directly overtakes no one and saves the
+            # hop through the dispatcher task (most admissions when the cluster has room).
+            nodes = self.eligible_nodes(item.model)
+            if nodes:
+                adm = await self._admit(item, nodes)
+                if adm is not None:
+                    return adm
         waiter = _Waiter()
         item.payload = waiter
         self.queue.push(item)
@@ -254,40 +262,44 @@ class Dispatcher:
             if waiter.future.done():  # the waiter gave up between pop and now
                 continue
             nodes = self.eligible_nodes(item.model)
-            chosen = nodes[0]
-            ticket = make_ticket(item.rid, chosen.node.id, item.tenant)
             try:
-                got = await self._take_lease(chosen.node, ticket)
+                adm = await self._admit(item, nodes)
             except BackendUnavailable as exc:
                 waiter.future.set_exception(exc)
                 continue
-            if not got:
-                chosen.inflight = chosen.node.max_inflight  # another sidecar filled it
+            if adm is None:
                 if not waiter.future.done():
                     self.queue.requeue_front(item)
                 continue
             if waiter.future.done():  # timed out or cancelled while the lease was taken
-                await self.release_lease(ticket)
+                await self.release_lease(adm.ticket)
                 continue
-            chosen.inflight += 1
-            chosen.projected_tokens += item.cost
-            cls = self.policy().classes.get(item.cls)
-            now = self.clock()
-            waiter.future.set_result(
-                Admission(
-                    ticket=ticket,
-                    node=chosen.node.id,
-                    url=chosen.node.url,
-                    fallbacks=[(v.node.id, v.node.url) for v in nodes[1 : 1 + MAX_FALLBACKS]],
-                    priority=cls.priority if cls else 0,
-                    cls=item.cls,
-                    queued_s=now - item.enqueued_at,
-                )
-            )
-            self.metrics.queue_wait_seconds.labels(item.cls).observe(now - item.enqueued_at)
+            waiter.future.set_result(adm)
             admitted += 1
         self._gauge_depth()
         return admitted
+
+    async def _admit(self, item: Item, nodes: list[NodeView]) -> Admission | None:
+        """Take a lease on the best node; None if another sidecar filled it meanwhile."""
+        chosen = nodes[0]
+        ticket = make_ticket(item.rid, chosen.node.id, item.tenant)
+        if not await self._take_lease(chosen.node, ticket):
+            chosen.inflight = chosen.node.max_inflight
+            return None
+        chosen.inflight += 1
+        chosen.projected_tokens += item.cost
+        cls = self.policy().classes.get(item.cls)
+        now = self.clock()
+        self.metrics.queue_wait_seconds.labels(item.cls).observe(now - item.enqueued_at)
+        return Admission(
+            ticket=ticket,
+            node=chosen.node.id,
+            url=chosen.node.url,
+            fallbacks=[(v.node.id, v.node.url) for v in nodes[1 : 1 + MAX_FALLBACKS]],
+            priority=cls.priority if cls else 0,
+            cls=item.cls,
+            queued_s=now - item.enqueued_at,
+        )
 
     async def _take_lease(self, node: Node, ticket: str) -> bool:
         ttl_us = int(self.policy().queue.lease_ttl_s * 1_000_000)
