@@ -124,6 +124,7 @@ class Stack:
         # the run directory's parents may not allow (pytest's tmp dirs are 0700).
         self.sock_dir = Path(tempfile.mkdtemp(prefix="admission-"))
         self.sock_dir.chmod(0o755)
+        shutil.copytree(NGINX_DIR / "lua", self.sock_dir / "lua")  # the checkout may be 0700 too
         raw = yaml.safe_load(self.policy_path.read_text())
         if self.redis_url is None:
             rport = free_port()
@@ -195,7 +196,7 @@ class Stack:
     def _write_nginx(self, max_body: int, sockets: list[Path], edge_table: Path) -> None:
         subs = {
             "@@RUN_DIR@@": str(self.run_dir),
-            "@@LUA_DIR@@": str(NGINX_DIR / "lua"),
+            "@@LUA_DIR@@": str(self.sock_dir / "lua"),
             "@@EDGE_TABLE@@": str(edge_table),
             "@@SIDECAR_SOCKET_LIST@@": ", ".join(f'"{s}"' for s in sockets),
             "@@SIDECAR_SERVERS@@": "\n".join(
