@@ -82,6 +82,7 @@ class FairQueue:
     def __init__(self, policy: Policy) -> None:
         self.policy = policy
         self._classes: dict[str, _ClassQ] = {name: _ClassQ() for name in policy.classes}
+        self._rank = {name: i for i, name in enumerate(policy.classes)}
         self._vtime = 0.0  # class-level virtual time
         self._live = 0
         self._per_tenant: dict[str, int] = {}
@@ -108,6 +109,7 @@ class FairQueue:
     def set_policy(self, policy: Policy) -> None:
         """Swap in a reloaded policy. Items of a removed class move to the least urgent class."""
         self.policy = policy
+        self._rank = {name: i for i, name in enumerate(policy.classes)}
         old = self._classes
         self._classes = {name: old.get(name) or _ClassQ() for name in policy.classes}
         fallback = list(policy.classes)[-1]
@@ -154,7 +156,9 @@ class FairQueue:
         if not backlogged:
             return None
         shares = self._shares([n for n, _ in backlogged])
-        for name, q in sorted(backlogged, key=lambda nq: (nq[1].pass_, nq[0])):
+        rank = self._rank
+        # Ties go to the more urgent class (policy order), then to the lower tenant id.
+        for name, q in sorted(backlogged, key=lambda nq: (nq[1].pass_, rank[nq[0]])):
             for tenant, lane in sorted(q.lanes.items(), key=lambda tl: (tl[1].pass_, tl[0])):
                 head = lane.head()
                 if head is None or not eligible(head):

@@ -82,6 +82,8 @@ class Stack:
         redis_url: str | None = None,
         policy_overrides: dict[str, Any] | None = None,
         num_gpu_blocks: int | None = None,
+        external_nodes: dict[str, Any] | None = None,
+        extra_nginx_http: str = "",
     ) -> None:
         self.policy_path = policy_path
         self.run_dir = run_dir
@@ -93,6 +95,8 @@ class Stack:
         self.redis_url = redis_url
         self.overrides = policy_overrides or {}
         self.num_gpu_blocks = num_gpu_blocks
+        self.external_nodes = external_nodes  # policy `nodes:` entries already running elsewhere
+        self.extra_nginx_http = extra_nginx_http  # e.g. a benchmark's direct-proxy server block
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
         self.node_ports: list[int] = []
         self.admin_port = free_port()
@@ -133,7 +137,9 @@ class Stack:
             self.redis_url = f"redis://127.0.0.1:{rport}/0"
             _wait(lambda: _port_open(rport), 10, "redis", p)
         raw.setdefault("redis", {})["url"] = self.redis_url
-        raw["nodes"] = self._start_nodes()
+        raw["nodes"] = (
+            self.external_nodes if self.external_nodes is not None else self._start_nodes()
+        )
         for section, values in self.overrides.items():
             if isinstance(values, dict):
                 raw.setdefault(section, {}).update(values)
@@ -211,6 +217,7 @@ class Stack:
             "@@MAX_BODY@@": str(max_body),
             "@@PORT@@": str(self.port),
             "@@WORKERS@@": "2",
+            "@@EXTRA_HTTP@@": self.extra_nginx_http,
             "@@LOAD_MODULES@@": "\n".join(f"load_module {m};" for m in MODULES if Path(m).exists()),
         }
         for name in ("admission_http.conf", "admission_locations.conf", "nginx.conf.template"):

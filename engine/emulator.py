@@ -140,7 +140,7 @@ class Engine:
             + p.activation_bytes
             + self.sched.num_blocks * p.block_size * p.kv_bytes_per_token
         )
-        used += self.leak_bytes + 600 * (1 << 20)  # CUDA context
+        used += self.leak_bytes + p.context_bytes
         return {"used_bytes": min(used, p.total_bytes), "total_bytes": p.total_bytes}
 
 

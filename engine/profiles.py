@@ -32,6 +32,7 @@ class Profile:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     step_overhead_s: float = 0.002  # scheduler + sampling + launch per step
+    context_bytes: int = 600 << 20  # CUDA context and allocator slack, outside vLLM's budget
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -95,5 +96,6 @@ PROFILES = {
         max_num_seqs=64,
         max_num_batched_tokens=512,
         step_overhead_s=0.005,
+        context_bytes=16 << 20,
     ),
 }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import os
 import statistics
@@ -36,7 +37,7 @@ tenants:
 nodes:
   n1: {{url: "http://127.0.0.1:9", models: [m], memory_source: kv, max_inflight: 100000}}
 """
-TENANT = '  t{i}: {{keys: ["plain:k{i}"], limits: {{requests_per_s: 100000, request_burst: 100000, tokens_per_min: 1000000000, token_burst: 100000000}}}}'
+TENANT = '  t{i}: {{keys: ["sha256:{d}"], limits: {{requests_per_s: 100000, request_burst: 100000, tokens_per_min: 1000000000, token_burst: 100000000}}}}'
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -113,7 +114,13 @@ def main() -> None:
     rs.start()
     policy = work / "policies.yaml"
     policy.write_text(
-        POLICY.format(url=rs.url, tenants="\n".join(TENANT.format(i=i) for i in range(16)))
+        POLICY.format(
+            url=rs.url,
+            tenants="\n".join(
+                TENANT.format(i=i, d=hashlib.sha256(f"k{i}".encode()).hexdigest())
+                for i in range(16)
+            ),
+        )
     )
     sock = str(work / "sidecar.sock")
     proc = subprocess.Popen(

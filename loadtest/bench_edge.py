@@ -1,0 +1,124 @@
+"""Benchmark: latency the admission path adds at the edge, both paths in one run.
+
+    .venv/bin/python -m loadtest.bench_edge [--rate 500] [--seconds 20] [--delay-ms 20]
+
+One fixed-latency stub node (loadtest/stub.py, --delay-ms). One NGINX with two servers: a plain
+proxy straight to the stub, and the full admission edge (Lua identify → sidecar over a unix
+socket → Redis token buckets and node lease → proxy → release). The same chat request is sent
+open-loop at --rate per second to EACH path, interleaved, and p50/p99 of both and their
+differences are printed. Send lateness of the generator is reported so a late generator is seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+
+from admission.stack import ROOT, Stack, free_port
+from tests.procs import stop_process, wait_for
+
+
+def pct(xs: list[float], p: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
+
+
+async def load(
+    urls: dict[str, str], rate: float, seconds: float, body: bytes
+) -> tuple[dict[str, list[float]], list[float], dict[str, int]]:
+    lat: dict[str, list[float]] = {k: [] for k in urls}
+    errors = dict.fromkeys(urls, 0)
+    late: list[float] = []
+    headers = {"Authorization": "Bearer sk-demo-acme", "Content-Type": "application/json"}
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1024)) as s:
+
+        async def one(name: str) -> None:
+            t0 = time.perf_counter()
+            async with s.post(urls[name], data=body, headers=headers) as r:
+                await r.read()
+                if r.status != 200:
+                    errors[name] += 1
+                    return
+            lat[name].append((time.perf_counter() - t0) * 1000)
+
+        tasks = []
+        names = list(urls)
+        start = time.perf_counter()
+        n = int(rate * seconds) * len(names)
+        for i in range(n):
+            due = start + i / (rate * len(names))
+            if (d := due - time.perf_counter()) > 0:
+                await asyncio.sleep(d)
+            late.append((time.perf_counter() - due) * 1000)
+            tasks.append(asyncio.create_task(one(names[i % len(names)])))
+        await asyncio.gather(*tasks)
+    return lat, late, errors
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--rate", type=float, default=500, help="requests/s on each path")
+    ap.add_argument("--seconds", type=float, default=20)
+    ap.add_argument("--delay-ms", type=float, default=20)
+    a = ap.parse_args()
+    stub_port, direct_port = free_port(), free_port()
+    stub = subprocess.Popen([sys.executable, "-m", "loadtest.stub", "--port", str(stub_port), "--delay-ms",
+                             str(a.delay_ms)], cwd=ROOT, start_new_session=True)  # fmt: skip
+    wait_for(
+        lambda: urllib.request.urlopen(f"http://127.0.0.1:{stub_port}/health").status == 200,
+        20,
+        "stub",
+    )
+    direct = f"""
+    upstream bench_direct {{ server 127.0.0.1:{stub_port}; keepalive 256; }}
+    server {{
+        listen 127.0.0.1:{direct_port} backlog=4096;
+        location / {{ proxy_pass http://bench_direct; proxy_http_version 1.1;
+                     proxy_set_header Connection ""; proxy_buffering off; }}
+    }}"""
+    nodes = {"stub": {"url": f"http://127.0.0.1:{stub_port}", "models": ["stub"], "memory_source": "kv",
+                      "max_inflight": 100000}}  # fmt: skip
+    tenants = {"acme": {"tier": "platinum", "keys": ["plain:sk-demo-acme"], "classes": ["realtime"],
+                        "models": ["stub"],
+                        "limits": {"requests_per_s": 100000, "request_burst": 100000,
+                                   "tokens_per_min": 1e9, "token_burst": 100000000}}}  # fmt: skip
+    stack = Stack(ROOT / "policies.yaml", Path(tempfile.mkdtemp(prefix="bench-edge-")), external_nodes=nodes,
+                  extra_nginx_http=direct, policy_overrides={"tenants": tenants}, sidecars=1)  # fmt: skip
+    try:
+        stack.start()
+        body = json.dumps(
+            {"model": "stub", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}
+        ).encode()
+        urls = {"nginx direct": f"http://127.0.0.1:{direct_port}/v1/chat/completions",
+                "nginx + admission": f"{stack.url}/v1/chat/completions"}  # fmt: skip
+        asyncio.run(load(urls, 50, 2, body))  # warm-up: connections, caches, JIT of Lua
+        os.sched_setaffinity(0, os.sched_getaffinity(0))
+        lat, late, errors = asyncio.run(load(urls, a.rate, a.seconds, body))
+        print(f"{a.rate:.0f} req/s on each path for {a.seconds:.0f}s, stub latency {a.delay_ms:.0f} ms "
+              f"(generator lateness p50 {pct(late, 50):.2f} ms, p99 {pct(late, 99):.2f} ms)")  # fmt: skip
+        print(f"{'path':<20} {'n':>6} {'err':>4} {'p50 ms':>8} {'p99 ms':>8}")
+        for k, v in lat.items():
+            print(f"{k:<20} {len(v):>6} {errors[k]:>4} {pct(v, 50):>8.2f} {pct(v, 99):>8.2f}")
+        d, f = lat["nginx direct"], lat["nginx + admission"]
+        print(
+            f"{'added by admission':<20} {'':>6} {'':>4} {pct(f, 50) - pct(d, 50):>8.2f} {pct(f, 99) - pct(d, 99):>8.2f}"
+        )
+    finally:
+        stack.stop()
+        stop_process(stub)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,203 @@
+"""Node agent + watermarks end to end: emulated node (simulated GPU), Redis, dispatcher."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import urllib.request
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from admission import keys
+from admission.agent import Agent
+from admission.metrics import Metrics
+from admission.policy import Policy, load_policy, parse_policy
+from admission.reload import PolicyHolder
+from admission.server import build_app
+from tests.conftest import ROOT
+from tests.procs import RedisServer, free_port, stop_process, wait_for
+
+MiB = 1 << 20
+
+POLICY = """
+redis: {{url: "{redis}"}}
+watermarks: {{hold: 0.50, drain: 0.60, reopen: 0.45, stale_after_s: 5}}
+classes:
+  realtime: {{weight: 8, priority: 0, deadline_s: 20}}
+  batch: {{weight: 1, priority: 1, deadline_s: 20}}
+tenants:
+  t: {{keys: ["plain:k"], classes: [realtime, batch], limits: {{requests_per_s: 1000, tokens_per_min: 10000000, token_burst: 1000000}}}}
+nodes:
+  n1: {{url: "http://127.0.0.1:{port}", models: [tiny], memory_source: effective, max_inflight: {cap},
+        device_url: "http://127.0.0.1:{port}/sim/device"}}
+"""
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[int]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "engine", "--port", str(port), "--profile", "tiny"], cwd=ROOT,
+                            start_new_session=True)  # fmt: skip
+    wait_for(
+        lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/health").status == 200,
+        30,
+        "emulator",
+    )
+    yield port
+    stop_process(proc)
+
+
+async def fault(port: int, **kw: Any) -> None:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.post(f"http://127.0.0.1:{port}/sim/fault", json=kw) as r,
+    ):
+        assert r.status == 200
+
+
+def make(redis_server: RedisServer, port: int, cap: int = 64) -> Policy:
+    return parse_policy(POLICY.format(redis=redis_server.url, port=port, cap=cap))
+
+
+async def test_effective_memory_drives_hold_drain_and_recovery(
+    redis: Any, redis_server: RedisServer, node: int
+) -> None:
+    policy = make(redis_server, node)
+    agent = Agent(redis, policy)
+    async with aiohttp.ClientSession() as session:
+        await fault(node, leak_bytes=0)
+        st = (await agent.tick(session))[0]
+        # tiny: 1 GiB card; weights 256 + activations 64 + pool 192 + context 16 MiB used; pool free.
+        assert st["state"] == "open" and st["memory"] == pytest.approx(
+            (256 + 64 + 16) / 1024, abs=1e-3
+        )
+        assert st["gpu_used_bytes"] == (256 + 64 + 192 + 16) * MiB  # raw NVML-like reading
+        # Thresholds are lowered in this policy: effective memory on a full card cannot exceed
+        # 1 - free KV pool, so a leak alone reaches 0.85 only when the KV cache is busy too.
+        await fault(node, leak_bytes=200 * MiB)  # something else eats the GPU
+        st = (await agent.tick(session))[0]
+        assert st["state"] == "hold" and 0.50 <= st["memory"] < 0.60
+        await fault(node, leak_bytes=300 * MiB)
+        st = (await agent.tick(session))[0]
+        assert st["state"] == "drain"
+        published = json.loads(await redis.get(keys.node_state("n1")))
+        assert published["state"] == "drain" and 0 < await redis.pttl(keys.node_state("n1")) <= 5000
+        await fault(node, leak_bytes=150 * MiB)  # below hold, above reopen: still not open
+        st = (await agent.tick(session))[0]
+        assert st["state"] == "hold"
+        await fault(node, leak_bytes=0)
+        st = (await agent.tick(session))[0]
+        assert st["state"] == "open"
+
+
+async def test_dead_node_is_down(redis: Any, redis_server: RedisServer) -> None:
+    policy = make(redis_server, free_port())  # nothing listens there
+    async with aiohttp.ClientSession() as session:
+        st = (await Agent(redis, policy).tick(session))[0]
+    assert st["state"] == "down" and st["healthy"] is False
+
+
+@pytest.fixture
+async def sidecar(
+    redis: Any, redis_server: RedisServer, node: int, tmp_path: Path
+) -> AsyncIterator[tuple[TestClient[Any, Any], Agent]]:
+    path = tmp_path / "p.yaml"
+    path.write_text(POLICY.format(redis=redis_server.url, port=node, cap=1))
+    holder = PolicyHolder(path, load_policy(path), Metrics())
+    client = TestClient(TestServer(build_app(holder)))
+    await client.start_server()
+    yield client, Agent(redis, holder.current)
+    await client.close()
+
+
+async def test_held_requests_wait_then_run_in_priority_order(sidecar: Any, node: int) -> None:
+    client, agent = sidecar
+    async with aiohttp.ClientSession() as session:
+        await fault(node, leak_bytes=200 * MiB)
+        assert (await agent.tick(session))[0]["state"] == "hold"
+        await asyncio.sleep(0.25)
+
+        async def admit(cls: str) -> dict[str, Any]:
+            r = await client.post(
+                "/admit", json={"tenant": "t", "class": cls, "model": "tiny", "max_tokens": 10}
+            )
+            assert r.status == 200
+            return dict(await r.json())
+
+        batch = asyncio.ensure_future(admit("batch"))
+        await asyncio.sleep(0.1)
+        realtime = asyncio.ensure_future(admit("realtime"))
+        await asyncio.sleep(0.5)
+        assert not batch.done() and not realtime.done()  # held, not refused
+        await fault(node, leak_bytes=0)
+        await agent.tick(session)  # memory frees: open
+        first = await asyncio.wait_for(realtime, 5)  # max_inflight 1: one at a time
+        assert not batch.done()
+        assert first["class"] == "realtime"
+        await client.post(
+            "/release", json={"ticket": first["ticket"], "status": 200, "usage": None}
+        )
+        second = await asyncio.wait_for(batch, 5)
+        assert second["class"] == "batch" and second["priority"] == 1
+        await client.post(
+            "/release", json={"ticket": second["ticket"], "status": 200, "usage": None}
+        )
+
+
+async def test_two_sidecar_processes_never_exceed_a_node_cap(
+    redis: Any, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    path = tmp_path / "p.yaml"
+    path.write_text(
+        POLICY.format(redis=redis_server.url, port=1, cap=5).replace(
+            "deadline_s: 20", "deadline_s: 1.5"
+        )
+    )
+    state = {"node": "n1", "state": "open", "memory": 0.1, "per_token": 0.0, "seq": 1}
+    await redis.set(keys.node_state("n1"), json.dumps(state), px=60_000)
+    ports = [free_port(), free_port()]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "admission.cli",
+                "serve",
+                "--policy",
+                str(path),
+                "--port",
+                str(p),
+            ],
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        for p in ports
+    ]
+    try:
+        for p in ports:
+            wait_for(
+                lambda p=p: urllib.request.urlopen(f"http://127.0.0.1:{p}/healthz").status == 200,
+                30,
+                "sidecar",
+            )
+        body = {"tenant": "t", "model": "tiny", "max_tokens": 10}
+        async with aiohttp.ClientSession() as s:
+
+            async def one(i: int) -> int:
+                async with s.post(f"http://127.0.0.1:{ports[i % 2]}/admit", json=body) as r:
+                    return r.status
+
+            statuses = await asyncio.gather(*(one(i) for i in range(40)))
+        assert statuses.count(200) == 5, statuses
+        assert statuses.count(503) == 35  # queue_timeout after the class deadline
+        assert await redis.zcard(keys.node_leases("n1")) == 5
+    finally:
+        for p in procs:
+            stop_process(p)

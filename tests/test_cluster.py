@@ -1,0 +1,81 @@
+"""The limiter and leases on a real 3-master Redis Cluster on loopback (hash tags at work)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from admission.errors import Throttled
+from admission.limiter import Limiter, connect
+from admission.metrics import Metrics
+from tests.procs import RedisServer, free_port
+from tests.test_limiter import tenant_policy
+
+pytestmark = pytest.mark.cluster
+
+
+def _free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    if shutil.which("redis-cli") is None:
+        pytest.fail("redis-cli missing: run scripts/setup.sh")
+    base: Path = tmp_path_factory.mktemp("cluster")
+    servers = []
+    for i in range(3):
+        port = free_port()
+        while port > 55_000 or not _free(port + 10_000):  # the cluster bus listens on port + 10000
+            port = free_port()
+        s = RedisServer(base / str(i), ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
+                                        "--cluster-node-timeout", "2000"])  # fmt: skip
+        s.port = port
+        s.start()
+        servers.append(s)
+    try:
+        addrs = [f"127.0.0.1:{s.port}" for s in servers]
+        subprocess.run(["redis-cli", "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=60)  # fmt: skip
+        for _ in range(100):
+            info = subprocess.run(["redis-cli", "-p", str(servers[0].port), "cluster", "info"],
+                                  capture_output=True, text=True).stdout  # fmt: skip
+            if "cluster_state:ok" in info:
+                break
+            time.sleep(0.1)
+        yield f"redis://127.0.0.1:{servers[0].port}/0"
+    finally:
+        for s in servers:
+            s.stop()
+
+
+async def test_limiter_on_cluster(cluster: str) -> None:
+    p = tenant_policy(
+        cluster, "{requests_per_s: 0.001, request_burst: 5, tokens_per_min: 60, token_burst: 1000}"
+    )
+    p = type(p)(**{**p.__dict__, "redis": type(p.redis)(**{**p.redis.__dict__, "cluster": True})})
+    client = connect(p.redis)
+    try:
+        lim = Limiter(client, lambda: p, Metrics())
+        t = p.tenants["t1"]
+        for i in range(5):
+            assert await lim.acquire(t, f"r{i}", 100, 60) == "redis"
+        with pytest.raises(Throttled) as ei:
+            await lim.acquire(t, "r5", 100, 60)
+        assert ei.value.reason == "requests_per_s"
+        assert await lim.settle(t, "r0", 40) == 60
+        assert await lim.settle(t, "r0", 40) == 0
+    finally:
+        await client.aclose()
