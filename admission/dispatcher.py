@@ -23,10 +23,11 @@ from typing import Any
 
 from admission import keys
 from admission.errors import BackendUnavailable, QueueTimeout
-from admission.limiter import REDIS_DOWN, _script
+from admission.limiter import REDIS_DOWN
 from admission.metrics import Metrics
 from admission.policy import Node, Policy
 from admission.queue import FairQueue, Item
+from admission.scripts import Call, Scripts
 from admission.watermarks import DOWN, MAINTENANCE, OPEN, STATES
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ class Dispatcher:
         self.clock = clock
         self.queue = FairQueue(policy())
         self.views: dict[str, NodeView] = {}
-        self._lease = redis.register_script(_script("lease"))
+        self.scripts = Scripts(redis)
         self._wake = asyncio.Event()
         self._last_refresh_ok = clock()
         self.set_policy(policy())
@@ -122,20 +123,40 @@ class Dispatcher:
         self._wake.set()
 
     # -- requests --------------------------------------------------------------------------
-    async def submit(self, item: Item) -> Admission:
+    def fast_path(self, model: str) -> list[NodeView] | None:
+        """Nodes to admit onto directly, when nobody is waiting (so no one is overtaken)."""
+        if len(self.queue) == 0:
+            return self.eligible_nodes(model) or None
+        return None
+
+    def lease_call(self, node: Node, ticket: str) -> Call:
+        ttl_us = int(self.policy().queue.lease_ttl_s * 1_000_000)
+        return Call("lease", [keys.node_leases(node.id)], [node.max_inflight, ttl_us, ticket])
+
+    def release_call(self, ticket: str) -> Call:
+        """The lease release, to ride with the settle; updates this sidecar's view now."""
+        _rid, node, _tenant = parse_ticket(ticket)
+        v = self.views.get(node)
+        if v is not None:
+            v.inflight = max(0, v.inflight - 1)
+        self._wake.set()
+        return Call(None, [], ["ZREM", keys.node_leases(node), ticket])
+
+    def lease_refused(self, view: NodeView) -> None:
+        view.inflight = view.node.max_inflight  # another sidecar filled it
+
+    async def submit(self, item: Item, fast: bool = True) -> Admission:
         """Queue `item` and wait for a node (or QueueFull now, or QueueTimeout at its deadline).
 
         Cancelling the caller (the client went away) removes the item from the queue, or
         releases its lease if it was admitted in the meantime.
         """
-        if len(self.queue) == 0:
+        if fast and (nodes := self.fast_path(item.model)):
             # Fast path: nobody is waiting, so admitting directly overtakes no one and saves the
             # hop through the dispatcher task (most admissions when the cluster has room).
-            nodes = self.eligible_nodes(item.model)
-            if nodes:
-                adm = await self._admit(item, nodes)
-                if adm is not None:
-                    return adm
+            adm = await self._admit(item, nodes)
+            if adm is not None:
+                return adm
         waiter = _Waiter()
         item.payload = waiter
         self.queue.push(item)
@@ -281,11 +302,15 @@ class Dispatcher:
 
     async def _admit(self, item: Item, nodes: list[NodeView]) -> Admission | None:
         """Take a lease on the best node; None if another sidecar filled it meanwhile."""
-        chosen = nodes[0]
-        ticket = make_ticket(item.rid, chosen.node.id, item.tenant)
-        if not await self._take_lease(chosen.node, ticket):
-            chosen.inflight = chosen.node.max_inflight
+        ticket = make_ticket(item.rid, nodes[0].node.id, item.tenant)
+        if not await self._take_lease(nodes[0].node, ticket):
+            self.lease_refused(nodes[0])
             return None
+        return self.record_admission(item, nodes, ticket)
+
+    def record_admission(self, item: Item, nodes: list[NodeView], ticket: str) -> Admission:
+        """Account a lease taken on nodes[0] (projected usage, in-flight) and build the answer."""
+        chosen = nodes[0]
         chosen.inflight += 1
         chosen.projected_tokens += item.cost
         cls = self.policy().classes.get(item.cls)
@@ -302,11 +327,8 @@ class Dispatcher:
         )
 
     async def _take_lease(self, node: Node, ticket: str) -> bool:
-        ttl_us = int(self.policy().queue.lease_ttl_s * 1_000_000)
         try:
-            res = await self._lease(
-                keys=[keys.node_leases(node.id)], args=[node.max_inflight, ttl_us, ticket]
-            )
+            res = (await self.scripts.run(self.lease_call(node, ticket)))[0]
         except REDIS_DOWN as exc:
             self.metrics.redis_errors.labels("lease").inc()
             if self.policy().redis.failure_mode == "closed":
@@ -314,6 +336,8 @@ class Dispatcher:
                     "lease store unavailable", code="limiter_unavailable"
                 ) from exc
             return True  # fail-open: local in-flight counting only
+        if isinstance(res, Exception):
+            raise res
         return int(res[0]) == 1
 
     # -- admin -----------------------------------------------------------------------------

@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -23,6 +22,7 @@ from admission import keys
 from admission.errors import BackendUnavailable, RequestTooLarge, Throttled
 from admission.metrics import Metrics
 from admission.policy import Limits, Policy, RedisSettings, Tenant
+from admission.scripts import Call, Scripts
 
 log = logging.getLogger(__name__)
 
@@ -53,10 +53,6 @@ def connect(settings: RedisSettings) -> Any:
         socket_connect_timeout=settings.connect_timeout_ms / 1000,
     )
     return aioredis.Redis.from_pool(pool)  # the client owns (and closes) its pool
-
-
-def _script(name: str) -> str:
-    return resources.files("admission").joinpath(f"lua/{name}.lua").read_text()
 
 
 @dataclass(frozen=True)
@@ -110,8 +106,7 @@ class Limiter:
         self.policy = policy
         self.metrics = metrics
         self.clock = clock
-        self._acquire = redis.register_script(_script("acquire"))
-        self._settle = redis.register_script(_script("settle"))
+        self.scripts = Scripts(redis)
         self._down_until = 0.0
         self._local: dict[tuple[str, str], LocalBucket] = {}
 
@@ -119,11 +114,14 @@ class Limiter:
     def degraded(self) -> bool:
         return self.clock() < self._down_until
 
-    async def acquire(self, tenant: Tenant, ticket: str, tokens: int, lease_ttl_s: float) -> str:
-        """Debit one request and `tokens` LLM tokens; return "redis" or "local" (fail-open).
+    async def acquire(
+        self, tenant: Tenant, ticket: str, tokens: int, lease_ttl_s: float, also: Call | None = None
+    ) -> tuple[str, Any]:
+        """Debit one request and `tokens` LLM tokens; return ("redis" | "local", also's result).
 
-        Raises Throttled (with the limit and Retry-After), RequestTooLarge, or
-        BackendUnavailable under fail-closed when Redis is unreachable.
+        `also` (the fast path's node lease) rides in the same round trip; its result is None
+        when it did not run (Redis down). Raises Throttled (with the limit and Retry-After),
+        RequestTooLarge, or BackendUnavailable under fail-closed when Redis is unreachable.
         """
         lim = tenant.limits
         r = Rates.of(lim)
@@ -134,36 +132,62 @@ class Limiter:
                 int(lim.burst_window_s * U), lim.burst_max,
                 lim.max_concurrent, int(lease_ttl_s * U), ticket, tokens,
             ]  # fmt: skip
+            calls = [Call("acquire", keys.tenant_keys(tenant.id, ticket), args)]
+            if also is not None:
+                calls.append(also)
             try:
-                res = await self._acquire(keys=keys.tenant_keys(tenant.id, ticket), args=args)
+                out = await self.scripts.run(*calls)
             except REDIS_DOWN as exc:
                 self._failed("acquire", exc)
             else:
                 self._recovered()
+                res = out[0]
+                if isinstance(res, Exception):
+                    raise res
+                extra = out[1] if also is not None else None
                 if int(res[0]) == 1:
-                    return "redis"
+                    return "redis", extra
+                if also is not None and also.script == "lease" and _granted(extra):
+                    await self.redis.zrem(also.keys[0], also.args[2])  # undo the optimistic lease
                 reason = _s(res[1])
                 if reason.endswith("_exceed_capacity"):
                     limit = "tokens_per_min" if reason.startswith("tokens") else "requests_per_s"
                     cost = tokens if limit == "tokens_per_min" else 1
                     raise RequestTooLarge(limit, cost, int(res[3]) // U)
                 raise Throttled(reason, int(res[2]) / 1000)
-        return self._acquire_local(tenant, tokens)
+        return self._acquire_local(tenant, tokens), None
 
-    async def settle(self, tenant: Tenant, ticket: str, actual_tokens: int) -> int:
-        """Refund (positive) or charge (negative) the difference to the reservation; idempotent."""
+    async def settle(
+        self, tenant: Tenant | None, ticket: str, actual_tokens: int, also: Call | None = None
+    ) -> int:
+        """Refund (positive) or charge (negative) the difference to the reservation; idempotent.
+
+        `also` (the node lease release) rides in the same round trip."""
         if self.degraded:
             return 0
-        r = Rates.of(tenant.limits)
-        k = keys.tenant_keys(tenant.id, ticket)
-        try:
-            res = await self._settle(
-                keys=[k[1], k[3], k[4]], args=[r.tok_cap_u, r.tok_rate_u, actual_tokens, ticket]
+        calls = []
+        if tenant is not None:
+            r = Rates.of(tenant.limits)
+            k = keys.tenant_keys(tenant.id, ticket)
+            calls.append(
+                Call(
+                    "settle", [k[1], k[3], k[4]], [r.tok_cap_u, r.tok_rate_u, actual_tokens, ticket]
+                )
             )
+        if also is not None:
+            calls.append(also)
+        if not calls:
+            return 0
+        try:
+            out = await self.scripts.run(*calls)
         except REDIS_DOWN as exc:
             self._failed("settle", exc)
             return 0
-        delta = int(res[1])
+        if tenant is None:
+            return 0
+        if isinstance(out[0], Exception):
+            raise out[0]
+        delta = int(out[0][1])
         if delta > 0:
             self.metrics.settled_tokens.labels(tenant.id, "refund").inc(delta)
         elif delta < 0:
@@ -215,6 +239,10 @@ class Limiter:
             b = LocalBucket(max(cap, 1.0), rate, self.clock)
             self._local[(tenant, kind)] = b
         return b
+
+
+def _granted(res: Any) -> bool:
+    return isinstance(res, list) and bool(res) and int(res[0]) == 1
 
 
 def _s(v: Any) -> str:

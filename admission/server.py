@@ -18,7 +18,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from admission.dispatcher import Dispatcher, new_request_id, parse_ticket
+from admission.dispatcher import Dispatcher, make_ticket, new_request_id, parse_ticket
 from admission.errors import AdmissionError, BadRequest, QueueFull, QueueTimeout, Throttled
 from admission.limiter import Limiter, connect
 from admission.metrics import Metrics
@@ -132,7 +132,14 @@ async def admit(request: web.Request) -> web.Response:
     limiter = request.app[LIMITER]
     outcome, reason = "error", "internal"
     try:
-        mode = await limiter.acquire(tenant, rid, cost, policy.queue.lease_ttl_s)
+        # Fast path: nobody queued and a node has room → the node lease rides in the same
+        # Redis round trip as the buckets.
+        nodes = dispatcher.fast_path(model)
+        ticket = make_ticket(rid, nodes[0].node.id, tenant.id) if nodes else ""
+        lease = dispatcher.lease_call(nodes[0].node, ticket) if nodes else None
+        mode, leased = await limiter.acquire(
+            tenant, rid, cost, policy.queue.lease_ttl_s, also=lease
+        )
         now = dispatcher.clock()
         item = Item(
             tenant=tenant.id,
@@ -143,11 +150,16 @@ async def admit(request: web.Request) -> web.Response:
             deadline_at=now + policy.classes[cls].deadline_s,
             rid=rid,
         )
-        try:
-            adm = await dispatcher.submit(item)
-        except (QueueFull, QueueTimeout, asyncio.CancelledError):
-            await limiter.settle(tenant, rid, 0)  # nothing ran: refund the whole reservation
-            raise
+        if nodes and isinstance(leased, list) and int(leased[0]) == 1:
+            adm = dispatcher.record_admission(item, nodes, ticket)
+        else:
+            if nodes and leased is not None:
+                dispatcher.lease_refused(nodes[0])
+            try:
+                adm = await dispatcher.submit(item)
+            except (QueueFull, QueueTimeout, asyncio.CancelledError):
+                await limiter.settle(tenant, rid, 0)  # nothing ran: refund the whole reservation
+                raise
         outcome, reason = "admitted", "degraded" if mode == "local" else "ok"
         return web.json_response(
             {
@@ -202,9 +214,9 @@ async def release(request: web.Request) -> web.Response:
         raise BadRequest("usage must be an object or null")
     elif status == 0 or status >= 500:
         actual = 0  # the engine never answered: nothing was consumed
-    await request.app[DISPATCHER].release_lease(ticket)
+    lease = request.app[DISPATCHER].release_call(ticket)
     tenant = request.app[POLICY].current.tenants.get(tid)
-    refunded = await request.app[LIMITER].settle(tenant, rid, actual) if tenant else 0
+    refunded = await request.app[LIMITER].settle(tenant, rid, actual, also=lease)
     return web.json_response({"released": True, "refunded_tokens": refunded})
 
 

@@ -54,7 +54,7 @@ async def test_burst_then_deny_with_retry_after(redis: Any, redis_server: RedisS
     lim, client = await make_limiter(p)
     t = p.tenants["t1"]
     for i in range(3):
-        assert await lim.acquire(t, f"r{i}", 10, 60) == "redis"
+        assert (await lim.acquire(t, f"r{i}", 10, 60))[0] == "redis"
     with pytest.raises(Throttled) as ei:
         await lim.acquire(t, "r3", 10, 60)
     assert ei.value.reason == "requests_per_s"
@@ -79,7 +79,7 @@ async def test_fractional_refill_is_exact(redis: Any, redis_server: RedisServer)
         await lim.acquire(t, "b", 51, 60)
     assert ei.value.reason == "tokens_per_min"
     assert ei.value.retry_after == pytest.approx(0.6, abs=0.01)  # 1 token at 1.667/s
-    assert await lim.acquire(t, "c", 50, 60) == "redis"
+    assert (await lim.acquire(t, "c", 50, 60))[0] == "redis"
     level = int(await redis.hget(keys.tenant_keys("t1", "x")[1], "l"))
     assert 0 <= level < 0.01 * U  # only the few µs between calls refilled
     await client.aclose()
@@ -97,7 +97,7 @@ async def test_half_request_per_second(redis: Any, redis_server: RedisServer) ->
         await lim.acquire(t, "b", 1, 60)
     assert ei.value.retry_after == pytest.approx(0.5, abs=0.01)
     await rewind(redis, "t1", 0, 500_000)
-    assert await lim.acquire(t, "c", 1, 60) == "redis"
+    assert (await lim.acquire(t, "c", 1, 60))[0] == "redis"
     await client.aclose()
 
 
@@ -208,7 +208,7 @@ async def test_concurrency_limit_and_release(redis: Any, redis_server: RedisServ
         await lim.acquire(t, "c", 1, 60)
     assert ei.value.reason == "concurrency"
     await lim.settle(t, "a", 1)
-    assert await lim.acquire(t, "c", 1, 60) == "redis"
+    assert (await lim.acquire(t, "c", 1, 60))[0] == "redis"
     await client.aclose()
 
 
@@ -235,7 +235,7 @@ async def test_noscript_after_script_flush(redis: Any, redis_server: RedisServer
     t = p.tenants["t1"]
     await lim.acquire(t, "a", 1, 60)
     await redis.script_flush()
-    assert await lim.acquire(t, "b", 1, 60) == "redis"  # reloaded on NOSCRIPT
+    assert (await lim.acquire(t, "b", 1, 60))[0] == "redis"  # reloaded on NOSCRIPT
     await lim.settle(t, "b", 0)
     await client.aclose()
 
@@ -290,13 +290,13 @@ async def test_redis_restart_mid_run_and_failure_modes(tmp_path: Any) -> None:
             )
             lim, client = await make_limiter(p)
             t = p.tenants["t1"]
-            assert await lim.acquire(t, f"{mode}-a", 1, 60) == "redis"
+            assert (await lim.acquire(t, f"{mode}-a", 1, 60))[0] == "redis"
             server.stop()
             if mode == "open":
                 # Local bucket at fail_open_fraction (0.5) of burst 4: exactly 2 admitted.
-                assert await lim.acquire(t, "o1", 1, 60) == "local"
+                assert (await lim.acquire(t, "o1", 1, 60))[0] == "local"
                 assert lim.degraded
-                assert await lim.acquire(t, "o2", 1, 60) == "local"
+                assert (await lim.acquire(t, "o2", 1, 60))[0] == "local"
                 with pytest.raises(Throttled):
                     await lim.acquire(t, "o3", 1, 60)
             else:
@@ -305,7 +305,7 @@ async def test_redis_restart_mid_run_and_failure_modes(tmp_path: Any) -> None:
                 assert ei.value.status == 503 and ei.value.code == "limiter_unavailable"
             server.start()
             lim._down_until = 0.0  # skip the 1 s back-off rather than sleep through it
-            assert await lim.acquire(t, f"{mode}-b", 1, 60) == "redis"  # recovered by itself
+            assert (await lim.acquire(t, f"{mode}-b", 1, 60))[0] == "redis"  # recovered by itself
             assert not lim.degraded
             await client.aclose()
     finally:
