@@ -89,6 +89,7 @@ async def test_acquire_with_lease_and_settle_with_release_on_cluster(cluster: st
     p = type(p)(**{**p.__dict__, "redis": type(p.redis)(**{**p.redis.__dict__, "cluster": True})})
     client = connect(p.redis)
     try:
+        await client.flushall()  # the module's cluster is shared with the test above
         lim = Limiter(client, lambda: p, Metrics())
         lease = Call("lease", [keys.node_leases("n1")], [1, 60_000_000, "tk1"])
         mode, res = await lim.acquire(p.tenants["t1"], "a", 100, 60, also=lease)
