@@ -1,8 +1,10 @@
 """Hardware profiles for the emulator's step-time cost model.
 
-Decode is memory-bound: one step reads the weights once plus each sequence's KV cache, so
-    step_s = weights_bytes / hbm_bytes_per_s + Σ context_tokens × kv_bytes_per_token / hbm
-Prefill is compute-bound: ~2 × params FLOPs per token at a realistic model FLOPs utilisation.
+A step is bound by the slower of memory and compute (roofline):
+    memory  = (weights_bytes + Σ context_tokens × kv_bytes_per_token) / hbm_bytes_per_s
+    compute = (prefill + decode tokens) × 2 × params / achievable FLOPs
+Decode alone is memory-bound (weights read once per step); a step with a large prefill chunk is
+compute-bound, so long prompts slow every running sequence's next token, as on a real GPU.
 Public figures (see README "Emulator calibration"): A100-40GB HBM2 1.555 TB/s, 312 TFLOPS bf16;
 H100-80GB SXM HBM3 3.35 TB/s, 989 TFLOPS bf16 (×2 with tensor parallel 2). Llama-3-8B: 8.0e9
 params, 32 layers × 8 KV heads × 128 × 2 (K,V) × 2 B = 128 KiB KV per token; Llama-3-70B: 80
@@ -46,14 +48,15 @@ class Profile:
     def num_blocks(self) -> int:
         return self.kv_pool_bytes // (self.kv_bytes_per_token * self.block_size)
 
-    def step_s(self, prefill_tokens: int, context_tokens: int) -> float:
-        """Seconds one engine step takes: weights read once, KV read per context token,
-        prefill at compute speed."""
-        decode = (
+    def step_s(self, prefill_tokens: int, context_tokens: int, decode_tokens: int = 0) -> float:
+        """Seconds one engine step takes, roofline style: the step is bound by the slower of
+        memory (weights read once + every running sequence's KV) and compute (2 × params
+        FLOPs per prefilled or decoded token), plus a fixed per-step overhead."""
+        memory = (
             self.weights_bytes + context_tokens * self.kv_bytes_per_token
         ) / self.hbm_bytes_per_s
-        prefill = prefill_tokens * 2 * self.params / self.flops_per_s
-        return self.step_overhead_s + decode + prefill
+        compute = (prefill_tokens + decode_tokens) * 2 * self.params / self.flops_per_s
+        return self.step_overhead_s + max(memory, compute)
 
 
 PROFILES = {

@@ -135,7 +135,7 @@ class Scheduler:
             budget -= chunk
             prefill += chunk
         context = sum(s.context for s in self.running)
-        duration = self.p.step_s(prefill, context) if (decoded or prefill) else 0.0
+        duration = self.p.step_s(prefill, context, len(decoded)) if (decoded or prefill) else 0.0
         finished: list[Seq] = []
         end = now + duration
         for seq in decoded:
