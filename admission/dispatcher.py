@@ -28,7 +28,7 @@ from admission.metrics import Metrics
 from admission.policy import Node, Policy
 from admission.queue import FairQueue, Item
 from admission.scripts import Call, Scripts
-from admission.watermarks import DOWN, MAINTENANCE, OPEN, STATES
+from admission.watermarks import DOWN, HOLD, MAINTENANCE, OPEN, STATES
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ class NodeView:
     per_token: float = 0.0  # memory fraction one token of KV takes
     seq: int = -1
     projected_tokens: int = 0  # admitted by this sidecar since the node's last sample
+    admitted_since_sample: int = 0
     inflight: int = 0
     waiting: int = 0
 
@@ -123,10 +124,10 @@ class Dispatcher:
         self._wake.set()
 
     # -- requests --------------------------------------------------------------------------
-    def fast_path(self, model: str) -> list[NodeView] | None:
+    def fast_path(self, model: str, cls: str | None = None) -> list[NodeView] | None:
         """Nodes to admit onto directly, when nobody is waiting (so no one is overtaken)."""
         if len(self.queue) == 0:
-            return self.eligible_nodes(model) or None
+            return self.eligible_nodes(model, cls) or None
         return None
 
     def lease_call(self, node: Node, ticket: str) -> Call:
@@ -151,7 +152,7 @@ class Dispatcher:
         Cancelling the caller (the client went away) removes the item from the queue, or
         releases its lease if it was admitted in the meantime.
         """
-        if fast and (nodes := self.fast_path(item.model)):
+        if fast and (nodes := self.fast_path(item.model, item.requested_cls or item.cls)):
             # Fast path: nobody is waiting, so admitting directly overtakes no one and saves the
             # hop through the dispatcher task (most admissions when the cluster has room).
             adm = await self._admit(item, nodes)
@@ -244,6 +245,7 @@ class Dispatcher:
                 if st.get("seq") != v.seq:
                     v.seq = st.get("seq", -1)
                     v.projected_tokens = 0
+                    v.admitted_since_sample = 0
             v.inflight = int(leases)
         self._gauge_nodes()
 
@@ -255,17 +257,27 @@ class Dispatcher:
             if v.state != MAINTENANCE:
                 v.state = OPEN if fail_open else DOWN
 
-    def eligible_nodes(self, model: str) -> list[NodeView]:
-        hold = self.policy().watermarks.hold
+    def eligible_nodes(self, model: str, cls: str | None = None) -> list[NodeView]:
+        """Nodes serving `model` that may take a request of class `cls` now, least loaded first.
+
+        Open nodes below the hold watermark (after projection) take every class; a class with
+        `admit_until: drain` is also admitted to held nodes, up to the drain watermark.
+        """
+        wm = self.policy().watermarks
+        c = self.policy().classes.get(cls) if cls else None
+        until_drain = c is not None and c.admit_until == "drain"
+        limit = wm.drain if until_drain else wm.hold
+        states = (OPEN, HOLD) if until_drain else (OPEN,)
         ok = [
             v
             for v in self.views.values()
             if model in v.node.models
-            and v.state == OPEN
-            and v.projected() < hold
+            and v.state in states
+            and v.projected() < limit
             and v.inflight < v.node.max_inflight
+            and (until_drain or v.waiting + v.admitted_since_sample < wm.max_engine_waiting)
         ]
-        ok.sort(key=lambda v: (v.load(hold), v.node.id))
+        ok.sort(key=lambda v: (v.load(wm.hold), v.node.id))
         return ok
 
     def serves(self, model: str) -> bool:
@@ -276,13 +288,18 @@ class Dispatcher:
         admitted = 0
         self.queue.age(self.clock())
         while True:
-            item = self.queue.pop(self.clock(), lambda it: bool(self.eligible_nodes(it.model)))
+            # Memory rules follow the class a request asked for: aging moves it up the queue,
+            # but does not let a long batch request use the headroom kept for realtime.
+            item = self.queue.pop(
+                self.clock(),
+                lambda it: bool(self.eligible_nodes(it.model, it.requested_cls or it.cls)),
+            )
             if item is None:
                 break
             waiter: _Waiter = item.payload
             if waiter.future.done():  # the waiter gave up between pop and now
                 continue
-            nodes = self.eligible_nodes(item.model)
+            nodes = self.eligible_nodes(item.model, item.requested_cls or item.cls)
             try:
                 adm = await self._admit(item, nodes)
             except BackendUnavailable as exc:
@@ -313,6 +330,7 @@ class Dispatcher:
         chosen = nodes[0]
         chosen.inflight += 1
         chosen.projected_tokens += item.cost
+        chosen.admitted_since_sample += 1
         cls = self.policy().classes.get(item.cls)
         now = self.clock()
         self.metrics.queue_wait_seconds.labels(item.cls).observe(now - item.enqueued_at)

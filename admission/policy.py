@@ -62,6 +62,10 @@ class Watermarks:
     drain: float = 0.85  # at or above: no new requests at all; in-flight finish
     reopen: float = 0.75  # hysteresis: a held/drained node opens again below this
     stale_after_s: float = 3.0  # a node state older than this means the node is down
+    # Classes admitted until `hold` also wait while the engine already has this many requests
+    # of its own waiting: vLLM admits from its backlog whenever KV blocks free up, so a backlog
+    # inside the engine keeps the KV cache full (and the node at drain) whatever the edge does.
+    max_engine_waiting: int = 2
 
 
 @dataclass(frozen=True)
@@ -76,6 +80,10 @@ class ClassPolicy:
     promote_after_s: float | None  # waited this long → moves up one class (None: never)
     slo_ttft_ms: float | None = None
     slo_e2e_ms: float | None = None
+    # Watermark at which this class stops being admitted to a node: "hold" (default) or "drain".
+    # An urgent class admitted until drain keeps flowing while a node is held: vLLM's priority
+    # scheduler makes room for it by preempting lower classes, which the edge keeps out.
+    admit_until: str = "hold"
 
 
 @dataclass(frozen=True)
@@ -265,6 +273,9 @@ def _watermarks(c: Checker, raw: Any) -> Watermarks:
         stale_after_s=c.number(
             m, "stale_after_s", "watermarks", d.stale_after_s, lo=0, lo_open=True
         ),
+        max_engine_waiting=c.integer(
+            m, "max_engine_waiting", "watermarks", d.max_engine_waiting, lo=1
+        ),
     )
     if w.hold >= w.drain:
         c.err("watermarks.hold", f"must be below drain ({w.drain}), got {w.hold}")
@@ -293,7 +304,15 @@ def _tiers(c: Checker, raw: Any) -> dict[str, float]:
     return {str(k): c.number(m, k, "tiers", None, lo=0, lo_open=True) for k in m}
 
 
-_CLASS_KEYS = {"weight", "min_share", "priority", "deadline_s", "promote_after_s", "slo"}
+_CLASS_KEYS = {
+    "weight",
+    "min_share",
+    "priority",
+    "deadline_s",
+    "promote_after_s",
+    "slo",
+    "admit_until",
+}
 
 
 def _classes(c: Checker, raw: Any) -> dict[str, ClassPolicy]:
@@ -317,6 +336,7 @@ def _classes(c: Checker, raw: Any) -> dict[str, ClassPolicy]:
                 promote_after_s=c.optional_number(b, "promote_after_s", p, lo=0, lo_open=True),
                 slo_ttft_ms=c.optional_number(slo, "ttft_ms", f"{p}.slo", lo=0, lo_open=True),
                 slo_e2e_ms=c.optional_number(slo, "e2e_ms", f"{p}.slo", lo=0, lo_open=True),
+                admit_until=c.choice(b, "admit_until", p, "hold", ("hold", "drain")),
             )
         )
     if sum(k.min_share for k in out) > 1:

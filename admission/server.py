@@ -134,7 +134,7 @@ async def admit(request: web.Request) -> web.Response:
     try:
         # Fast path: nobody queued and a node has room → the node lease rides in the same
         # Redis round trip as the buckets.
-        nodes = dispatcher.fast_path(model)
+        nodes = dispatcher.fast_path(model, cls)
         ticket = make_ticket(rid, nodes[0].node.id, tenant.id) if nodes else ""
         lease = dispatcher.lease_call(nodes[0].node, ticket) if nodes else None
         mode, leased = await limiter.acquire(

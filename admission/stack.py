@@ -286,6 +286,21 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_demo(args: argparse.Namespace) -> int:
+    """One-minute mixed overload, FIFO vs the admission stack, then the stack stays up."""
+    from loadtest.bench import main as bench_main
+
+    out = Path(args.run_dir).resolve().parent / "demo-report"
+    print("demo: a one-minute mixed overload (1.5x capacity) on emulated A100 nodes, first through "
+          "plain NGINX round-robin (FIFO), then through the admission stack ...", flush=True)  # fmt: skip
+    bench_main(["--systems", "fifo,admission", "--nodes", str(args.nodes), "--seconds", str(args.seconds),
+                "--out", str(out)])  # fmt: skip
+    if args.no_serve:
+        return 0
+    print("\nnow serving the stack for you to try (Ctrl-C stops everything):", flush=True)
+    return cmd_up(args)
+
+
 def add_commands(sub: Any) -> None:
     u = sub.add_parser("up", help="run the whole stack locally in the foreground")
     u.add_argument("--policy", default=str(ROOT / "policies.yaml"))
@@ -296,3 +311,21 @@ def add_commands(sub: Any) -> None:
     u.add_argument("--redis-url", help="use this Redis instead of starting one")
     u.add_argument("--run-dir", default=str(ROOT / "run"))
     u.set_defaults(fn=cmd_up)
+
+    d = sub.add_parser("demo", help="benchmark FIFO vs admission for a minute, then run the stack")
+    d.add_argument("--policy", default=str(ROOT / "policies.yaml"))
+    d.add_argument("--engine", choices=["sim"], default="sim")
+    d.add_argument("--nodes", type=int, default=4)
+    d.add_argument("--seconds", type=float, default=60)
+    d.add_argument("--port", type=int, default=8080)
+    d.add_argument("--sidecars", type=int, default=2)
+    d.add_argument("--redis-url")
+    d.add_argument("--run-dir", default=str(ROOT / "run"))
+    d.add_argument("--no-serve", action="store_true", help="exit after the report")
+    d.set_defaults(fn=cmd_demo)
+
+    b = sub.add_parser(
+        "bench", help="the four-system benchmark (see loadtest/bench.py)", add_help=False
+    )
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(fn=lambda a: __import__("loadtest.bench", fromlist=["main"]).main(a.rest))

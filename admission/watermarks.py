@@ -57,18 +57,17 @@ def effective_fraction(
 def next_state(current: str, fraction: float, wm: Watermarks) -> str:
     """Watermark transition with hysteresis (health and maintenance are decided elsewhere).
 
-    open → hold at ≥ hold, → drain at ≥ drain; hold → drain at ≥ drain; drain → hold once
-    below hold; hold/drain → open only below reopen, so a node hovering at a threshold
-    does not flap.
+    open → hold at ≥ hold, → drain at ≥ drain; hold → drain at ≥ drain. Leaving needs the
+    fraction to fall a band below the threshold (band = hold − reopen): drain → hold below
+    drain − band, hold → open below reopen; so a node hovering at a threshold does not flap.
     """
+    band = wm.hold - wm.reopen
     if fraction >= wm.drain:
         return DRAIN
+    if current == DRAIN and fraction >= wm.drain - band:
+        return DRAIN
     if current in (HOLD, DRAIN):
-        if fraction < wm.reopen:
-            return OPEN
-        if current == DRAIN and fraction >= wm.hold:
-            return DRAIN
-        return HOLD
+        return OPEN if fraction < wm.reopen else HOLD
     if fraction >= wm.hold:
         return HOLD
     return OPEN

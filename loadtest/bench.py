@@ -1,0 +1,335 @@
+"""The benchmark: one mixed overload against four ways of fronting the same vLLM nodes.
+
+    .venv/bin/python -m loadtest.bench [--systems fifo,limit_req,vllm_priority,admission]
+        [--nodes 4] [--load 1.5] [--seconds 60] [--profile a100-40gb-llama3-8b] [--out bench-out]
+
+Systems (each on fresh emulated nodes, one after another, same seeded arrivals):
+  fifo           NGINX round-robin straight to the nodes; vLLM --scheduling-policy fcfs
+  limit_req      stock NGINX: limit_req per tenant (policy requests_per_s/burst) + least_conn; fcfs
+  vllm_priority  NGINX round-robin; vLLM priority scheduling with the class as `priority`
+  admission      the full stack: NGINX + Lua edge, sidecar, Redis, node agent; priority nodes
+Capacity is calibrated first (engine core in virtual time, loadtest.capacity) and the offered
+rate is --load times it. Arrivals are open-loop Poisson, sent with streaming so TTFT is seen.
+Output: a markdown table (printed), report.json and PNG plots in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from admission.policy import load_policy
+from admission.stack import MODULES, ROOT, Stack, free_port
+from engine.profiles import PROFILES
+from loadtest import report
+from loadtest.capacity import capacity
+from loadtest.workload import Req, prompt_text, schedule
+from tests.procs import port_open, stop_process, wait_for
+
+BENCH_POLICY = ROOT / "loadtest" / "bench_policy.yaml"
+SYSTEMS = ("fifo", "limit_req", "vllm_priority", "admission")
+
+
+def demo_keys(policy_path: Path) -> dict[str, str]:
+    return {t.id: t.demo_keys[0] for t in load_policy(policy_path).tenants.values() if t.demo_keys}
+
+
+def plain_nginx(run: Path, port: int, node_ports: list[int], system: str, policy_path: Path) -> str:
+    """nginx.conf for the systems without the admission edge."""
+    policy = load_policy(policy_path)
+    keys = demo_keys(policy_path)
+    balance = "least_conn;" if system == "limit_req" else ""
+    servers = "\n".join(f"server 127.0.0.1:{p} max_fails=0;" for p in node_ports)
+    limit_http = limit_loc = ""
+    if system == "limit_req":
+        for t in policy.tenants.values():
+            if t.id in keys:
+                zone = t.id.replace("-", "_")
+                limit_http += (f'map $http_authorization $lim_{zone} {{ default ""; "Bearer {keys[t.id]}" $binary_remote_addr; }}\n'
+                               f"limit_req_zone $lim_{zone} zone={zone}:1m rate={max(1, int(t.limits.requests_per_s))}r/s;\n")  # fmt: skip
+                limit_loc += f"limit_req zone={zone} burst={t.limits.request_burst} nodelay;\n"
+    return f"""
+daemon off; worker_processes 2; pid {run}/nginx.pid; error_log {run}/nginx-error.log warn;
+events {{ worker_connections 4096; }}
+http {{
+  access_log off; client_body_temp_path {run}/cb; proxy_temp_path {run}/px;
+  fastcgi_temp_path {run}/fc; uwsgi_temp_path {run}/uw; scgi_temp_path {run}/sc;
+  limit_req_status 429;
+  {limit_http}
+  upstream nodes {{ {balance} {servers} keepalive 256; }}
+  server {{
+    listen 127.0.0.1:{port} backlog=4096;
+    client_max_body_size 1m; client_body_buffer_size 1m;
+    location / {{ {limit_loc} proxy_pass http://nodes; proxy_http_version 1.1; proxy_set_header Connection "";
+                 proxy_buffering off; proxy_read_timeout 600s; }}
+  }}
+}}"""
+
+
+def _healthy(port: int) -> Callable[[], bool]:
+    def check() -> bool:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+            return bool(r.status == 200)
+
+    return check
+
+
+class NodeSet:
+    """Emulated nodes for one system run."""
+
+    def __init__(self, n: int, profile: str, policy: str, run: Path) -> None:
+        self.ports = [free_port() for _ in range(n)]
+        self.procs: list[subprocess.Popen[bytes]] = []
+        for p in self.ports:
+            args = [sys.executable, "-m", "engine", "--port", str(p), "--profile", profile,
+                    "--scheduling-policy", policy]  # fmt: skip
+            with open(run / f"node-{p}.log", "wb") as log:
+                self.procs.append(
+                    subprocess.Popen(
+                        args, cwd=ROOT, start_new_session=True, stdout=log, stderr=subprocess.STDOUT
+                    )
+                )
+        for p in self.ports:
+            wait_for(_healthy(p), 30, "node")
+
+    def policy_nodes(self, model: str, max_inflight: int) -> dict[str, Any]:
+        return {f"node-{i}": {"url": f"http://127.0.0.1:{p}", "models": [model], "memory_source": "effective",
+                              "device_url": f"http://127.0.0.1:{p}/sim/device", "max_inflight": max_inflight}
+                for i, p in enumerate(self.ports)}  # fmt: skip
+
+    def stop(self) -> None:
+        for p in self.procs:
+            stop_process(p)
+
+
+async def sample_nodes(ports: list[int], stop: asyncio.Event, series: dict[str, list[tuple[float, float]]],
+                       nodes: dict[str, dict[str, float]], queue_url: str | None, t0: float) -> None:  # fmt: skip
+    """Every 0.5 s: effective memory of each node (simulated NVML − free KV pool), waiting."""
+    async with aiohttp.ClientSession() as s:
+        while not stop.is_set():
+            waiting = 0.0
+            for p in ports:
+                try:
+                    async with s.get(f"http://127.0.0.1:{p}/sim/device") as r:
+                        dev = await r.json()
+                    async with s.get(f"http://127.0.0.1:{p}/metrics") as r:
+                        text = await r.text()
+                except aiohttp.ClientError:
+                    continue
+                vals = {
+                    ln.split("{")[0]: float(ln.split()[-1])
+                    for ln in text.splitlines()
+                    if ln.startswith("vllm:")
+                }
+                pool = next(float(ln.split('kv_cache_memory_bytes="')[1].split('"')[0]) for ln in text.splitlines()
+                            if ln.startswith("vllm:cache_config_info"))  # fmt: skip
+                kv = vals.get("vllm:kv_cache_usage_perc", 0.0)
+                mem = (dev["used_bytes"] - pool * (1 - kv)) / dev["total_bytes"]
+                n = nodes.setdefault(f"node-{p}", {"peak_memory": 0.0, "preemptions": 0.0})
+                n["peak_memory"] = max(n["peak_memory"], mem)
+                n["preemptions"] = vals.get("vllm:num_preemptions_total", 0.0)
+                series.setdefault(f"mem node-{p}", []).append((time.monotonic() - t0, mem))
+                waiting += vals.get("vllm:num_requests_waiting", 0.0)
+            if queue_url:
+                try:
+                    async with s.get(queue_url) as r:
+                        waiting = float((await r.json())["queued"])
+                except aiohttp.ClientError:
+                    pass
+            series.setdefault("queued", []).append((time.monotonic() - t0, waiting))
+            try:
+                await asyncio.wait_for(stop.wait(), 0.5)
+            except TimeoutError:
+                pass
+
+
+def _has_token(event: bytes) -> bool:
+    try:
+        choices = json.loads(event).get("choices") or []
+    except ValueError:
+        return False
+    if not choices:
+        return False
+    c = choices[0]
+    return bool((c.get("delta") or {}).get("content") or c.get("text"))
+
+
+async def one(s: aiohttp.ClientSession, url: str, req: Req, key: str, priority: int | None, system: str,
+              model: str, t0: float) -> report.Record:  # fmt: skip
+    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt_text(req.prompt_tokens)}],
+                            "max_tokens": req.max_tokens, "stream": True,
+                            "stream_options": {"include_usage": True}}  # fmt: skip
+    if priority is not None:
+        body["priority"] = priority
+    headers = {"Authorization": f"Bearer {key}", "X-Request-Class": req.cls}
+    rec = report.Record(system, req.kind, req.tenant, req.cls, req.at_s, 0)
+    start = time.monotonic()
+    rec.late_s = start - (t0 + req.at_s)
+    try:
+        async with s.post(url, json=body, headers=headers) as r:
+            rec.status = r.status
+            if r.status != 200:
+                try:
+                    rec.code = str((await r.json(content_type=None))["error"]["code"])
+                except (ValueError, KeyError, TypeError, aiohttp.ClientError):
+                    rec.code = ""
+                return rec
+            tail = b""
+            pending = b""
+            async for chunk in r.content.iter_any():
+                if rec.ttft_s is None:
+                    # Parse events only until the first token (the role-only first chunk of a
+                    # chat stream does not count); afterwards keep just a tail for the usage.
+                    pending += chunk
+                    *lines, pending = pending.split(b"\n")
+                    for line in lines:
+                        if line.startswith(b"data: {") and _has_token(line[6:]):
+                            rec.ttft_s = time.monotonic() - start
+                            break
+                tail = (tail + chunk)[-4096:]
+            rec.e2e_s = time.monotonic() - start
+            if rec.ttft_s is None:
+                rec.ttft_s = rec.e2e_s
+            for line in tail.split(b"\n"):
+                if line.startswith(b"data: {") and b'"usage"' in line:
+                    usage = json.loads(line[6:]).get("usage") or {}
+                    rec.completion_tokens = int(usage.get("completion_tokens", 0))
+    except (aiohttp.ClientError, TimeoutError, ConnectionError):
+        rec.status = 0
+    return rec
+
+
+async def drive(url: str, reqs: list[Req], keys: dict[str, str], prios: dict[str, int] | None, system: str,
+                model: str, ports: list[int], queue_url: str | None) -> report.SystemResult:  # fmt: skip
+    stop = asyncio.Event()
+    series: dict[str, list[tuple[float, float]]] = {}
+    nodes: dict[str, dict[str, float]] = {}
+    t0 = time.monotonic()
+    sampler = asyncio.create_task(sample_nodes(ports, stop, series, nodes, queue_url, t0))
+    timeout = aiohttp.ClientTimeout(total=900)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as s:
+        tasks = []
+        for r in reqs:
+            if (d := t0 + r.at_s - time.monotonic()) > 0:
+                await asyncio.sleep(d)
+            prio = prios[r.cls] if prios is not None else None
+            tasks.append(
+                asyncio.create_task(one(s, url, r, keys[r.tenant], prio, system, model, t0))
+            )
+        records = await asyncio.gather(*tasks)
+    stop.set()
+    await sampler
+    seconds = max(r.at_s for r in reqs) if reqs else 1.0
+    return report.SystemResult(system, seconds, list(records), nodes, series)
+
+
+def run_system(
+    system: str, a: argparse.Namespace, reqs: list[Req], work: Path
+) -> report.SystemResult:
+    run = work / system
+    run.mkdir(parents=True, exist_ok=True)
+    policy_path = Path(a.policy)
+    keys = demo_keys(policy_path)
+    model = PROFILES[a.profile].model
+    prios = {c.name: c.priority for c in load_policy(policy_path).classes.values()}
+    nodes = NodeSet(
+        a.nodes, a.profile, "fcfs" if system in ("fifo", "limit_req") else "priority", run
+    )
+    procs: list[subprocess.Popen[bytes]] = []
+    stack = None
+    try:
+        if system == "admission":
+            raw = yaml.safe_load(policy_path.read_text())
+            tenants = {k: {**v, "models": [model]} for k, v in raw["tenants"].items()}
+            stack = Stack(policy_path, run, external_nodes=nodes.policy_nodes(model, a.max_inflight),
+                          policy_overrides={"tenants": tenants})  # fmt: skip
+            stack.start()
+            url, queue_url = f"{stack.url}/v1/chat/completions", f"{stack.sidecar_url}/healthz"
+        else:
+            port = free_port()
+            conf = run / "nginx.conf"
+            mods = "\n".join(f"load_module {m};" for m in MODULES if Path(m).exists())
+            conf.write_text(mods + plain_nginx(run, port, nodes.ports, system, policy_path))
+            for d in ("cb", "px", "fc", "uw", "sc"):
+                (run / d).mkdir(exist_ok=True)
+            procs.append(
+                subprocess.Popen(["nginx", "-c", str(conf), "-p", str(run)], start_new_session=True)
+            )
+            wait_for(lambda: port_open(port), 10, "nginx")
+            url, queue_url = f"http://127.0.0.1:{port}/v1/chat/completions", None
+        return asyncio.run(drive(url, reqs, keys, prios if system == "vllm_priority" else None, system, model,
+                                 nodes.ports, queue_url))  # fmt: skip
+    finally:
+        if stack is not None:
+            stack.stop()
+        for p in procs:
+            stop_process(p)
+        nodes.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument(
+        "--load", type=float, default=1.5, help="offered load as a multiple of capacity"
+    )
+    ap.add_argument("--seconds", type=float, default=60)
+    ap.add_argument("--profile", default="a100-40gb-llama3-8b")
+    ap.add_argument("--policy", default=str(BENCH_POLICY))
+    ap.add_argument(
+        "--max-inflight",
+        type=int,
+        default=256,
+        help="admission: in-flight cap per node (the engine max_num_seqs)",
+    )
+    ap.add_argument("--out", default="bench-out")
+    a = ap.parse_args(argv)
+    cap = capacity(a.profile) * a.nodes
+    rate = cap * a.load
+    reqs = schedule(rate, a.seconds)
+    print(f"capacity {cap:.1f} req/s ({a.nodes} x {a.profile}); offering {rate:.1f} req/s ({a.load}x) "
+          f"for {a.seconds:.0f}s: {len(reqs)} requests per system", flush=True)  # fmt: skip
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    policy = load_policy(a.policy)
+    slo = {c.name: c.slo_ttft_ms / 1000 for c in policy.classes.values() if c.slo_ttft_ms}
+    weights = {
+        t.id: t.weight
+        for t in policy.tenants.values()
+        if "realtime" in t.classes and t.id != "nightly-etl"
+    }
+    results, summaries = [], []
+    work = Path(tempfile.mkdtemp(prefix="bench-"))
+    for system in a.systems.split(","):
+        print(f"running {system} ...", flush=True)
+        res = run_system(system, a, reqs, work)
+        results.append(res)
+        summaries.append(report.summarise(res, slo, weights))
+    table = report.markdown(summaries)
+    print("\n" + table + "\n")
+    (out / "report.md").write_text(table + "\n")
+    report.write_json(out / "report.json", summaries, results)
+    paths = report.plots(out, results, summaries)
+    print(
+        f"report: {out / 'report.md'}, {out / 'report.json'}; plots: {', '.join(str(p) for p in paths)}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

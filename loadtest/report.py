@@ -1,0 +1,242 @@
+"""Benchmark report: per-request records in, tables, JSON and plots out. Pure except `plots`.
+
+A record is one request as the client saw it. "Lost" means the client got no answer, a reset,
+or a 5xx that the policy did not produce (the policy's own refusals are 429s and 503s with a
+named `error.code`); lost requests are the one number that must be zero.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+POLICY_CODES = {"queue_timeout", "queue_full", "limiter_unavailable", "admission_unavailable", "requests_per_s",
+                "tokens_per_min", "burst", "concurrency", "request_exceeds_limit"}  # fmt: skip
+
+
+@dataclass
+class Record:
+    system: str
+    kind: str
+    tenant: str
+    cls: str
+    sent_s: float
+    status: int  # 0: no answer (connection error, reset, timeout)
+    code: str = ""  # error.code of a refusal
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    completion_tokens: int = 0
+    late_s: float = 0.0  # how late the generator sent it
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.ttft_s is not None
+
+    @property
+    def lost(self) -> bool:
+        if self.status == 0:
+            return True
+        return self.status >= 500 and self.code not in POLICY_CODES
+
+
+def percentile(xs: list[float], p: float) -> float:
+    """Nearest-rank percentile (p in 0..100); NaN for no data."""
+    if not xs:
+        return math.nan
+    s = sorted(xs)
+    k = max(0, min(len(s) - 1, math.ceil(p / 100 * len(s)) - 1))
+    return s[k]
+
+
+def attainment(records: list[Record], ttft_target_s: float) -> float:
+    """Share of the class's requests (refused ones included) answered with TTFT within target."""
+    if not records:
+        return math.nan
+    return sum(
+        1 for r in records if r.ok and r.ttft_s is not None and r.ttft_s <= ttft_target_s
+    ) / len(records)
+
+
+def shares(served: dict[str, float], weights: dict[str, float]) -> dict[str, tuple[float, float]]:
+    """tenant → (share of served tokens, share by weight), over the tenants in `weights`."""
+    total = sum(served.get(t, 0.0) for t in weights)
+    wsum = sum(weights.values())
+    return {
+        t: ((served.get(t, 0.0) / total) if total else math.nan, w / wsum)
+        for t, w in weights.items()
+    }
+
+
+@dataclass
+class SystemResult:
+    system: str
+    seconds: float
+    records: list[Record]
+    nodes: dict[str, dict[str, float]] = field(
+        default_factory=dict
+    )  # node → peak_memory, preemptions
+    series: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # name → (t, value)
+
+
+def summarise(
+    res: SystemResult, slo_ttft_s: dict[str, float], tenant_weights: dict[str, float]
+) -> dict[str, Any]:
+    by_cls: dict[str, list[Record]] = defaultdict(list)
+    for r in res.records:
+        by_cls[r.cls].append(r)
+    classes = {}
+    for cls, rs in sorted(by_cls.items()):
+        ok = [r for r in rs if r.ok]
+        classes[cls] = {
+            "sent": len(rs),
+            "ok": len(ok),
+            "slo_ttft_ms": slo_ttft_s[cls] * 1000 if cls in slo_ttft_s else None,
+            "slo_attainment": attainment(rs, slo_ttft_s[cls]) if cls in slo_ttft_s else None,
+            "ttft_p50_ms": percentile([r.ttft_s * 1000 for r in ok if r.ttft_s is not None], 50),
+            "ttft_p99_ms": percentile([r.ttft_s * 1000 for r in ok if r.ttft_s is not None], 99),
+            "e2e_p50_ms": percentile([r.e2e_s * 1000 for r in ok if r.e2e_s is not None], 50),
+            "e2e_p99_ms": percentile([r.e2e_s * 1000 for r in ok if r.e2e_s is not None], 99),
+            "refused": dict(
+                Counter(
+                    r.code or str(r.status) for r in rs if r.status not in (0, 200) and not r.lost
+                )
+            ),
+            "lost": sum(1 for r in rs if r.lost),
+        }
+    served: dict[str, float] = defaultdict(float)
+    for r in res.records:
+        if r.ok and r.cls == "realtime":
+            served[r.tenant] += r.completion_tokens
+    return {
+        "system": res.system,
+        "seconds": res.seconds,
+        # Goodput: output tokens of requests answered within their class's TTFT target (classes
+        # without a target count when answered); throughput counts every answered request.
+        "goodput_tokens_per_s": sum(
+            r.completion_tokens
+            for r in res.records
+            if r.ok and (r.cls not in slo_ttft_s or (r.ttft_s or 0) <= slo_ttft_s[r.cls])
+        )
+        / res.seconds,
+        "throughput_tokens_per_s": sum(r.completion_tokens for r in res.records if r.ok)
+        / res.seconds,
+        "completed_per_s": sum(1 for r in res.records if r.ok) / res.seconds,
+        "lost": sum(1 for r in res.records if r.lost),
+        "generator_late_p99_ms": percentile([r.late_s * 1000 for r in res.records], 99),
+        "classes": classes,
+        "realtime_shares": {
+            t: {"served": s, "weight": w} for t, (s, w) in shares(served, tenant_weights).items()
+        },
+        "nodes": res.nodes,
+    }
+
+
+def _f(x: Any, fmt: str = "{:.0f}") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return fmt.format(x)
+
+
+def markdown(summaries: list[dict[str, Any]]) -> str:
+    lines = ["| system | class | sent | SLO (TTFT) attainment | TTFT p50 / p99 ms | e2e p50 / p99 ms | refused | lost |",
+             "|---|---|---:|---:|---:|---:|---|---:|"]  # fmt: skip
+    for s in summaries:
+        for cls, c in s["classes"].items():
+            att = _f(c["slo_attainment"], "{:.1%}") + (
+                f" (≤{c['slo_ttft_ms']:.0f} ms)" if c["slo_ttft_ms"] else ""
+            )
+            ref = ", ".join(f"{k} {v}" for k, v in sorted(c["refused"].items())) or "–"
+            lines.append(f"| {s['system']} | {cls} | {c['sent']} | {att} | {_f(c['ttft_p50_ms'])} / {_f(c['ttft_p99_ms'])} "
+                         f"| {_f(c['e2e_p50_ms'])} / {_f(c['e2e_p99_ms'])} | {ref} | {c['lost']} |")  # fmt: skip
+    lines += ["", "| system | goodput tok/s | throughput tok/s | completed/s | lost | realtime token shares (served vs weight) | peak effective memory | preemptions |",
+              "|---|---:|---:|---:|---:|---|---:|---:|"]  # fmt: skip
+    for s in summaries:
+        sh = ", ".join(
+            f"{t} {_f(v['served'], '{:.0%}')} vs {v['weight']:.0%}"
+            for t, v in s["realtime_shares"].items()
+        )
+        mem = max((n.get("peak_memory", math.nan) for n in s["nodes"].values()), default=math.nan)
+        pre = sum(n.get("preemptions", 0) for n in s["nodes"].values())
+        lines.append(f"| {s['system']} | {s['goodput_tokens_per_s']:.0f} | {s['throughput_tokens_per_s']:.0f} | {s['completed_per_s']:.1f} | {s['lost']} | {sh} "
+                     f"| {_f(mem, '{:.1%}')} | {pre:.0f} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def write_json(path: Path, summaries: list[dict[str, Any]], results: list[SystemResult]) -> None:
+    doc = {
+        "summaries": summaries,
+        "records": {r.system: [asdict(x) for x in r.records] for r in results},
+    }
+    path.write_text(
+        json.dumps(
+            doc, indent=1, default=lambda x: None if isinstance(x, float) and math.isnan(x) else x
+        )
+    )
+
+
+def plots(
+    out_dir: Path, results: list[SystemResult], summaries: list[dict[str, Any]]
+) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    classes = sorted({r.cls for res in results for r in res.records})
+    fig, axes = plt.subplots(1, len(classes), figsize=(5 * len(classes), 4), squeeze=False)
+    for ax, cls in zip(axes[0], classes, strict=True):
+        for res in results:
+            xs = sorted(
+                r.ttft_s for r in res.records if r.cls == cls and r.ok and r.ttft_s is not None
+            )
+            if xs:
+                ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=res.system)
+        ax.set_xscale("log")
+        ax.set_title(f"TTFT CDF — {cls}")
+        ax.set_xlabel("seconds")
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "ttft_cdf.png")
+    fig.savefig(paths[-1], dpi=90)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    tenants = list(summaries[0]["realtime_shares"]) if summaries else []
+    width = 0.8 / (len(summaries) + 1)
+    for i, s in enumerate(summaries):
+        ax.bar([j + i * width for j in range(len(tenants))], [s["realtime_shares"][t]["served"] for t in tenants], width,
+               label=s["system"])  # fmt: skip
+    if summaries:
+        ax.bar([j + len(summaries) * width for j in range(len(tenants))],
+               [summaries[0]["realtime_shares"][t]["weight"] for t in tenants], width, label="weight", color="black")  # fmt: skip
+    ax.set_xticks([j + 0.4 for j in range(len(tenants))], tenants)
+    ax.set_title("realtime: share of served tokens vs weight")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "shares.png")
+    fig.savefig(paths[-1], dpi=90)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    for res in results:
+        for name, pts in res.series.items():
+            ax = axes[0] if name == "queued" else axes[1]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"{res.system} {name}")
+    axes[0].set_title("queue depth (admission: sidecar queue; others: vLLM waiting)")
+    axes[1].set_title("effective node memory (fraction)")
+    axes[1].set_xlabel("seconds")
+    for ax in axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=6)
+    fig.tight_layout()
+    paths.append(out_dir / "timeline.png")
+    fig.savefig(paths[-1], dpi=90)
+    plt.close(fig)
+    return paths

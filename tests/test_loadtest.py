@@ -1,0 +1,64 @@
+"""Load testing end to end: a short smoke run of the benchmark, and locust against the edge."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from admission.stack import Stack
+from tests.conftest import ROOT
+
+pytestmark = pytest.mark.timeout(400)
+
+
+def test_benchmark_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "loadtest.bench", "--systems", "fifo,admission", "--nodes", "1", "--seconds", "6",
+         "--load", "1.0", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=360,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads((out / "report.json").read_text())
+    systems = [s["system"] for s in doc["summaries"]]
+    assert systems == ["fifo", "admission"]
+    for s in doc["summaries"]:
+        assert s["lost"] == 0
+        assert s["classes"]["realtime"]["sent"] > 0
+        assert s["goodput_tokens_per_s"] > 0
+    assert "| admission | realtime |" in (out / "report.md").read_text()
+    for name in ("ttft_cdf.png", "shares.png", "timeline.png"):
+        assert (out / name).stat().st_size > 1000
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(ROOT / "policies.yaml", tmp_path_factory.mktemp("locust-stack"), nodes=1, sidecars=1)
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+
+
+def test_locust_headless_reports_ttft_per_class(stack: Stack, tmp_path: Path) -> None:
+    prefix = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"), "--host", stack.url,
+         "--headless", "-u", "6", "-r", "6", "-t", "6s", "--csv", str(prefix), "--only-summary"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120, env={**__import__("os").environ, "LOCUST_THINK_S": "0.2"},
+    )  # fmt: skip
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]  # 1: some requests failed (429s count)
+    with (tmp_path / "run_stats.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    names = {(r["Type"], r["Name"]) for r in rows}
+    assert ("TTFT", "realtime") in names, names
+    ttft = next(r for r in rows if (r["Type"], r["Name"]) == ("TTFT", "realtime"))
+    assert int(ttft["Request Count"]) > 5 and float(ttft["Median Response Time"]) > 0
+    assert any(n[1].startswith("chat ") for n in names)

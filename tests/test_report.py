@@ -1,0 +1,92 @@
+"""The benchmark report's arithmetic on synthetic inputs with known answers."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from loadtest import report
+from loadtest.report import Record, SystemResult
+from loadtest.workload import prompt_text, schedule
+
+
+def rec(cls: str = "realtime", status: int = 200, ttft: float | None = 0.1, code: str = "", tenant: str = "a",
+        tokens: int = 10) -> Record:  # fmt: skip
+    return Record(
+        "s",
+        "chat",
+        tenant,
+        cls,
+        0.0,
+        status,
+        code,
+        ttft,
+        (ttft or 0) + 1 if status == 200 else None,
+        tokens,
+    )
+
+
+def test_percentile_nearest_rank() -> None:
+    xs = [float(i) for i in range(1, 101)]
+    assert report.percentile(xs, 50) == 50
+    assert report.percentile(xs, 99) == 99
+    assert report.percentile(xs, 100) == 100
+    assert report.percentile([7.0], 99) == 7
+    assert math.isnan(report.percentile([], 50))
+
+
+def test_attainment_counts_refusals_as_misses() -> None:
+    rs = [
+        rec(ttft=0.5),
+        rec(ttft=0.9),
+        rec(ttft=1.5),
+        rec(status=429, ttft=None, code="requests_per_s"),
+    ]
+    assert report.attainment(rs, 1.0) == 0.5
+
+
+def test_shares_against_weights() -> None:
+    got = report.shares({"a": 500, "b": 300, "c": 200, "x": 999}, {"a": 5, "b": 3, "c": 1})
+    assert got["a"] == (0.5, pytest.approx(5 / 9))
+    assert got["c"][0] == pytest.approx(0.2)
+
+
+def test_lost_requests_are_only_unexplained_failures() -> None:
+    assert rec(status=0, ttft=None).lost  # no answer / reset
+    assert rec(status=502, ttft=None).lost  # a 5xx the policy did not produce
+    assert not rec(status=503, ttft=None, code="queue_timeout").lost
+    assert not rec(status=429, ttft=None, code="queue_full").lost
+    assert not rec().lost
+
+
+def test_summary_and_markdown(tmp_path: Path) -> None:
+    rs = [rec(tenant="a", tokens=50), rec(tenant="b", tokens=30), rec(tenant="b", tokens=20, ttft=2.0),
+          rec(cls="batch", ttft=3.0, tokens=100), rec(status=503, ttft=None, code="queue_timeout"),
+          rec(status=0, ttft=None)]  # fmt: skip
+    res = SystemResult("admission", 10.0, rs, {"n1": {"peak_memory": 0.81, "preemptions": 2}})
+    s = report.summarise(res, {"realtime": 1.0, "batch": 10.0}, {"a": 1, "b": 1})
+    rt = s["classes"]["realtime"]
+    assert rt["sent"] == 5 and rt["ok"] == 3 and rt["lost"] == 1
+    assert rt["slo_attainment"] == pytest.approx(2 / 5)
+    assert rt["refused"] == {"queue_timeout": 1}
+    assert s["throughput_tokens_per_s"] == pytest.approx(20.0)  # 200 tokens answered in 10 s
+    assert s["goodput_tokens_per_s"] == pytest.approx(18.0)  # the 20 tokens of a late TTFT excluded
+    assert s["realtime_shares"]["a"]["served"] == pytest.approx(0.5)
+    table = report.markdown([s])
+    assert "| admission | realtime | 5 | 40.0% (≤1000 ms)" in table
+    assert "81.0%" in table
+    report.write_json(tmp_path / "r.json", [s], [res])
+    assert (tmp_path / "r.json").read_text().startswith("{")
+    paths = report.plots(tmp_path, [res], [s])
+    assert all(p.exists() and p.stat().st_size > 1000 for p in paths)
+
+
+def test_schedule_is_seeded_poisson() -> None:
+    a, b = schedule(20, 30, seed=3), schedule(20, 30, seed=3)
+    assert a == b
+    assert 500 < len(a) < 700  # 600 expected
+    kinds = {r.kind for r in a}
+    assert kinds == {"chat", "summarise", "offline"}
+    assert len(prompt_text(250)) // 4 == 250
