@@ -275,7 +275,7 @@ class Dispatcher:
             and v.state in states
             and v.projected() < limit
             and v.inflight < v.node.max_inflight
-            and (until_drain or v.waiting + v.admitted_since_sample < wm.max_engine_waiting)
+            and (until_drain or v.waiting < wm.max_engine_waiting)
         ]
         ok.sort(key=lambda v: (v.load(wm.hold), v.node.id))
         return ok

@@ -62,8 +62,8 @@ class Watermarks:
     drain: float = 0.85  # at or above: no new requests at all; in-flight finish
     reopen: float = 0.75  # hysteresis: a held/drained node opens again below this
     stale_after_s: float = 3.0  # a node state older than this means the node is down
-    # Classes admitted until `hold` also wait while the engine already has this many requests
-    # of its own waiting: vLLM admits from its backlog whenever KV blocks free up, so a backlog
+    # Classes admitted until `hold` also wait while the engine reports this many requests of
+    # its own waiting: vLLM admits from its backlog whenever KV blocks free up, so a backlog
     # inside the engine keeps the KV cache full (and the node at drain) whatever the edge does.
     max_engine_waiting: int = 2
 

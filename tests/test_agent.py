@@ -201,3 +201,22 @@ async def test_two_sidecar_processes_never_exceed_a_node_cap(
     finally:
         for p in procs:
             stop_process(p)
+
+
+async def test_hung_or_failing_engine_is_down_then_recovers(
+    redis: Any, redis_server: RedisServer, node: int
+) -> None:
+    policy = make(redis_server, node)
+    agent = Agent(redis, policy)
+    async with aiohttp.ClientSession() as session:
+        await fault(node, hang=True)  # /health never answers: the sample times out
+        st = (await agent.tick(session))[0]
+        assert st["state"] == "down" and st["healthy"] is False
+        await fault(node, hang=False, error_rate=1.0)  # healthy, but every generation fails
+        async with session.post(
+            f"http://127.0.0.1:{node}/v1/completions", json={"prompt": "x", "max_tokens": 2}
+        ) as r:
+            assert r.status == 500
+        await fault(node, error_rate=0.0)
+        st = (await agent.tick(session))[0]
+        assert st["state"] == "open"

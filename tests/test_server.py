@@ -151,7 +151,9 @@ async def test_inflight_cap_and_client_disconnect_frees_queue_slot(
     tickets = []
     for _ in range(4):  # max_inflight 4
         r = await client.post("/admit", json=admit_body(max_tokens=10))
-        tickets.append((await r.json())["ticket"])
+        body = await r.json()
+        assert r.status == 200, body
+        tickets.append(body["ticket"])
     url = str(client.make_url("/admit"))
     async with aiohttp.ClientSession() as s:
         waiting = asyncio.ensure_future(s.post(url, json=admit_body(max_tokens=10)))
@@ -220,3 +222,29 @@ async def test_release_rejects_garbage(sidecar: Any) -> None:
     client, _h, _p = sidecar
     r = await client.post("/release", json={"ticket": "nope"})
     assert r.status == 400 and (await r.json())["error"]["code"] == "invalid_ticket"
+
+
+async def test_urgent_class_flows_to_held_node_lower_class_waits(sidecar: Any, redis: Any) -> None:
+    client, holder, path = sidecar
+    text = (
+        path.read_text()
+        .replace(
+            "realtime: {weight: 8, min_share: 0.1, priority: 0, deadline_s: 5}",
+            "realtime: {weight: 8, min_share: 0.1, priority: 0, deadline_s: 5, admit_until: drain}",
+        )
+        .replace("deadline_s: 10, promote_after_s: 2", "deadline_s: 0.6, promote_after_s: 2")
+    )
+    path.write_text(text)
+    assert holder.reload() and holder.current.classes["realtime"].admit_until == "drain"
+    await set_node(redis, "n1", state="hold", memory=0.82)
+    await asyncio.sleep(0.25)
+    r = await client.post("/admit", json=admit_body(**{"class": "realtime"}))
+    assert r.status == 200  # held node, but realtime is admitted until drain
+    r = await client.post("/admit", json=admit_body(**{"class": "batch"}))
+    assert r.status == 503  # batch waited for the hold to clear, until its deadline
+    # Open node, but the engine reports its own backlog: lower classes still wait.
+    st = {"node": "n1", "state": "open", "memory": 0.3, "per_token": 0.0, "seq": 9, "waiting": 5}
+    await redis.set(keys.node_state("n1"), json.dumps(st), px=5000)
+    await asyncio.sleep(0.25)
+    assert (await client.post("/admit", json=admit_body(**{"class": "batch"}))).status == 503
+    assert (await client.post("/admit", json=admit_body(**{"class": "realtime"}))).status == 200
