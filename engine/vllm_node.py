@@ -73,7 +73,10 @@ def build_tiny_model(model_dir: Path) -> Path:
 
 
 def vllm_command(
-    port: int, model_dir: Path, num_gpu_blocks: int | None = None
+    port: int,
+    model_dir: Path,
+    num_gpu_blocks: int | None = None,
+    scheduling_policy: str = "priority",
 ) -> tuple[list[str], dict[str, str], str]:
     """(argv, extra env, served model name) for one CPU vLLM node on 127.0.0.1:`port`."""
     build_tiny_model(model_dir)
@@ -81,7 +84,7 @@ def vllm_command(
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
         "--model", str(model_dir), "--served-model-name", TINY_MODEL, "--load-format", "dummy",
         "--host", "127.0.0.1", "--port", str(port),
-        "--scheduling-policy", "priority",
+        "--scheduling-policy", scheduling_policy,
         "--max-num-seqs", "64", "--max-num-batched-tokens", "2048", "--max-model-len", "2048",
         "--num-gpu-blocks-override", str(num_gpu_blocks or 48),
     ]  # fmt: skip

