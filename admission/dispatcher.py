@@ -23,7 +23,7 @@ from typing import Any
 
 from admission import keys
 from admission.errors import BackendUnavailable, QueueTimeout
-from admission.limiter import REDIS_DOWN
+from admission.limiter import REDIS_DOWN, Backlog
 from admission.metrics import Metrics
 from admission.policy import Node, Policy
 from admission.queue import FairQueue, Item
@@ -98,7 +98,9 @@ class Dispatcher:
         policy: Callable[[], Policy],
         metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
+        backlog: Backlog | None = None,
     ) -> None:
+        self.backlog = backlog
         self.redis = redis
         self.policy = policy
         self.metrics = metrics
@@ -197,6 +199,7 @@ class Dispatcher:
             await self.redis.zrem(keys.node_leases(node), ticket)
         except REDIS_DOWN:
             self.metrics.redis_errors.labels("release").inc()
+            self._later(Call(None, [], ["ZREM", keys.node_leases(node), ticket]))
         self._wake.set()
 
     # -- the loop --------------------------------------------------------------------------
@@ -350,6 +353,7 @@ class Dispatcher:
         except REDIS_DOWN as exc:
             self.metrics.redis_errors.labels("lease").inc()
             if self.policy().redis.failure_mode == "closed":
+                self._later(Call(None, [], ["ZREM", keys.node_leases(node.id), ticket]))
                 raise BackendUnavailable(
                     "lease store unavailable", code="limiter_unavailable"
                 ) from exc
@@ -357,6 +361,12 @@ class Dispatcher:
         if isinstance(res, Exception):
             raise res
         return int(res[0]) == 1
+
+    def _later(self, call: Call) -> None:
+        """A lease release Redis did not take (or a lease that may have been taken): retried
+        from the limiter's backlog; without one, the lease TTL frees it."""
+        if self.backlog is not None:
+            self.backlog.add(call)
 
     # -- admin -----------------------------------------------------------------------------
     async def set_maintenance(self, node: str, on: bool) -> None:

@@ -5,12 +5,18 @@ within the policy's short timeouts turns into fail-open (local in-process bucket
 of each rate, so N sidecars cannot jointly exceed the limit by much) or fail-closed
 (`BackendUnavailable`). After a failure Redis is left alone for `RETRY_AFTER_FAILURE_S`, then
 tried again: recovery needs no operator.
+
+A call that timed out may still have run (Redis was slow, not gone), and a release that could
+not reach Redis would leave a node lease and a concurrency slot taken until their TTL: both go
+to the `Backlog`, which gives them back once Redis answers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +80,53 @@ class Rates:
         )
 
 
+class Backlog:
+    """Releases and compensations that could not reach Redis, replayed in order once it answers.
+
+    Everything put here is idempotent (settle per ticket, ZREM of a lease), so replaying a call
+    whose original did run late is harmless. Bounded: past `MAX` the oldest is dropped (counted);
+    the TTLs in Redis free what a dropped entry held, later.
+    """
+
+    MAX = 100_000
+
+    def __init__(self, scripts: Scripts, metrics: Metrics) -> None:
+        self.scripts = scripts
+        self.metrics = metrics
+        self._q: deque[tuple[Call, ...]] = deque()
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def add(self, *calls: Call) -> None:
+        if len(self._q) >= self.MAX:
+            self._q.popleft()
+            self.metrics.redis_backlog_dropped.inc()
+        self._q.append(calls)
+        self.metrics.redis_backlog.set(len(self._q))
+
+    async def flush(self) -> bool:
+        """Replay in order until empty (True) or Redis fails again (False; kept for later)."""
+        while self._q:
+            try:
+                out = await self.scripts.run(*self._q[0])
+            except REDIS_DOWN:
+                return False
+            for r in out:
+                if isinstance(r, Exception):  # a script error will not heal by retrying
+                    log.error("backlog call failed, dropped: %s", r)
+            self._q.popleft()
+            self.metrics.redis_backlog.set(len(self._q))
+        return True
+
+    async def run(self, period_s: float = 0.5) -> None:
+        """Flush every `period_s` while anything waits, until cancelled."""
+        while True:
+            await asyncio.sleep(period_s)
+            if self._q:
+                await self.flush()
+
+
 class LocalBucket:
     """In-process token bucket for fail-open mode (monotonic clock, injected for tests)."""
 
@@ -107,6 +160,7 @@ class Limiter:
         self.metrics = metrics
         self.clock = clock
         self.scripts = Scripts(redis)
+        self.backlog = Backlog(self.scripts, metrics)
         self._down_until = 0.0
         self._local: dict[tuple[str, str], LocalBucket] = {}
 
@@ -139,6 +193,11 @@ class Limiter:
                 out = await self.scripts.run(*calls)
             except REDIS_DOWN as exc:
                 self._failed("acquire", exc)
+                # It may have run anyway: give back whatever it reserved (a request admitted
+                # locally below is then free of charge in Redis; its release is a no-op).
+                self.backlog.add(self._settle_call(tenant, ticket, 0))
+                if also is not None and self.policy().redis.failure_mode == "closed":
+                    self.backlog.add(undo_lease(also))  # refused below: nothing will release it
             else:
                 self._recovered()
                 res = out[0]
@@ -148,7 +207,11 @@ class Limiter:
                 if int(res[0]) == 1:
                     return "redis", extra
                 if also is not None and also.script == "lease" and _granted(extra):
-                    await self.redis.zrem(also.keys[0], also.args[2])  # undo the optimistic lease
+                    undo = undo_lease(also)
+                    try:
+                        await self.scripts.run(undo)  # undo the optimistic lease
+                    except REDIS_DOWN:
+                        self.backlog.add(undo)
                 reason = _s(res[1])
                 if reason.endswith("_exceed_capacity"):
                     limit = "tokens_per_min" if reason.startswith("tokens") else "requests_per_s"
@@ -162,26 +225,23 @@ class Limiter:
     ) -> int:
         """Refund (positive) or charge (negative) the difference to the reservation; idempotent.
 
-        `also` (the node lease release) rides in the same round trip."""
-        if self.degraded:
-            return 0
+        `also` (the node lease release) rides in the same round trip. With Redis unreachable
+        both go to the backlog (0 is returned)."""
         calls = []
         if tenant is not None:
-            r = Rates.of(tenant.limits)
-            k = keys.tenant_keys(tenant.id, ticket)
-            calls.append(
-                Call(
-                    "settle", [k[1], k[3], k[4]], [r.tok_cap_u, r.tok_rate_u, actual_tokens, ticket]
-                )
-            )
+            calls.append(self._settle_call(tenant, ticket, actual_tokens))
         if also is not None:
             calls.append(also)
         if not calls:
+            return 0
+        if self.degraded:
+            self.backlog.add(*calls)
             return 0
         try:
             out = await self.scripts.run(*calls)
         except REDIS_DOWN as exc:
             self._failed("settle", exc)
+            self.backlog.add(*calls)
             return 0
         if tenant is None:
             return 0
@@ -193,6 +253,14 @@ class Limiter:
         elif delta < 0:
             self.metrics.settled_tokens.labels(tenant.id, "overage").inc(-delta)
         return delta
+
+    @staticmethod
+    def _settle_call(tenant: Tenant, ticket: str, actual_tokens: int) -> Call:
+        r = Rates.of(tenant.limits)
+        k = keys.tenant_keys(tenant.id, ticket)
+        return Call(
+            "settle", [k[1], k[3], k[4]], [r.tok_cap_u, r.tok_rate_u, actual_tokens, ticket]
+        )
 
     def _failed(self, op: str, exc: BaseException) -> None:
         self.metrics.redis_errors.labels(op).inc()
@@ -239,6 +307,11 @@ class Limiter:
             b = LocalBucket(max(cap, 1.0), rate, self.clock)
             self._local[(tenant, kind)] = b
         return b
+
+
+def undo_lease(lease: Call) -> Call:
+    """The ZREM that gives back the lease `lease` (a lease.lua call) may have taken."""
+    return Call(None, [], ["ZREM", lease.keys[0], lease.args[2]])
 
 
 def _granted(res: Any) -> bool:

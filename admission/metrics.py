@@ -51,6 +51,16 @@ class Metrics:
             "1 while Redis is unreachable and the failure mode is in force.",
             registry=r,
         )
+        self.redis_backlog = Gauge(
+            "admission_redis_backlog",
+            "Releases and compensations waiting for Redis to answer again.",
+            registry=r,
+        )
+        self.redis_backlog_dropped = Counter(
+            "admission_redis_backlog_dropped_total",
+            "Backlog entries dropped because the backlog was full (their TTLs free them).",
+            registry=r,
+        )
         self.policy_reloads = Counter(
             "admission_policy_reloads_total",
             "Policy reloads by result (ok/invalid).",

@@ -42,24 +42,30 @@ class Scripts:
 
     async def run(self, *calls: Call) -> list[Any]:
         """Run `calls` in one round trip; return their results in order (errors as exceptions
-        for script errors, raised for connection problems)."""
-        for attempt in (0, 1):
-            if self.cluster:
-                results = await asyncio.gather(
-                    *(self._one(c) for c in calls), return_exceptions=True
-                )
-            else:
-                results = await self._pipeline(calls)
-            if attempt == 0 and any(isinstance(r, rex.NoScriptError) for r in results):
-                for c in calls:
-                    if c.script is not None:
-                        await self.redis.script_load(self.source[c.script])
-                continue
-            for r in results:
-                if isinstance(r, (rex.ConnectionError, rex.TimeoutError, OSError)):
-                    raise r
-            return list(results)
-        raise AssertionError("unreachable")
+        for script errors, raised for connection problems).
+
+        On NOSCRIPT every script is loaded again and only the calls that failed with it run
+        again: a call that did run (another process had reloaded its script) must not run twice.
+        """
+        results = await self._batch(calls)
+        missing = [i for i, r in enumerate(results) if isinstance(r, rex.NoScriptError)]
+        if missing:
+            for name in NAMES:
+                await self.redis.script_load(self.source[name])
+            again = await self._batch(tuple(calls[i] for i in missing))
+            for i, r in zip(missing, again, strict=True):
+                results[i] = r
+        for r in results:
+            if isinstance(r, (rex.ConnectionError, rex.TimeoutError, OSError)):
+                raise r
+        return results
+
+    async def _batch(self, calls: tuple[Call, ...]) -> list[Any]:
+        if self.cluster:
+            return list(
+                await asyncio.gather(*(self._one(c) for c in calls), return_exceptions=True)
+            )
+        return await self._pipeline(calls)
 
     async def _one(self, c: Call) -> Any:
         if c.script is None:

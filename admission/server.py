@@ -20,11 +20,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from admission.dispatcher import Dispatcher, make_ticket, new_request_id, parse_ticket
 from admission.errors import AdmissionError, BadRequest, QueueFull, QueueTimeout, Throttled
-from admission.limiter import Limiter, connect
+from admission.limiter import Limiter, connect, undo_lease
 from admission.metrics import Metrics
 from admission.policy import Policy, Tenant
 from admission.queue import Item
 from admission.reload import PolicyHolder, write_edge_table
+from admission.scripts import Call
 
 log = logging.getLogger(__name__)
 
@@ -131,6 +132,8 @@ async def admit(request: web.Request) -> web.Response:
     rid = new_request_id()
     limiter = request.app[LIMITER]
     outcome, reason = "error", "internal"
+    lease: Call | None = None
+    mode, adm = "", None
     try:
         # Fast path: nobody queued and a node has room → the node lease rides in the same
         # Redis round trip as the buckets.
@@ -185,6 +188,10 @@ async def admit(request: web.Request) -> web.Response:
         outcome, reason = "rejected", exc.code
         raise
     finally:
+        if lease is not None and mode == "local" and (adm is None or adm.ticket != lease.args[2]):
+            # The round trip that carried the fast-path lease failed, but may have run: give
+            # the lease back unless this request holds it.
+            limiter.backlog.add(undo_lease(lease))
         metrics.decisions.labels(tenant.id, cls, outcome, reason).inc()
         metrics.decision_seconds.labels(cls).observe(time.perf_counter() - started)
 
@@ -265,8 +272,18 @@ def build_app(
     async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
         client = connect(holder.current.redis)
         app[REDIS] = client
-        app[LIMITER] = Limiter(client, holder, app[METRICS])
+        limiter = app[LIMITER] = Limiter(client, holder, app[METRICS])
+        backlog = asyncio.create_task(limiter.backlog.run(), name="redis-backlog")
+        backlog.add_done_callback(_log_death)
         yield
+        await _stop(backlog)
+        if len(limiter.backlog):  # one last try; what is left, the TTLs in Redis free
+            try:
+                await asyncio.wait_for(limiter.backlog.flush(), 2.0)
+            except TimeoutError:
+                pass
+            if len(limiter.backlog):
+                log.warning("stopping with %d releases Redis did not take", len(limiter.backlog))
         await client.aclose()
 
     async def watcher_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -278,7 +295,7 @@ def build_app(
         await _stop(task)
 
     async def dispatcher_ctx(app: web.Application) -> AsyncIterator[None]:
-        d = Dispatcher(app[REDIS], holder, app[METRICS])
+        d = Dispatcher(app[REDIS], holder, app[METRICS], backlog=app[LIMITER].backlog)
         holder.listeners.append(d.set_policy)
         app[DISPATCHER] = d
         await d.refresh()

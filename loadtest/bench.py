@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -321,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-gpu-blocks", type=int, help="vllm: KV blocks per node (default 48)")
     ap.add_argument("--out", default="bench-out")
     a = ap.parse_args(argv)
+    # The demo keys are the point here; the sidecars still log the plaintext-key warning.
+    logging.getLogger("admission.policy").setLevel(logging.ERROR)
     if a.engine == "vllm" and a.capacity is None:
         ap.error("--engine vllm needs --capacity (measure it: README, 'Load testing')")
     per_node = a.capacity if a.capacity is not None else capacity(a.profile)

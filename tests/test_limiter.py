@@ -15,6 +15,7 @@ from admission.errors import BackendUnavailable, RequestTooLarge, Throttled
 from admission.limiter import Limiter, connect
 from admission.metrics import Metrics
 from admission.policy import Policy, Tenant
+from admission.scripts import Call
 from tests.conftest import ROOT, make_policy
 from tests.procs import RedisServer
 
@@ -240,6 +241,24 @@ async def test_noscript_after_script_flush(redis: Any, redis_server: RedisServer
     await client.aclose()
 
 
+async def test_noscript_retry_runs_only_the_calls_that_failed(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    # After SCRIPT FLUSH another sidecar reloaded `acquire` but not `lease`: in our pipeline
+    # the acquire runs and the lease fails with NOSCRIPT. The retry must not debit twice.
+    p = tenant_policy(
+        redis_server.url, "{requests_per_s: 100, request_burst: 5, tokens_per_min: 60000}"
+    )
+    lim, client = await make_limiter(p)
+    await redis.script_flush()
+    await redis.script_load(lim.scripts.source["acquire"])
+    mode, leased = await lim.acquire(p.tenants["t1"], "a", 1, 60, also=lease("n1", "a:n1:t1"))
+    assert mode == "redis" and int(leased[0]) == 1
+    level = int(await redis.hget(keys.tenant_keys("t1", "x")[0], "l"))
+    assert level == 4 * U  # one request of the burst of 5, not two
+    await client.aclose()
+
+
 def _worker_code(url: str, n: int) -> str:
     return textwrap.dedent(f"""
         import asyncio, sys
@@ -321,6 +340,95 @@ async def test_redis_errors_are_counted(redis_server: RedisServer) -> None:
         await lim.acquire(p.tenants["t1"], "a", 1, 60)
     assert lim.metrics.redis_errors.labels("acquire")._value.get() == 1
     await client.aclose()
+
+
+def lease(node: str, ticket: str) -> Call:
+    return Call("lease", [keys.node_leases(node)], [8, 600 * U, ticket])
+
+
+async def test_release_while_redis_is_away_is_replayed(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    # A release that cannot reach Redis must not leave the concurrency slot and the node lease
+    # taken until their TTL (600 s): it waits in the backlog and runs once Redis answers.
+    p = tenant_policy(
+        redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000, max_concurrent: 1}"
+    )
+    lim, client = await make_limiter(p)
+    t = p.tenants["t1"]
+    mode, leased = await lim.acquire(t, "a", 50, 600, also=lease("n1", "a:n1:t1"))
+    assert mode == "redis" and int(leased[0]) == 1
+    lim._down_until = lim.clock() + 60  # Redis just failed: degraded for a while
+    release = Call(None, [], ["ZREM", keys.node_leases("n1"), "a:n1:t1"])
+    assert await lim.settle(t, "a", 20, also=release) == 0
+    assert len(lim.backlog) == 1
+    assert await redis.zcard(keys.node_leases("n1")) == 1  # not yet given back
+    lim._down_until = 0.0
+    assert await lim.backlog.flush()
+    assert len(lim.backlog) == 0
+    assert await redis.zcard(keys.node_leases("n1")) == 0
+    assert await redis.zcard(keys.tenant_keys("t1", "a")[3]) == 0  # concurrency slot free
+    assert not await redis.exists(keys.tenant_keys("t1", "a")[4])  # refunded (30 tokens)
+    assert (await lim.acquire(t, "b", 1, 600))[0] == "redis"
+    await client.aclose()
+
+
+@pytest.mark.parametrize("mode", ["open", "closed"])
+async def test_timed_out_acquire_that_ran_is_given_back(
+    redis: Any, redis_server: RedisServer, mode: str
+) -> None:
+    # Redis slow, not gone: the client times out, but the script ran. Its reservation (and,
+    # when the request is refused, its node lease) must come back, not leak for the TTL.
+    p = tenant_policy(
+        redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000, max_concurrent: 1}", mode
+    )
+    lim, client = await make_limiter(p)
+    t = p.tenants["t1"]
+    run = lim.scripts.run
+
+    async def ran_then_timed_out(*calls: Call) -> list[Any]:
+        await run(*calls)
+        raise rex.TimeoutError("Timeout reading from socket")
+
+    lim.scripts.run = ran_then_timed_out  # type: ignore[method-assign]
+    if mode == "open":
+        assert (await lim.acquire(t, "a", 50, 600, also=lease("n1", "a:n1:t1")))[0] == "local"
+    else:
+        with pytest.raises(BackendUnavailable):
+            await lim.acquire(t, "a", 50, 600, also=lease("n1", "a:n1:t1"))
+    lim.scripts.run = run  # type: ignore[method-assign]
+    assert await redis.zcard(keys.tenant_keys("t1", "a")[3]) == 1  # it did run
+    lim._down_until = 0.0
+    assert await lim.backlog.flush()
+    assert await redis.zcard(keys.tenant_keys("t1", "a")[3]) == 0
+    assert not await redis.exists(keys.tenant_keys("t1", "a")[4])
+    # Fail-closed refused the request, so its lease goes too; fail-open admitted it locally
+    # on that node, and the edge's release gives the lease back.
+    assert await redis.zcard(keys.node_leases("n1")) == (1 if mode == "open" else 0)
+    assert lim.metrics.redis_backlog._value.get() == 0
+    await client.aclose()
+
+
+async def test_backlog_keeps_calls_while_redis_is_down(tmp_path: Any) -> None:
+    server = RedisServer(tmp_path / "r")
+    server.start()
+    try:
+        p = tenant_policy(server.url, "{requests_per_s: 100, tokens_per_min: 60000}")
+        lim, client = await make_limiter(p)
+        t = p.tenants["t1"]
+        await lim.acquire(t, "a", 5, 600)
+        server.stop()
+        assert await lim.settle(t, "a", 1) == 0  # fails: kept
+        assert len(lim.backlog) == 1
+        assert not await lim.backlog.flush()  # still down: kept, in order
+        assert len(lim.backlog) == 1
+        server.start()
+        lim._down_until = 0.0
+        assert await lim.backlog.flush()
+        assert len(lim.backlog) == 0
+        await client.aclose()
+    finally:
+        server.stop()
 
 
 def test_tenant_is_frozen(policy: Policy) -> None:
