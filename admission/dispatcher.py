@@ -23,7 +23,7 @@ from typing import Any
 
 from admission import keys
 from admission.errors import BackendUnavailable, QueueTimeout
-from admission.limiter import REDIS_DOWN, Backlog
+from admission.limiter import REDIS_DOWN, Backlog, lease_release
 from admission.metrics import Metrics
 from admission.policy import Node, Policy
 from admission.queue import FairQueue, Item
@@ -353,7 +353,7 @@ class Dispatcher:
         except REDIS_DOWN as exc:
             self.metrics.redis_errors.labels("lease").inc()
             if self.policy().redis.failure_mode == "closed":
-                self._later(Call(None, [], ["ZREM", keys.node_leases(node.id), ticket]))
+                self._later(lease_release(keys.node_leases(node.id), ticket))
                 raise BackendUnavailable(
                     "lease store unavailable", code="limiter_unavailable"
                 ) from exc

@@ -309,9 +309,14 @@ class Limiter:
         return b
 
 
+def lease_release(leases_key: str, ticket: str) -> Call:
+    """The ZREM that gives a node lease back (idempotent: harmless if it was never taken)."""
+    return Call(None, [], ["ZREM", leases_key, ticket])
+
+
 def undo_lease(lease: Call) -> Call:
-    """The ZREM that gives back the lease `lease` (a lease.lua call) may have taken."""
-    return Call(None, [], ["ZREM", lease.keys[0], lease.args[2]])
+    """The release of whatever the lease.lua call `lease` may have taken."""
+    return lease_release(lease.keys[0], lease.args[2])
 
 
 def _granted(res: Any) -> bool:

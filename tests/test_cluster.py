@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from admission.errors import Throttled
-from admission.limiter import Limiter, connect
+from admission.limiter import Limiter, connect, lease_release
 from admission.metrics import Metrics
 from tests.procs import RedisServer, free_port
 from tests.test_limiter import tenant_policy
@@ -97,7 +97,7 @@ async def test_acquire_with_lease_and_settle_with_release_on_cluster(cluster: st
         lease2 = Call("lease", [keys.node_leases("n1")], [1, 60_000_000, "tk2"])
         _mode, res2 = await lim.acquire(p.tenants["t1"], "b", 100, 60, also=lease2)
         assert int(res2[0]) == 0  # cap 1 across the cluster
-        release = Call(None, [], ["ZREM", keys.node_leases("n1"), "tk1"])
+        release = lease_release(keys.node_leases("n1"), "tk1")
         assert await lim.settle(p.tenants["t1"], "a", 10, also=release) == 90
         assert await client.zcard(keys.node_leases("n1")) == 0
     finally:

@@ -12,7 +12,7 @@ from redis import exceptions as rex
 
 from admission import keys
 from admission.errors import BackendUnavailable, RequestTooLarge, Throttled
-from admission.limiter import Limiter, connect
+from admission.limiter import Limiter, connect, lease_release
 from admission.metrics import Metrics
 from admission.policy import Policy, Tenant
 from admission.scripts import Call
@@ -359,7 +359,7 @@ async def test_release_while_redis_is_away_is_replayed(
     mode, leased = await lim.acquire(t, "a", 50, 600, also=lease("n1", "a:n1:t1"))
     assert mode == "redis" and int(leased[0]) == 1
     lim._down_until = lim.clock() + 60  # Redis just failed: degraded for a while
-    release = Call(None, [], ["ZREM", keys.node_leases("n1"), "a:n1:t1"])
+    release = lease_release(keys.node_leases("n1"), "a:n1:t1")
     assert await lim.settle(t, "a", 20, also=release) == 0
     assert len(lim.backlog) == 1
     assert await redis.zcard(keys.node_leases("n1")) == 1  # not yet given back
