@@ -1,7 +1,7 @@
 """The dispatcher: admits queued requests onto nodes with room, in weighted-fair order.
 
 It owns the sidecar's `FairQueue` and a view of every node (state published by the node agents
-in Redis, plus what this sidecar admitted since the last sample: "projected usage"). A request
+in Redis, plus what this sidecar admitted within `projection_window_s`: "projected usage"). A request
 is dispatched when some node serving its model is open, below the hold watermark after
 projection, and under its in-flight cap; the in-flight lease is then taken atomically in Redis
 (lease.lua), so several sidecars never over-admit one node together.
@@ -17,6 +17,7 @@ import json
 import logging
 import secrets
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,14 +43,22 @@ class NodeView:
     state: str = DOWN
     memory: float = 0.0
     per_token: float = 0.0  # memory fraction one token of KV takes
-    seq: int = -1
-    projected_tokens: int = 0  # admitted by this sidecar since the node's last sample
-    admitted_since_sample: int = 0
+    projected_tokens: int = 0  # admitted by this sidecar within the projection window
+    recent: deque[tuple[float, int]] = field(default_factory=deque)  # (admitted at, tokens)
     inflight: int = 0
     waiting: int = 0
 
     def projected(self) -> float:
         return self.memory + self.projected_tokens * self.per_token
+
+    def admitted(self, now: float, tokens: int) -> None:
+        self.recent.append((now, tokens))
+        self.projected_tokens += tokens
+
+    def expire(self, before: float) -> None:
+        """Admissions older than `before` are assumed to show in the node's samples by now."""
+        while self.recent and self.recent[0][0] < before:
+            self.projected_tokens -= self.recent.popleft()[1]
 
     def load(self, hold: float) -> float:
         return max(self.projected() / hold, self.inflight / self.node.max_inflight)
@@ -235,6 +244,7 @@ class Dispatcher:
             self._refresh_failed()
             return
         self._last_refresh_ok = self.clock()
+        seen_by = self._last_refresh_ok - self.policy().watermarks.projection_window_s
         for i, v in enumerate(views):
             raw, admin, leases = res[3 * i], res[3 * i + 1], res[3 * i + 2]
             st = json.loads(raw) if raw else None
@@ -245,10 +255,7 @@ class Dispatcher:
                 v.memory = float(st.get("memory") or 0.0)
                 v.per_token = float(st.get("per_token") or 0.0)
                 v.waiting = int(st.get("waiting") or 0)
-                if st.get("seq") != v.seq:
-                    v.seq = st.get("seq", -1)
-                    v.projected_tokens = 0
-                    v.admitted_since_sample = 0
+                v.expire(seen_by)
             v.inflight = int(leases)
         self._gauge_nodes()
 
@@ -332,10 +339,9 @@ class Dispatcher:
         """Account a lease taken on nodes[0] (projected usage, in-flight) and build the answer."""
         chosen = nodes[0]
         chosen.inflight += 1
-        chosen.projected_tokens += item.cost
-        chosen.admitted_since_sample += 1
-        cls = self.policy().classes.get(item.cls)
         now = self.clock()
+        chosen.admitted(now, item.cost)
+        cls = self.policy().classes.get(item.cls)
         self.metrics.queue_wait_seconds.labels(item.cls).observe(now - item.enqueued_at)
         return Admission(
             ticket=ticket,

@@ -66,6 +66,10 @@ class Watermarks:
     # its own waiting: vLLM admits from its backlog whenever KV blocks free up, so a backlog
     # inside the engine keeps the KV cache full (and the node at drain) whatever the edge does.
     max_engine_waiting: int = 2
+    # Tokens a sidecar admitted to a node count against its watermarks for this long on top of
+    # the node's samples: an admission takes a sample period plus queueing and chunked prefill
+    # before its KV shows, and forgetting it at the next sample over-admits in waves.
+    projection_window_s: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -275,6 +279,9 @@ def _watermarks(c: Checker, raw: Any) -> Watermarks:
         ),
         max_engine_waiting=c.integer(
             m, "max_engine_waiting", "watermarks", d.max_engine_waiting, lo=1
+        ),
+        projection_window_s=c.number(
+            m, "projection_window_s", "watermarks", d.projection_window_s, lo=0
         ),
     )
     if w.hold >= w.drain:

@@ -22,9 +22,14 @@ from tests.procs import RedisServer
 
 
 async def set_node(
-    redis: Any, node: str, state: str = "open", memory: float = 0.1, seq: int = 1
+    redis: Any,
+    node: str,
+    state: str = "open",
+    memory: float = 0.1,
+    seq: int = 1,
+    per_token: float = 0.0,
 ) -> None:
-    st = {"node": node, "state": state, "memory": memory, "per_token": 0.0, "seq": seq}
+    st = {"node": node, "state": state, "memory": memory, "per_token": per_token, "seq": seq}
     await redis.set(keys.node_state(node), json.dumps(st), px=5000)
 
 
@@ -142,6 +147,26 @@ async def test_hold_waits_then_admits_when_memory_frees(sidecar: Any, redis: Any
     await set_node(redis, "n1", state="open", memory=0.5, seq=2)
     r = await asyncio.wait_for(pending, 3)
     assert r.status == 200 and (await r.json())["queued_ms"] >= 400
+
+
+async def test_projection_holds_a_burst_until_its_memory_shows(sidecar: Any, redis: Any) -> None:
+    # Each request of 200 tokens takes 0.2 of the node. From 0.5, two batch requests are
+    # admitted (0.5 → 0.7 → 0.9 projected); the third waits although the next samples still
+    # read 0.5 (the KV of the first two has not shown yet), until the projection window
+    # (2 s by default) has passed.
+    client, _h, _p = sidecar
+    await set_node(redis, "n1", memory=0.5, per_token=0.001)
+    await asyncio.sleep(0.25)
+    body = admit_body(prompt_tokens=100, max_tokens=100, **{"class": "batch"})
+    for _ in range(2):
+        assert (await client.post("/admit", json=body)).status == 200
+    pending = asyncio.ensure_future(client.post("/admit", json=body))
+    await asyncio.sleep(0.15)
+    await set_node(redis, "n1", memory=0.5, per_token=0.001, seq=2)  # a new sample
+    await asyncio.sleep(0.35)
+    assert not pending.done()  # a new sample does not forget what was just admitted
+    r = await asyncio.wait_for(pending, 3)
+    assert r.status == 200 and (await r.json())["queued_ms"] >= 900
 
 
 async def test_inflight_cap_and_client_disconnect_frees_queue_slot(
