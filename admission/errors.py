@@ -10,10 +10,12 @@
     └── BackendUnavailable         Redis down under fail-closed, or no node serves the model (503)
 
 Third-party errors (redis-py, aiohttp) are translated into these at exactly one boundary each
-(`admission.limiter` for Redis, `admission.server` for HTTP), with `raise ... from exc`.
+(`admission.store` for Redis, `admission.server` for HTTP), with `raise ... from exc`.
 """
 
 from __future__ import annotations
+
+import math
 
 
 class AdmissionError(Exception):
@@ -27,9 +29,14 @@ class AdmissionError(Exception):
         self.message = message
         self.code = code
 
+    retry_after: float | None = None  # seconds until retrying can help; None: it cannot
+
     def retry_after_s(self) -> int | None:
-        """Seconds the client should wait before retrying, or None if retrying will not help."""
-        return None
+        """The Retry-After header: whole seconds, rounded up and never 0 (clients would spin);
+        None when retrying will not help."""
+        if self.retry_after is None:
+            return None
+        return max(1, math.ceil(self.retry_after))
 
 
 class PolicyError(AdmissionError):
@@ -86,10 +93,6 @@ class Throttled(AdmissionError):
         self.reason = reason
         self.retry_after = max(0.0, retry_after)
 
-    def retry_after_s(self) -> int:
-        # Retry-After is whole seconds; never 0 (clients would spin).
-        return max(1, int(-(-self.retry_after // 1)))
-
 
 class QueueFull(Throttled):
     """The global or per-tenant queue bound is reached."""
@@ -112,9 +115,6 @@ class QueueTimeout(AdmissionError):
         self.waited_s = waited_s
         self.retry_after = retry_after
 
-    def retry_after_s(self) -> int:
-        return max(1, int(-(-self.retry_after // 1)))
-
 
 class BackendUnavailable(AdmissionError):
     """A dependency needed for the decision is down (Redis under fail-closed, no node)."""
@@ -127,6 +127,3 @@ class BackendUnavailable(AdmissionError):
     ):
         super().__init__(message, code=code)
         self.retry_after = retry_after
-
-    def retry_after_s(self) -> int:
-        return max(1, int(-(-self.retry_after // 1)))

@@ -1,5 +1,6 @@
 """The sidecar's HTTP API (aiohttp): /admit, /release, /healthz, /metrics and node admin.
 
+HTTP only: parse and validate, call the dispatcher (which owns the decision), map errors.
 Resources start and stop in one place (`build_app`'s cleanup contexts, in dependency order:
 Redis → policy watcher → dispatcher), and `error_middleware` is the one place where our errors
 become HTTP answers (OpenAI-shaped JSON, Retry-After where retrying can help).
@@ -18,20 +19,20 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from admission.dispatcher import Dispatcher, make_ticket, new_request_id, parse_ticket
-from admission.errors import AdmissionError, BadRequest, QueueFull, QueueTimeout, Throttled
-from admission.limiter import Limiter, connect, undo_lease
+from admission.errors import AdmissionError, BadRequest, QueueTimeout, Throttled
+from admission.limits import Limiter
 from admission.metrics import Metrics
 from admission.policy import Policy, Tenant
-from admission.queue import Item
 from admission.reload import PolicyHolder, write_edge_table
-from admission.scripts import Call
+from admission.scheduling import Dispatcher
+from admission.scheduling.leases import parse_ticket
+from admission.store import Store
 
 log = logging.getLogger(__name__)
 
 POLICY = web.AppKey("policy", PolicyHolder)
 METRICS = web.AppKey("metrics", Metrics)
-REDIS = web.AppKey("redis", Any)
+STORE = web.AppKey("store", Store)
 LIMITER = web.AppKey("limiter", Limiter)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 
@@ -128,42 +129,10 @@ async def admit(request: web.Request) -> web.Response:
     max_tokens = _int_field(body, "max_tokens", lo=1, default=policy.edge.default_max_tokens)
     if "stream" in body and not isinstance(body["stream"], bool):
         raise BadRequest("stream must be true or false")
-    cost = prompt + max_tokens
-    rid = new_request_id()
-    limiter = request.app[LIMITER]
     outcome, reason = "error", "internal"
-    lease: Call | None = None
-    mode, adm = "", None
     try:
-        # Fast path: nobody queued and a node has room → the node lease rides in the same
-        # Redis round trip as the buckets.
-        nodes = dispatcher.fast_path(model, cls)
-        ticket = make_ticket(rid, nodes[0].node.id, tenant.id) if nodes else ""
-        lease = dispatcher.lease_call(nodes[0].node, ticket) if nodes else None
-        mode, leased = await limiter.acquire(
-            tenant, rid, cost, policy.queue.lease_ttl_s, also=lease
-        )
-        now = dispatcher.clock()
-        item = Item(
-            tenant=tenant.id,
-            cls=cls,
-            cost=cost,
-            model=model,
-            enqueued_at=now,
-            deadline_at=now + policy.classes[cls].deadline_s,
-            rid=rid,
-        )
-        if nodes and isinstance(leased, list) and int(leased[0]) == 1:
-            adm = dispatcher.record_admission(item, nodes, ticket)
-        else:
-            if nodes and leased is not None:
-                dispatcher.lease_refused(nodes[0])
-            try:
-                adm = await dispatcher.submit(item)
-            except (QueueFull, QueueTimeout, asyncio.CancelledError):
-                await limiter.settle(tenant, rid, 0)  # nothing ran: refund the whole reservation
-                raise
-        outcome, reason = "admitted", "degraded" if mode == "local" else "ok"
+        adm = await dispatcher.admit(tenant, cls, model, prompt + max_tokens)
+        outcome, reason = "admitted", "degraded" if request.app[LIMITER].degraded else "ok"
         return web.json_response(
             {
                 "ticket": adm.ticket,
@@ -188,10 +157,6 @@ async def admit(request: web.Request) -> web.Response:
         outcome, reason = "rejected", exc.code
         raise
     finally:
-        if lease is not None and mode == "local" and (adm is None or adm.ticket != lease.args[2]):
-            # The round trip that carried the fast-path lease failed, but may have run: give
-            # the lease back unless this request holds it.
-            limiter.backlog.add(undo_lease(lease))
         metrics.decisions.labels(tenant.id, cls, outcome, reason).inc()
         metrics.decision_seconds.labels(cls).observe(time.perf_counter() - started)
 
@@ -202,7 +167,7 @@ async def release(request: web.Request) -> web.Response:
     try:
         if not isinstance(ticket, str):
             raise ValueError
-        rid, _node, tid = parse_ticket(ticket)
+        parse_ticket(ticket)
     except ValueError:
         raise BadRequest("ticket is missing or malformed", code="invalid_ticket") from None
     status = body.get("status", 200)
@@ -221,9 +186,7 @@ async def release(request: web.Request) -> web.Response:
         raise BadRequest("usage must be an object or null")
     elif status == 0 or status >= 500:
         actual = 0  # the engine never answered: nothing was consumed
-    lease = request.app[DISPATCHER].release_call(ticket)
-    tenant = request.app[POLICY].current.tenants.get(tid)
-    refunded = await request.app[LIMITER].settle(tenant, rid, actual, also=lease)
+    refunded = await request.app[DISPATCHER].release(ticket, actual)
     return web.json_response({"released": True, "refunded_tokens": refunded})
 
 
@@ -270,21 +233,20 @@ def build_app(
     app[METRICS] = metrics or holder.metrics
 
     async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
-        client = connect(holder.current.redis)
-        app[REDIS] = client
-        limiter = app[LIMITER] = Limiter(client, holder, app[METRICS])
-        backlog = asyncio.create_task(limiter.backlog.run(), name="redis-backlog")
+        st = app[STORE] = Store.open(holder.current.redis, app[METRICS])
+        app[LIMITER] = Limiter(st, holder, app[METRICS])
+        backlog = asyncio.create_task(st.backlog.run(), name="redis-backlog")
         backlog.add_done_callback(_log_death)
         yield
         await _stop(backlog)
-        if len(limiter.backlog):  # one last try; what is left, the TTLs in Redis free
+        if len(st.backlog):  # one last try; what is left, the TTLs in Redis free
             try:
-                await asyncio.wait_for(limiter.backlog.flush(), 2.0)
+                await asyncio.wait_for(st.backlog.flush(), 2.0)
             except TimeoutError:
                 pass
-            if len(limiter.backlog):
-                log.warning("stopping with %d releases Redis did not take", len(limiter.backlog))
-        await client.aclose()
+            if len(st.backlog):
+                log.warning("stopping with %d releases Redis did not take", len(st.backlog))
+        await st.close()
 
     async def watcher_ctx(app: web.Application) -> AsyncIterator[None]:
         if edge_table is not None:
@@ -295,10 +257,10 @@ def build_app(
         await _stop(task)
 
     async def dispatcher_ctx(app: web.Application) -> AsyncIterator[None]:
-        d = Dispatcher(app[REDIS], holder, app[METRICS], backlog=app[LIMITER].backlog)
+        d = Dispatcher(app[STORE], app[LIMITER], holder, app[METRICS])
         holder.listeners.append(d.set_policy)
         app[DISPATCHER] = d
-        await d.refresh()
+        await d.nodes.refresh()
         task = asyncio.create_task(d.run(), name="dispatcher")
         task.add_done_callback(_log_death)
         yield

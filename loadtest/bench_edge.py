@@ -24,8 +24,8 @@ from pathlib import Path
 
 import aiohttp
 
-from admission.stack import ROOT, Stack, free_port
-from tests.procs import stop_process, wait_for
+from devstack.procs import free_port, stop_process, wait_for
+from devstack.stack import DEFAULT_POLICY, Stack
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -75,7 +75,7 @@ def main() -> None:
     a = ap.parse_args()
     stub_port, direct_port = free_port(), free_port()
     stub = subprocess.Popen([sys.executable, "-m", "loadtest.stub", "--port", str(stub_port), "--delay-ms",
-                             str(a.delay_ms)], cwd=ROOT, start_new_session=True)  # fmt: skip
+                             str(a.delay_ms)], start_new_session=True)  # fmt: skip
     wait_for(
         lambda: urllib.request.urlopen(f"http://127.0.0.1:{stub_port}/health").status == 200,
         20,
@@ -94,7 +94,7 @@ def main() -> None:
                         "models": ["stub"],
                         "limits": {"requests_per_s": 100000, "request_burst": 100000,
                                    "tokens_per_min": 1e9, "token_burst": 100000000}}}  # fmt: skip
-    stack = Stack(ROOT / "policies.yaml", Path(tempfile.mkdtemp(prefix="bench-edge-")), external_nodes=nodes,
+    stack = Stack(DEFAULT_POLICY, Path(tempfile.mkdtemp(prefix="bench-edge-")), external_nodes=nodes,
                   extra_nginx_http=direct, policy_overrides={"tenants": tenants}, sidecars=1)  # fmt: skip
     try:
         stack.start()

@@ -17,7 +17,7 @@ import time
 from collections import Counter
 
 from admission.policy import parse_policy
-from admission.queue import FairQueue, Item
+from admission.scheduling.queue import FairQueue, Item
 
 POLICY = """
 redis: {{url: "redis://127.0.0.1:1/0"}}

@@ -22,6 +22,7 @@ import json
 import os
 import random
 import time
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +30,8 @@ from locust import HttpUser, between, events, task
 
 from admission.policy import load_policy
 
-ROOT = Path(__file__).resolve().parent.parent
-POLICY = Path(os.environ.get("LOCUST_POLICY", ROOT / "policies.yaml"))
+# Default: the policy shipped with the package (the one `admission up` runs).
+POLICY = Path(os.environ.get("LOCUST_POLICY", str(resources.files("admission") / "policies.yaml")))
 MODEL = os.environ.get("LOCUST_MODEL", "")
 THINK_S = float(os.environ.get("LOCUST_THINK_S", "1.0"))
 

@@ -14,9 +14,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from admission.gpu import NvmlReader
+from admission.nodes.gpu import NvmlReader
+from admission.nodes.memory import effective_fraction
+from admission.nodes.watermarks import DOWN, DRAIN, HOLD, OPEN, next_state
 from admission.policy import Watermarks
-from admission.watermarks import DOWN, DRAIN, HOLD, OPEN, effective_fraction, next_state
 
 
 def main() -> int:

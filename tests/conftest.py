@@ -9,7 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from admission.policy import Policy, parse_policy
-from tests.procs import RedisServer
+from devstack.procs import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 

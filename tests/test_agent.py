@@ -15,14 +15,15 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from admission import keys
-from admission.agent import Agent
 from admission.metrics import Metrics
+from admission.nodes.agent import Agent
+from admission.nodes.state import NodeState, Status
 from admission.policy import Policy, load_policy, parse_policy
 from admission.reload import PolicyHolder
 from admission.server import build_app
+from admission.store import keys
+from devstack.procs import RedisServer, free_port, stop_process, wait_for
 from tests.conftest import ROOT
-from tests.procs import RedisServer, free_port, stop_process, wait_for
 
 MiB = 1 << 20
 
@@ -75,33 +76,31 @@ async def test_effective_memory_drives_hold_drain_and_recovery(
         await fault(node, leak_bytes=0)
         st = (await agent.tick(session))[0]
         # tiny: 1 GiB card; weights 256 + activations 64 + pool 192 + context 16 MiB used; pool free.
-        assert st["state"] == "open" and st["memory"] == pytest.approx(
-            (256 + 64 + 16) / 1024, abs=1e-3
-        )
-        assert st["gpu_used_bytes"] == (256 + 64 + 192 + 16) * MiB  # raw NVML-like reading
+        assert st.state == "open" and st.memory == pytest.approx((256 + 64 + 16) / 1024, abs=1e-3)
+        assert st.gpu_used_bytes == (256 + 64 + 192 + 16) * MiB  # raw NVML-like reading
         # Thresholds are lowered in this policy: effective memory on a full card cannot exceed
         # 1 - free KV pool, so a leak alone reaches 0.85 only when the KV cache is busy too.
         await fault(node, leak_bytes=200 * MiB)  # something else eats the GPU
         st = (await agent.tick(session))[0]
-        assert st["state"] == "hold" and 0.50 <= st["memory"] < 0.60
+        assert st.state == "hold" and 0.50 <= st.memory < 0.60
         await fault(node, leak_bytes=300 * MiB)
         st = (await agent.tick(session))[0]
-        assert st["state"] == "drain"
+        assert st.state == "drain"
         published = json.loads(await redis.get(keys.node_state("n1")))
         assert published["state"] == "drain" and 0 < await redis.pttl(keys.node_state("n1")) <= 5000
         await fault(node, leak_bytes=150 * MiB)  # below hold, above reopen: still not open
         st = (await agent.tick(session))[0]
-        assert st["state"] == "hold"
+        assert st.state == "hold"
         await fault(node, leak_bytes=0)
         st = (await agent.tick(session))[0]
-        assert st["state"] == "open"
+        assert st.state == "open"
 
 
 async def test_dead_node_is_down(redis: Any, redis_server: RedisServer) -> None:
     policy = make(redis_server, free_port())  # nothing listens there
     async with aiohttp.ClientSession() as session:
         st = (await Agent(redis, policy).tick(session))[0]
-    assert st["state"] == "down" and st["healthy"] is False
+    assert st.state == "down" and st.healthy is False
 
 
 @pytest.fixture
@@ -121,7 +120,7 @@ async def test_held_requests_wait_then_run_in_priority_order(sidecar: Any, node:
     client, agent = sidecar
     async with aiohttp.ClientSession() as session:
         await fault(node, leak_bytes=200 * MiB)
-        assert (await agent.tick(session))[0]["state"] == "hold"
+        assert (await agent.tick(session))[0].state == "hold"
         await asyncio.sleep(0.25)
 
         async def admit(cls: str) -> dict[str, Any]:
@@ -160,8 +159,8 @@ async def test_two_sidecar_processes_never_exceed_a_node_cap(
             "deadline_s: 20", "deadline_s: 1.5"
         )
     )
-    state = {"node": "n1", "state": "open", "memory": 0.1, "per_token": 0.0, "seq": 1}
-    await redis.set(keys.node_state("n1"), json.dumps(state), px=60_000)
+    state = NodeState(node="n1", seq=1, state=Status.OPEN, source="kv", healthy=True, memory=0.1)
+    await redis.set(keys.node_state("n1"), state.to_json(), px=60_000)
     ports = [free_port(), free_port()]
     procs = [
         subprocess.Popen(
@@ -211,7 +210,7 @@ async def test_hung_or_failing_engine_is_down_then_recovers(
     async with aiohttp.ClientSession() as session:
         await fault(node, hang=True)  # /health never answers: the sample times out
         st = (await agent.tick(session))[0]
-        assert st["state"] == "down" and st["healthy"] is False
+        assert st.state == "down" and st.healthy is False
         await fault(node, hang=False, error_rate=1.0)  # healthy, but every generation fails
         async with session.post(
             f"http://127.0.0.1:{node}/v1/completions", json={"prompt": "x", "max_tokens": 2}
@@ -219,4 +218,4 @@ async def test_hung_or_failing_engine_is_down_then_recovers(
             assert r.status == 500
         await fault(node, error_rate=0.0)
         st = (await agent.tick(session))[0]
-        assert st["state"] == "open"
+        assert st.state == "open"

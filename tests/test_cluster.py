@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 from admission.errors import Throttled
-from admission.limiter import Limiter, connect, lease_release
+from admission.limits import Limiter
 from admission.metrics import Metrics
-from tests.procs import RedisServer, free_port
-from tests.test_limiter import tenant_policy
+from admission.store import Call, Store, connect
+from devstack.procs import RedisServer, free_port
+from tests.test_limiter import take, tenant_policy
 
 pytestmark = pytest.mark.cluster
 
@@ -68,12 +69,12 @@ async def test_limiter_on_cluster(cluster: str) -> None:
     p = type(p)(**{**p.__dict__, "redis": type(p.redis)(**{**p.redis.__dict__, "cluster": True})})
     client = connect(p.redis)
     try:
-        lim = Limiter(client, lambda: p, Metrics())
+        lim = Limiter(Store.over(client, Metrics()), lambda: p, Metrics())
         t = p.tenants["t1"]
         for i in range(5):
-            assert (await lim.acquire(t, f"r{i}", 100, 60))[0] == "redis"
+            assert (await take(lim, t, f"r{i}", 100, 60))[0] == "redis"
         with pytest.raises(Throttled) as ei:
-            await lim.acquire(t, "r5", 100, 60)
+            await take(lim, t, "r5", 100, 60)
         assert ei.value.reason == "requests_per_s"
         assert await lim.settle(t, "r0", 40) == 60
         assert await lim.settle(t, "r0", 40) == 0
@@ -82,22 +83,21 @@ async def test_limiter_on_cluster(cluster: str) -> None:
 
 
 async def test_acquire_with_lease_and_settle_with_release_on_cluster(cluster: str) -> None:
-    from admission import keys
-    from admission.scripts import Call
+    from admission.store import keys
 
     p = tenant_policy(cluster, "{requests_per_s: 100, tokens_per_min: 6000, token_burst: 1000}")
     p = type(p)(**{**p.__dict__, "redis": type(p.redis)(**{**p.redis.__dict__, "cluster": True})})
     client = connect(p.redis)
     try:
         await client.flushall()  # the module's cluster is shared with the test above
-        lim = Limiter(client, lambda: p, Metrics())
+        lim = Limiter(Store.over(client, Metrics()), lambda: p, Metrics())
         lease = Call("lease", [keys.node_leases("n1")], [1, 60_000_000, "tk1"])
-        mode, res = await lim.acquire(p.tenants["t1"], "a", 100, 60, also=lease)
+        mode, res, _ = await lim.acquire(p.tenants["t1"], "a", 100, 60, also=lease)
         assert mode == "redis" and int(res[0]) == 1
         lease2 = Call("lease", [keys.node_leases("n1")], [1, 60_000_000, "tk2"])
-        _mode, res2 = await lim.acquire(p.tenants["t1"], "b", 100, 60, also=lease2)
+        _mode, res2, _ = await lim.acquire(p.tenants["t1"], "b", 100, 60, also=lease2)
         assert int(res2[0]) == 0  # cap 1 across the cluster
-        release = lease_release(keys.node_leases("n1"), "tk1")
+        release = Call(None, [], ["ZREM", keys.node_leases("n1"), "tk1"])
         assert await lim.settle(p.tenants["t1"], "a", 10, also=release) == 90
         assert await client.zcard(keys.node_leases("n1")) == 0
     finally:

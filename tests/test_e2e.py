@@ -15,8 +15,7 @@ from typing import Any
 import openai
 import pytest
 
-from admission.stack import Stack
-from tests.conftest import ROOT
+from devstack.stack import DEFAULT_POLICY, Stack
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -24,7 +23,7 @@ pytestmark = pytest.mark.timeout(180)
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s = Stack(
-        ROOT / "policies.yaml",
+        DEFAULT_POLICY,
         tmp_path_factory.mktemp("stack"),
         nodes=2,
         policy_overrides={"edge": {"max_body_bytes": 65536}},
@@ -213,7 +212,8 @@ def test_queued_client_disconnect_frees_its_slot(stack: Stack) -> None:
 def test_dead_node_requests_go_to_fallback(stack: Stack, tmp_path: Path) -> None:
     # Kill node-0's process: until the agent marks it down, admitted requests naming it fall
     # back to node-1 on connect failure; after, they are routed to node-1 directly.
-    proc = dict(stack.procs)["node-0"]
+    assert stack.nodes is not None
+    proc = stack.nodes.procs[0]
     proc.kill()
     proc.wait()
     ok = 0

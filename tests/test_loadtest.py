@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from admission.stack import Stack
+from devstack.stack import DEFAULT_POLICY, Stack
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.timeout(400)
@@ -39,7 +39,7 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(ROOT / "policies.yaml", tmp_path_factory.mktemp("locust-stack"), nodes=1, sidecars=1)
+    s = Stack(DEFAULT_POLICY, tmp_path_factory.mktemp("locust-stack"), nodes=1, sidecars=1)
     try:
         s.start()
         yield s

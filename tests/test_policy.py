@@ -10,6 +10,7 @@ import pytest
 
 from admission.errors import PolicyError
 from admission.policy import digest_key, load_policy, parse_policy
+from devstack.stack import DEFAULT_POLICY
 from tests.conftest import BASE_POLICY as _BASE
 from tests.conftest import ROOT
 
@@ -23,7 +24,7 @@ def problems(text: str) -> list[str]:
 
 
 def test_repository_policy_is_valid() -> None:
-    p = load_policy(ROOT / "policies.yaml")
+    p = load_policy(DEFAULT_POLICY)
     assert list(p.classes) == ["realtime", "batch", "offline"]
     assert {t.id: t.weight for t in p.tenants.values()}["acme"] == 5
     assert p.key_index[digest_key("sk-demo-acme")] == "acme"
@@ -116,7 +117,7 @@ def test_plaintext_key_is_never_in_errors_or_logs(caplog: pytest.LogCaptureFixtu
 
 def test_check_command(tmp_path: Path) -> None:
     good = subprocess.run(
-        [sys.executable, "-m", "admission.cli", "check", str(ROOT / "policies.yaml")],
+        [sys.executable, "-m", "admission.cli", "check", str(DEFAULT_POLICY)],
         capture_output=True, text=True, cwd=ROOT,
     )  # fmt: skip
     assert good.returncode == 0 and good.stdout.startswith("ok:")

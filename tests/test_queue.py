@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from admission.errors import QueueFull
 from admission.policy import Policy, parse_policy
-from admission.queue import FairQueue, Item
+from admission.scheduling.queue import FairQueue, Item
 
 POLICY = """
 redis: {{url: "redis://127.0.0.1:1/0"}}

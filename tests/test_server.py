@@ -12,13 +12,14 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from admission import keys
 from admission.metrics import Metrics
+from admission.nodes.state import NodeState, Status
 from admission.policy import load_policy
 from admission.reload import PolicyHolder
 from admission.server import build_app
+from admission.store import keys
+from devstack.procs import RedisServer
 from tests.conftest import BASE_POLICY
-from tests.procs import RedisServer
 
 
 async def set_node(
@@ -29,8 +30,9 @@ async def set_node(
     seq: int = 1,
     per_token: float = 0.0,
 ) -> None:
-    st = {"node": node, "state": state, "memory": memory, "per_token": per_token, "seq": seq}
-    await redis.set(keys.node_state(node), json.dumps(st), px=5000)
+    st = NodeState(node=node, seq=seq, state=Status(state), source="kv", healthy=True,
+                   memory=memory, per_token=per_token)  # fmt: skip
+    await redis.set(keys.node_state(node), st.to_json(), px=5000)
 
 
 @pytest.fixture
@@ -268,8 +270,9 @@ async def test_urgent_class_flows_to_held_node_lower_class_waits(sidecar: Any, r
     r = await client.post("/admit", json=admit_body(**{"class": "batch"}))
     assert r.status == 503  # batch waited for the hold to clear, until its deadline
     # Open node, but the engine reports its own backlog: lower classes still wait.
-    st = {"node": "n1", "state": "open", "memory": 0.3, "per_token": 0.0, "seq": 9, "waiting": 5}
-    await redis.set(keys.node_state("n1"), json.dumps(st), px=5000)
+    st = NodeState(node="n1", seq=9, state=Status.OPEN, source="kv", healthy=True, memory=0.3,
+                   waiting=5)  # fmt: skip
+    await redis.set(keys.node_state("n1"), st.to_json(), px=5000)
     await asyncio.sleep(0.25)
     assert (await client.post("/admit", json=admit_body(**{"class": "batch"}))).status == 503
     assert (await client.post("/admit", json=admit_body(**{"class": "realtime"}))).status == 200

@@ -15,9 +15,9 @@ from typing import Any
 import openai
 import pytest
 
-from admission.stack import Stack
+from devstack.procs import free_port, stop_process, wait_for
+from devstack.stack import DEFAULT_POLICY, Stack
 from tests.conftest import ROOT
-from tests.procs import free_port, stop_process, wait_for
 
 pytestmark = [
     pytest.mark.vllm,
@@ -28,7 +28,7 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def vstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(ROOT / "policies.yaml", tmp_path_factory.mktemp("vstack"), engine="vllm", nodes=1, sidecars=1,
+    s = Stack(DEFAULT_POLICY, tmp_path_factory.mktemp("vstack"), engine="vllm", nodes=1, sidecars=1,
               policy_overrides={"tenants": _tenants_for("tiny-llama")})  # fmt: skip
     try:
         s.start()
@@ -40,7 +40,7 @@ def vstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 def _tenants_for(model: str) -> dict[str, Any]:
     import yaml
 
-    raw = yaml.safe_load((ROOT / "policies.yaml").read_text())["tenants"]
+    raw = yaml.safe_load((DEFAULT_POLICY).read_text())["tenants"]
     return {k: {**v, "models": [model]} for k, v in raw.items()}
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from admission.agent import parse_vllm_metrics
-from admission.gpu import NvmlReader
+from admission.nodes.agent import parse_vllm_metrics
+from admission.nodes.gpu import GpuMemory, NvmlReader
+from admission.nodes.memory import effective_fraction
+from admission.nodes.watermarks import DOWN, DRAIN, HOLD, OPEN, next_state
 from admission.policy import Watermarks
-from admission.watermarks import DOWN, DRAIN, HOLD, OPEN, GpuMemory, effective_fraction, next_state
 
 GiB = 1 << 30
 WM = Watermarks(hold=0.80, drain=0.85, reopen=0.75, stale_after_s=3)

@@ -8,8 +8,7 @@
 -- second settle of the same ticket a no-op; an expired reservation settles nothing, harmlessly.
 -- Returns {1, delta_tokens} (positive = refunded) or {0, 0} when there was nothing to settle.
 
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local now = now_us()
 local cap, rate = tonumber(ARGV[1]), tonumber(ARGV[2])
 redis.call('ZREM', KEYS[2], ARGV[4])
 local reserved = redis.call('HGET', KEYS[3], 'tok')
@@ -20,21 +19,6 @@ if actual < 0 then return {1, 0} end
 local delta = tonumber(reserved) - actual
 if delta == 0 then return {1, 0} end
 
-local v = redis.call('HMGET', KEYS[1], 'l', 't')
-local l = cap
-if v[1] then
-  l = tonumber(v[1])
-  local elapsed = now - tonumber(v[2])
-  if l < cap and elapsed > 0 then
-    local fill_us = math.ceil((cap - l) * 1000000 / rate)
-    if elapsed >= fill_us then l = cap else l = math.min(cap, l + math.floor(elapsed * rate / 1000000)) end
-  end
-end
-l = math.max(-cap, math.min(cap, l + delta * 1000000))
-if l >= cap then
-  redis.call('DEL', KEYS[1])
-else
-  redis.call('HSET', KEYS[1], 'l', l, 't', now)
-  redis.call('PEXPIRE', KEYS[1], math.max(1, math.ceil((cap - l) * 1000 / rate)))
-end
+local l = bucket_level(KEYS[1], cap, rate, now)
+bucket_store(KEYS[1], math.max(-cap, math.min(cap, l + delta * 1000000)), cap, rate, now)
 return {1, delta}

@@ -1,4 +1,4 @@
-"""The Redis Lua scripts (admission/lua/*.lua), loaded once, run alone or several per round trip.
+"""The Redis Lua scripts (store/lua/*.lua), loaded once, run alone or several per round trip.
 
 A round trip costs the sidecar ~100-170 µs of CPU in redis-py, the largest share of an
 admission, so calls that belong together (acquire + node lease on the fast path; lease
@@ -18,7 +18,17 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis import exceptions as rex
 
+from admission.store.connection import raise_if_down
+
 NAMES = ("acquire", "settle", "lease")
+
+
+def _lua(name: str) -> str:
+    return resources.files("admission.store").joinpath(f"lua/{name}.lua").read_text()
+
+
+# Time and bucket arithmetic, written once for every script (see lua/prelude.lua).
+PRELUDE = _lua("prelude")
 
 
 @dataclass(frozen=True)
@@ -35,9 +45,7 @@ class Scripts:
         self.redis = redis
         # redis-py refuses EVALSHA in cluster pipelines: there, calls run concurrently instead.
         self.cluster = isinstance(redis, aioredis.RedisCluster)
-        self.source = {
-            n: resources.files("admission").joinpath(f"lua/{n}.lua").read_text() for n in NAMES
-        }
+        self.source = {n: PRELUDE + _lua(n) for n in NAMES}
         self.sha = {n: hashlib.sha1(src.encode()).hexdigest() for n, src in self.source.items()}
 
     async def run(self, *calls: Call) -> list[Any]:
@@ -55,9 +63,7 @@ class Scripts:
             again = await self._batch(tuple(calls[i] for i in missing))
             for i, r in zip(missing, again, strict=True):
                 results[i] = r
-        for r in results:
-            if isinstance(r, (rex.ConnectionError, rex.TimeoutError, OSError)):
-                raise r
+        raise_if_down(results)
         return results
 
     async def _batch(self, calls: tuple[Call, ...]) -> list[Any]:

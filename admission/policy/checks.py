@@ -7,9 +7,12 @@ default when the value is wrong, so that one pass reports every problem in the f
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from enum import StrEnum
+from typing import Any, TypeVar
 
 import yaml
+
+E = TypeVar("E", bound=StrEnum)
 
 
 def line_map(
@@ -143,14 +146,16 @@ class Checker:
             return default
         return v
 
-    def choice(
-        self, m: dict[Any, Any], key: str, path: str, default: str, options: tuple[str, ...]
-    ) -> str:
-        v = self.string(m, key, path, default)
-        if v not in options:
-            self.err(_join(path, key), f"must be one of {', '.join(options)}, got {v!r}")
+    def choice(self, m: dict[Any, Any], key: str, path: str, default: E) -> E:
+        """A member of `default`'s enum, written as its value."""
+        kind = type(default)
+        v = self.string(m, key, path, default.value)
+        try:
+            return kind(v)
+        except ValueError:
+            options = ", ".join(e.value for e in kind)
+            self.err(_join(path, key), f"must be one of {options}, got {v!r}")
             return default
-        return v
 
     def boolean(self, m: dict[Any, Any], key: str, path: str, default: bool) -> bool:
         v = m.get(key, default)

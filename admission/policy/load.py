@@ -1,171 +1,35 @@
-"""The policy model: what an SRE writes in policies.yaml, as frozen, validated dataclasses.
+"""Loading policies.yaml: every problem collected (dotted path, YAML line) into one PolicyError.
 
-Pure: no aiohttp, no redis. `parse_policy` collects *every* problem (dotted path, YAML line
-where known) into one `PolicyError`; nothing half-valid ever reaches the running service.
-The field-by-field reference lives in README.md ("Configuration reference").
+Nothing half-valid ever reaches the running service: `parse_policy` either returns a complete
+`Policy` or raises with the whole list, so an SRE fixes a file in one pass.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from admission.errors import PolicyError
-from admission.policy_parse import Checker, duplicate_keys, line_map
+from admission.policy.checks import Checker, duplicate_keys, line_map
+from admission.policy.model import (
+    AdmitUntil,
+    ClassPolicy,
+    EdgeSettings,
+    Limits,
+    MemorySource,
+    Node,
+    Policy,
+    QueueSettings,
+    RedisSettings,
+    Tenant,
+    Watermarks,
+    digest_key,
+)
 
 log = logging.getLogger(__name__)
-
-MEMORY_SOURCES = ("effective", "kv", "nvml")
-FAILURE_MODES = ("open", "closed")
-
-
-@dataclass(frozen=True)
-class RedisSettings:
-    """Where shared state lives and how hard we try to reach it.
-
-    Timeouts are short on purpose: an admission decision that waits on a sick Redis is worse
-    than the fail-open/closed answer.
-    """
-
-    url: str = "redis://127.0.0.1:6379/0"
-    connect_timeout_ms: int = 250
-    command_timeout_ms: int = 150
-    pool_size: int = 64  # connections per sidecar process; callers beyond it wait (blocking pool)
-    pool_wait_ms: int = 100
-    failure_mode: str = "open"  # open: local buckets at a fraction of the rate; closed: 503
-    fail_open_fraction: float = (
-        0.5  # share of each rate a sidecar grants itself while Redis is down
-    )
-    cluster: bool = False
-
-
-@dataclass(frozen=True)
-class QueueSettings:
-    """Bounds of the weighted-fair queue (per sidecar process)."""
-
-    max_depth: int = 10_000
-    max_depth_per_tenant: int = 1_000
-    long_request_tokens: int = 0  # > 0: requests estimated above this drop one class; 0 = off
-    lease_ttl_s: float = 600.0  # longest a request may run; a lost release frees its slots then
-
-
-@dataclass(frozen=True)
-class Watermarks:
-    """Node memory thresholds as fractions of GPU memory (effective, see DESIGN.md)."""
-
-    hold: float = 0.80  # at or above: no new admissions, requests wait in the queue
-    drain: float = 0.85  # at or above: no new requests at all; in-flight finish
-    reopen: float = 0.75  # hysteresis: a held/drained node opens again below this
-    stale_after_s: float = 3.0  # a node state older than this means the node is down
-    # Classes admitted until `hold` also wait while the engine reports this many requests of
-    # its own waiting: vLLM admits from its backlog whenever KV blocks free up, so a backlog
-    # inside the engine keeps the KV cache full (and the node at drain) whatever the edge does.
-    max_engine_waiting: int = 2
-    # Tokens a sidecar admitted to a node count against its watermarks for this long on top of
-    # the node's samples: an admission takes a sample period plus queueing and chunked prefill
-    # before its KV shows, and forgetting it at the next sample over-admits in waves.
-    projection_window_s: float = 2.0
-
-
-@dataclass(frozen=True)
-class ClassPolicy:
-    """A request class: its share of capacity, patience and the vLLM priority it maps to."""
-
-    name: str
-    weight: float
-    min_share: float  # fraction of admitted cost guaranteed when backlogged (0 = none)
-    priority: int  # vLLM `priority` field: lower runs earlier
-    deadline_s: float  # max wait in the queue before 503 queue_timeout
-    promote_after_s: float | None  # waited this long → moves up one class (None: never)
-    slo_ttft_ms: float | None = None
-    slo_e2e_ms: float | None = None
-    # Watermark at which this class stops being admitted to a node: "hold" (default) or "drain".
-    # An urgent class admitted until drain keeps flowing while a node is held: vLLM's priority
-    # scheduler makes room for it by preempting lower classes, which the edge keeps out.
-    admit_until: str = "hold"
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Per-tenant limits, enforced across all sidecars in Redis."""
-
-    requests_per_s: float
-    request_burst: int
-    tokens_per_min: float
-    token_burst: int
-    burst_window_s: float = 1.0  # sliding window of the burst guard
-    burst_max: int = 0  # max requests in any burst window; 0 = guard off
-    max_concurrent: int = 0  # requests admitted and not yet released; 0 = unlimited
-    max_queued: int = 0  # per-sidecar queue bound for this tenant; 0 = queue default
-
-
-@dataclass(frozen=True)
-class Tenant:
-    id: str
-    tier: str
-    weight: float
-    key_digests: tuple[str, ...]  # lowercase hex SHA-256 of each API key
-    classes: tuple[str, ...]
-    default_class: str
-    limits: Limits
-    models: tuple[str, ...] = ()  # empty: every model some node serves
-    demo_keys: tuple[str, ...] = ()  # plaintext keys, demo only (never logged)
-
-
-@dataclass(frozen=True)
-class Node:
-    id: str
-    url: str  # base URL of the vLLM OpenAI server, e.g. http://10.0.0.5:8000
-    models: tuple[str, ...]
-    memory_source: str = "effective"
-    max_inflight: int = 64
-    kv_pool_bytes: int | None = None  # overrides what vLLM's cache_config_info reports
-    gpus: tuple[int, ...] = (0,)  # NVML indices the node's vLLM uses (tensor parallel: several)
-    device_url: str | None = None  # emulator only: simulated GPU read instead of NVML
-
-
-@dataclass(frozen=True)
-class EdgeSettings:
-    max_body_bytes: int = 1_048_576
-    sidecar_failure_mode: str = "closed"  # no sidecar reachable: open = proxy unadmitted (logged)
-    chars_per_token: float = 4.0  # prompt-size estimate at the edge
-    default_max_tokens: int = 256  # cost estimate when a request sets no max_tokens
-
-
-@dataclass(frozen=True)
-class Policy:
-    redis: RedisSettings
-    queue: QueueSettings
-    watermarks: Watermarks
-    edge: EdgeSettings
-    classes: dict[str, ClassPolicy]  # ordered most urgent first (lowest priority value)
-    tenants: dict[str, Tenant]
-    nodes: dict[str, Node]
-    key_index: dict[str, str] = field(default_factory=dict)  # sha256 digest → tenant id
-
-    def class_above(self, name: str) -> str:
-        """The next more urgent class (aging), or `name` itself at the top."""
-        order = list(self.classes)
-        i = order.index(name)
-        return order[max(0, i - 1)]
-
-    def class_below(self, name: str) -> str:
-        order = list(self.classes)
-        i = order.index(name)
-        return order[min(len(order) - 1, i + 1)]
-
-    def models(self) -> set[str]:
-        return {m for n in self.nodes.values() for m in n.models}
-
-
-def digest_key(api_key: str) -> str:
-    """SHA-256 hex digest of an API key: the only form keys are stored or compared in."""
-    return hashlib.sha256(api_key.encode()).hexdigest()
 
 
 def load_policy(path: str | Path) -> Policy:
@@ -244,7 +108,7 @@ def _redis(c: Checker, raw: Any) -> RedisSettings:
         command_timeout_ms=c.integer(m, "command_timeout_ms", "redis", d.command_timeout_ms, lo=1),
         pool_size=c.integer(m, "pool_size", "redis", d.pool_size, lo=1),
         pool_wait_ms=c.integer(m, "pool_wait_ms", "redis", d.pool_wait_ms, lo=1),
-        failure_mode=c.choice(m, "failure_mode", "redis", d.failure_mode, FAILURE_MODES),
+        failure_mode=c.choice(m, "failure_mode", "redis", d.failure_mode),
         fail_open_fraction=c.number(
             m, "fail_open_fraction", "redis", d.fail_open_fraction, lo=0, hi=1, lo_open=True
         ),
@@ -296,9 +160,7 @@ def _edge(c: Checker, raw: Any) -> EdgeSettings:
     d = EdgeSettings()
     return EdgeSettings(
         max_body_bytes=c.integer(m, "max_body_bytes", "edge", d.max_body_bytes, lo=1024),
-        sidecar_failure_mode=c.choice(
-            m, "sidecar_failure_mode", "edge", d.sidecar_failure_mode, FAILURE_MODES
-        ),
+        sidecar_failure_mode=c.choice(m, "sidecar_failure_mode", "edge", d.sidecar_failure_mode),
         chars_per_token=c.number(
             m, "chars_per_token", "edge", d.chars_per_token, lo=0, lo_open=True
         ),
@@ -343,7 +205,7 @@ def _classes(c: Checker, raw: Any) -> dict[str, ClassPolicy]:
                 promote_after_s=c.optional_number(b, "promote_after_s", p, lo=0, lo_open=True),
                 slo_ttft_ms=c.optional_number(slo, "ttft_ms", f"{p}.slo", lo=0, lo_open=True),
                 slo_e2e_ms=c.optional_number(slo, "e2e_ms", f"{p}.slo", lo=0, lo_open=True),
-                admit_until=c.choice(b, "admit_until", p, "hold", ("hold", "drain")),
+                admit_until=c.choice(b, "admit_until", p, AdmitUntil.HOLD),
             )
         )
     if sum(k.min_share for k in out) > 1:
@@ -498,7 +360,7 @@ def _nodes(c: Checker, raw: Any) -> dict[str, Node]:
             id=str(nid),
             url=url,
             models=models,
-            memory_source=c.choice(b, "memory_source", p, "effective", MEMORY_SOURCES),
+            memory_source=c.choice(b, "memory_source", p, MemorySource.EFFECTIVE),
             max_inflight=c.integer(b, "max_inflight", p, 64, lo=1),
             kv_pool_bytes=c.integer(b, "kv_pool_bytes", p, 0, lo=1) if kv is not None else None,
             gpus=tuple(gpus),

@@ -7,13 +7,20 @@ uses several), or None when the reader has no such device.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
 
-from admission.watermarks import GpuMemory
-
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    """One reading of a GPU (or the sum over a tensor-parallel node's GPUs), in bytes."""
+
+    used_bytes: int
+    total_bytes: int
 
 
 class GpuReader(Protocol):

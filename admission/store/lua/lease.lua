@@ -5,8 +5,7 @@
 -- Expired leases (a lost release) are dropped first: a crash leaks a slot for one TTL at most.
 -- Returns {1, in_flight_after} or {0, in_flight}.
 
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local now = now_us()
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
 local n = redis.call('ZCARD', KEYS[1])
 if n >= tonumber(ARGV[1]) then return {0, n} end

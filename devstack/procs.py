@@ -1,4 +1,5 @@
-"""Real processes for tests: free loopback ports, redis-server, waiting for readiness."""
+"""Process helpers for the local stack, benchmarks and tests: free loopback ports, readiness
+waits, redis-server, stopping a process group."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,16 +20,29 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def wait_for(check: Callable[[], bool], timeout_s: float = 10.0, what: str = "condition") -> None:
+def wait_for(
+    check: Callable[[], bool],
+    timeout_s: float = 10.0,
+    what: str = "condition",
+    proc: subprocess.Popen[bytes] | None = None,
+) -> None:
+    """Poll `check` until true; TimeoutError after `timeout_s`, RuntimeError if `proc` exits."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"{what}: process exited with {proc.returncode}")
         try:
             if check():
                 return
-        except OSError:
+        except OSError:  # urllib's URLError and connection refusals are OSErrors
             pass
         time.sleep(0.05)
     raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def http_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=1) as r:
+        return bool(r.status == 200)
 
 
 def port_open(port: int) -> bool:

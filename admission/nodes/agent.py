@@ -9,7 +9,6 @@ silent agent reads as a down node. Sidecars read these states; they never scrape
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -17,10 +16,12 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from admission import keys
-from admission.gpu import GpuReader, NvmlReader, SimulatedGpuReader
+from admission.nodes import memory
+from admission.nodes.gpu import GpuReader, NvmlReader, SimulatedGpuReader
+from admission.nodes.state import NodeState
+from admission.nodes.watermarks import DOWN, OPEN, next_state
 from admission.policy import Node, Policy
-from admission.watermarks import DOWN, OPEN, effective_fraction, next_state
+from admission.store import keys
 
 log = logging.getLogger(__name__)
 
@@ -73,10 +74,10 @@ class NodeProbe:
         self.seq = 0
         self._warned: set[str] = set()
 
-    async def sample(self, policy: Policy) -> dict[str, Any]:
+    async def sample(self, policy: Policy) -> NodeState:
         node = self.node
         self.seq += 1
-        out: dict[str, Any] = {"node": node.id, "seq": self.seq, "source": node.memory_source}
+        wanted = node.memory_source
         try:
             async with self.session.get(f"{node.url}/health", timeout=self.timeout) as r:
                 healthy = r.status == 200
@@ -85,31 +86,30 @@ class NodeProbe:
             gpu = await self.gpu.read(node.gpus) if self.gpu is not None else None
         except (aiohttp.ClientError, TimeoutError, OSError, ValueError, KeyError) as exc:
             self.state = DOWN
-            out.update(state=DOWN, healthy=False, error=type(exc).__name__)
-            return out
-        pool = node.kv_pool_bytes or engine.kv_pool_bytes
-        source = node.memory_source
-        if source == "effective" and (gpu is None or pool is None):
-            source = "kv" if gpu is None else "nvml"
-            self._warn_once(f"{node.id}: memory_source effective lacks inputs, using {source}")
+            return NodeState.down(node.id, self.seq, wanted.value, type(exc).__name__)
+        inputs = memory.Inputs(
+            gpu, engine.kv_usage, node.kv_pool_bytes or engine.kv_pool_bytes, engine.kv_tokens
+        )
+        src = memory.fallback(wanted, inputs)
+        if src != wanted:
+            self._warn_once(
+                f"{node.id}: memory_source {wanted.value} lacks inputs, using {src.value}"
+            )
+        reader = memory.SOURCES[src]
         try:
-            fraction = effective_fraction(source, gpu, engine.kv_usage, pool)
+            fraction = reader.fraction(inputs)
         except ValueError as exc:
             self.state = DOWN
-            out.update(state=DOWN, healthy=healthy, error=str(exc))
-            return out
-        per_token = 0.0
-        if engine.kv_tokens:
-            if source == "kv":
-                per_token = 1.0 / engine.kv_tokens
-            elif pool and gpu is not None:
-                per_token = pool / engine.kv_tokens / gpu.total_bytes
+            return NodeState.down(node.id, self.seq, src.value, str(exc), healthy=healthy)
         self.state = next_state(self.state, fraction, policy.watermarks) if healthy else DOWN
-        out.update(
+        return NodeState(
+            node=node.id,
+            seq=self.seq,
             state=self.state,
+            source=src.value,
             healthy=healthy,
             memory=round(fraction, 5),
-            per_token=per_token,
+            per_token=reader.per_token(inputs),
             kv_usage=engine.kv_usage,
             running=engine.running,
             waiting=engine.waiting,
@@ -117,7 +117,6 @@ class NodeProbe:
             gpu_used_bytes=gpu.used_bytes if gpu else None,
             gpu_total_bytes=gpu.total_bytes if gpu else None,
         )
-        return out
 
     def _warn_once(self, msg: str) -> None:
         if msg not in self._warned:
@@ -152,7 +151,7 @@ class Agent:
             self._probes[node.id] = p
         return p
 
-    async def tick(self, session: aiohttp.ClientSession) -> list[dict[str, Any]]:
+    async def tick(self, session: aiohttp.ClientSession) -> list[NodeState]:
         nodes = [
             n for n in self.policy.nodes.values() if not self.node_ids or n.id in self.node_ids
         ]
@@ -160,7 +159,7 @@ class Agent:
         ttl_ms = int(self.policy.watermarks.stale_after_s * 1000)
         pipe = self.redis.pipeline(transaction=False)
         for st in states:
-            pipe.set(keys.node_state(st["node"]), json.dumps(st), px=ttl_ms)
+            pipe.set(keys.node_state(st.node), st.to_json(), px=ttl_ms)
         await pipe.execute()
         return list(states)
 
@@ -170,11 +169,9 @@ class Agent:
             while not stop.is_set():
                 try:
                     for st in await self.tick(session):
-                        if last.get(st["node"]) != st["state"]:
-                            log.info(
-                                "node %s: %s (memory %s)", st["node"], st["state"], st.get("memory")
-                            )
-                            last[st["node"]] = st["state"]
+                        if last.get(st.node) != st.state:
+                            log.info("node %s: %s (memory %s)", st.node, st.state, st.memory)
+                            last[st.node] = st.state
                 except Exception as exc:  # keep sampling through Redis blips
                     log.error("agent tick failed: %s", exc)
                 try:

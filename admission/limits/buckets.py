@@ -1,0 +1,211 @@
+"""Per-tenant limits in Redis: one atomic script debits every bucket, another settles usage.
+
+A Redis that cannot answer within the policy's short timeouts turns into fail-open (local
+buckets, `limits.local`) or fail-closed (`BackendUnavailable`). After a failure Redis is left
+alone for `RETRY_AFTER_FAILURE_S`, then tried again: recovery needs no operator.
+
+The limiter is a small object with one verb pair, `acquire` / `settle`, in the manner of
+lua-resty-limit-traffic. It undoes only its own work (the reservation of a call that may have
+run); what rides along with it in the same round trip (`also`, e.g. a node lease) belongs to the
+caller, who gets its result back and decides.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+from admission import store
+from admission.errors import AdmissionError, BackendUnavailable, RequestTooLarge, Throttled
+from admission.limits.local import LocalLimits
+from admission.metrics import Metrics
+from admission.policy import FailureMode, Limits, Policy, Tenant
+from admission.store import REDIS_DOWN, Call, Store, keys
+
+log = logging.getLogger(__name__)
+
+U = 1_000_000  # micro-units per request or token: integer arithmetic in the scripts
+RETRY_AFTER_FAILURE_S = 1.0
+
+
+@dataclass(frozen=True)
+class Rates:
+    """A tenant's limits as the scripts take them: integer micro-units."""
+
+    req_cap_u: int
+    req_rate_u: int
+    tok_cap_u: int
+    tok_rate_u: int
+
+    @classmethod
+    def of(cls, lim: Limits) -> Rates:
+        return cls(
+            req_cap_u=lim.request_burst * U,
+            req_rate_u=max(1, round(lim.requests_per_s * U)),
+            tok_cap_u=lim.token_burst * U,
+            tok_rate_u=max(1, round(lim.tokens_per_min * U / 60)),
+        )
+
+
+class Acquired(NamedTuple):
+    """What `acquire` decided. `denied` is the error to answer with (None: admitted).
+
+    `mode` is "redis" or "local" (fail-open). `also` is the result of the companion call, or
+    None when it did not run *or may have run* (the round trip failed): the caller undoes it.
+    """
+
+    mode: str
+    also: Any = None
+    denied: AdmissionError | None = None
+
+
+class Limiter:
+    """Checks and settles a tenant's limits; Redis-backed, with the policy's failure mode."""
+
+    def __init__(
+        self,
+        st: Store,
+        policy: Callable[[], Policy],
+        metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = st
+        self.policy = policy
+        self.metrics = metrics
+        self.clock = clock
+        self._down_until = 0.0
+        self._local = LocalLimits(clock)
+
+    @property
+    def backlog(self) -> store.Backlog:
+        return self.store.backlog
+
+    @property
+    def degraded(self) -> bool:
+        return self.clock() < self._down_until
+
+    async def acquire(
+        self, tenant: Tenant, ticket: str, tokens: int, lease_ttl_s: float, also: Call | None = None
+    ) -> Acquired:
+        """Debit one request and `tokens` LLM tokens, all-or-nothing, with `also` in the same
+        round trip. Denials (Throttled, RequestTooLarge, BackendUnavailable under fail-closed)
+        come back in `Acquired.denied`, so that the caller can undo `also` first."""
+        lim = tenant.limits
+        if not self.degraded:
+            r = Rates.of(lim)
+            args = [
+                r.req_cap_u, r.req_rate_u, U,
+                r.tok_cap_u, r.tok_rate_u, tokens * U,
+                int(lim.burst_window_s * U), lim.burst_max,
+                lim.max_concurrent, int(lease_ttl_s * U), ticket, tokens,
+            ]  # fmt: skip
+            calls = [Call("acquire", keys.tenant_keys(tenant.id, ticket), args)]
+            if also is not None:
+                calls.append(also)
+            try:
+                out = await self.store.scripts.run(*calls)
+            except REDIS_DOWN as exc:
+                self._failed("acquire", exc)
+                # It may have run anyway: give back whatever it reserved (a request admitted
+                # locally below is then free of charge in Redis; its release is a no-op).
+                self.backlog.add(self.settle_call(tenant, ticket, 0))
+            else:
+                self._recovered()
+                res = out[0]
+                if isinstance(res, Exception):
+                    raise res
+                extra = out[1] if also is not None else None
+                if int(res[0]) == 1:
+                    return Acquired("redis", extra)
+                return Acquired("redis", extra, _denial(_s(res[1]), res, tokens))
+        return self._acquire_local(tenant, tokens)
+
+    async def settle(
+        self, tenant: Tenant | None, ticket: str, actual_tokens: int, also: Call | None = None
+    ) -> int:
+        """Refund (positive) or charge (negative) the difference to the reservation; idempotent.
+
+        `also` (the node lease release) rides in the same round trip. With Redis unreachable
+        both go to the backlog (0 is returned)."""
+        calls = []
+        if tenant is not None:
+            calls.append(self.settle_call(tenant, ticket, actual_tokens))
+        if also is not None:
+            calls.append(also)
+        if not calls:
+            return 0
+        if self.degraded:
+            self.backlog.add(*calls)
+            return 0
+        try:
+            out = await self.store.scripts.run(*calls)
+        except REDIS_DOWN as exc:
+            self._failed("settle", exc)
+            self.backlog.add(*calls)
+            return 0
+        if tenant is None:
+            return 0
+        if isinstance(out[0], Exception):
+            raise out[0]
+        delta = int(out[0][1])
+        if delta > 0:
+            self.metrics.settled_tokens.labels(tenant.id, "refund").inc(delta)
+        elif delta < 0:
+            self.metrics.settled_tokens.labels(tenant.id, "overage").inc(-delta)
+        return delta
+
+    @staticmethod
+    def settle_call(tenant: Tenant, ticket: str, actual_tokens: int) -> Call:
+        r = Rates.of(tenant.limits)
+        k = keys.tenant_keys(tenant.id, ticket)
+        return Call(
+            "settle", [k[1], k[3], k[4]], [r.tok_cap_u, r.tok_rate_u, actual_tokens, ticket]
+        )
+
+    def _failed(self, op: str, exc: BaseException) -> None:
+        self.metrics.redis_errors.labels(op).inc()
+        if not self.degraded:
+            log.error(
+                "redis unavailable during %s (%s): failure mode %s",
+                op,
+                type(exc).__name__,
+                self.policy().redis.failure_mode.value,
+            )
+        self._down_until = self.clock() + RETRY_AFTER_FAILURE_S
+        self.metrics.redis_fallback.set(1)
+
+    def _recovered(self) -> None:
+        if self._local:
+            log.warning("redis reachable again: limits enforced in Redis")
+            self._local.clear()
+        self.metrics.redis_fallback.set(0)
+
+    def _acquire_local(self, tenant: Tenant, tokens: int) -> Acquired:
+        settings = self.policy().redis
+        if settings.failure_mode == FailureMode.CLOSED:
+            return Acquired(
+                "local",
+                denied=BackendUnavailable(
+                    "rate-limit store unavailable", code="limiter_unavailable", retry_after=1
+                ),
+            )
+        try:
+            self._local.acquire(tenant.id, tenant.limits, tokens, settings.fail_open_fraction)
+        except (Throttled, RequestTooLarge) as exc:
+            return Acquired("local", denied=exc)
+        return Acquired("local")
+
+
+def _denial(reason: str, res: Any, tokens: int) -> AdmissionError:
+    if reason.endswith("_exceed_capacity"):
+        limit = "tokens_per_min" if reason.startswith("tokens") else "requests_per_s"
+        cost = tokens if limit == "tokens_per_min" else 1
+        return RequestTooLarge(limit, cost, int(res[3]) // U)
+    return Throttled(reason, int(res[2]) / 1000)
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)

@@ -1,0 +1,182 @@
+"""The policy model: what an SRE writes in policies.yaml, as frozen, validated dataclasses.
+
+Pure: no aiohttp, no redis. `parse_policy` collects *every* problem (dotted path, YAML line
+where known) into one `PolicyError`; nothing half-valid ever reaches the running service.
+The field-by-field reference lives in README.md ("Configuration reference").
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class FailureMode(StrEnum):
+    """What to do when a dependency (Redis, every sidecar) cannot answer."""
+
+    OPEN = "open"  # keep serving: local buckets at a fraction of the rate / proxy unadmitted
+    CLOSED = "closed"  # refuse: 503 with Retry-After
+
+
+class AdmitUntil(StrEnum):
+    """The watermark at which a class stops being admitted to a node."""
+
+    HOLD = "hold"
+    DRAIN = "drain"
+
+
+class MemorySource(StrEnum):
+    """Which reading a node's watermarks compare (see admission.nodes.memory)."""
+
+    EFFECTIVE = "effective"  # NVML used − free part of the KV pool
+    KV = "kv"  # vLLM's KV usage alone (CPU vLLM: no NVML)
+    NVML = "nvml"  # raw NVML (no vLLM metrics)
+
+
+@dataclass(frozen=True)
+class RedisSettings:
+    """Where shared state lives and how hard we try to reach it.
+
+    Timeouts are short on purpose: an admission decision that waits on a sick Redis is worse
+    than the fail-open/closed answer.
+    """
+
+    url: str = "redis://127.0.0.1:6379/0"
+    connect_timeout_ms: int = 250
+    command_timeout_ms: int = 150
+    pool_size: int = 64  # connections per sidecar process; callers beyond it wait (blocking pool)
+    pool_wait_ms: int = 100
+    failure_mode: FailureMode = (
+        FailureMode.OPEN
+    )  # open: local buckets at a fraction of the rate; closed: 503
+    fail_open_fraction: float = (
+        0.5  # share of each rate a sidecar grants itself while Redis is down
+    )
+    cluster: bool = False
+
+
+@dataclass(frozen=True)
+class QueueSettings:
+    """Bounds of the weighted-fair queue (per sidecar process)."""
+
+    max_depth: int = 10_000
+    max_depth_per_tenant: int = 1_000
+    long_request_tokens: int = 0  # > 0: requests estimated above this drop one class; 0 = off
+    lease_ttl_s: float = 600.0  # longest a request may run; a lost release frees its slots then
+
+
+@dataclass(frozen=True)
+class Watermarks:
+    """Node memory thresholds as fractions of GPU memory (effective, see DESIGN.md)."""
+
+    hold: float = 0.80  # at or above: no new admissions, requests wait in the queue
+    drain: float = 0.85  # at or above: no new requests at all; in-flight finish
+    reopen: float = 0.75  # hysteresis: a held/drained node opens again below this
+    stale_after_s: float = 3.0  # a node state older than this means the node is down
+    # Classes admitted until `hold` also wait while the engine reports this many requests of
+    # its own waiting: vLLM admits from its backlog whenever KV blocks free up, so a backlog
+    # inside the engine keeps the KV cache full (and the node at drain) whatever the edge does.
+    max_engine_waiting: int = 2
+    # Tokens a sidecar admitted to a node count against its watermarks for this long on top of
+    # the node's samples: an admission takes a sample period plus queueing and chunked prefill
+    # before its KV shows, and forgetting it at the next sample over-admits in waves.
+    projection_window_s: float = 2.0
+
+
+@dataclass(frozen=True)
+class ClassPolicy:
+    """A request class: its share of capacity, patience and the vLLM priority it maps to."""
+
+    name: str
+    weight: float
+    min_share: float  # fraction of admitted cost guaranteed when backlogged (0 = none)
+    priority: int  # vLLM `priority` field: lower runs earlier
+    deadline_s: float  # max wait in the queue before 503 queue_timeout
+    promote_after_s: float | None  # waited this long → moves up one class (None: never)
+    slo_ttft_ms: float | None = None
+    slo_e2e_ms: float | None = None
+    # Watermark at which this class stops being admitted to a node: "hold" (default) or "drain".
+    # An urgent class admitted until drain keeps flowing while a node is held: vLLM's priority
+    # scheduler makes room for it by preempting lower classes, which the edge keeps out.
+    admit_until: AdmitUntil = AdmitUntil.HOLD
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Per-tenant limits, enforced across all sidecars in Redis."""
+
+    requests_per_s: float
+    request_burst: int
+    tokens_per_min: float
+    token_burst: int
+    burst_window_s: float = 1.0  # sliding window of the burst guard
+    burst_max: int = 0  # max requests in any burst window; 0 = guard off
+    max_concurrent: int = 0  # requests admitted and not yet released; 0 = unlimited
+    max_queued: int = 0  # per-sidecar queue bound for this tenant; 0 = queue default
+
+
+@dataclass(frozen=True)
+class Tenant:
+    id: str
+    tier: str
+    weight: float
+    key_digests: tuple[str, ...]  # lowercase hex SHA-256 of each API key
+    classes: tuple[str, ...]
+    default_class: str
+    limits: Limits
+    models: tuple[str, ...] = ()  # empty: every model some node serves
+    demo_keys: tuple[str, ...] = ()  # plaintext keys, demo only (never logged)
+
+
+@dataclass(frozen=True)
+class Node:
+    id: str
+    url: str  # base URL of the vLLM OpenAI server, e.g. http://10.0.0.5:8000
+    models: tuple[str, ...]
+    memory_source: MemorySource = MemorySource.EFFECTIVE
+    max_inflight: int = 64
+    kv_pool_bytes: int | None = None  # overrides what vLLM's cache_config_info reports
+    gpus: tuple[int, ...] = (0,)  # NVML indices the node's vLLM uses (tensor parallel: several)
+    device_url: str | None = None  # emulator only: simulated GPU read instead of NVML
+
+
+@dataclass(frozen=True)
+class EdgeSettings:
+    max_body_bytes: int = 1_048_576
+    sidecar_failure_mode: FailureMode = (
+        FailureMode.CLOSED
+    )  # no sidecar reachable: open = proxy unadmitted (logged)
+    chars_per_token: float = 4.0  # prompt-size estimate at the edge
+    default_max_tokens: int = 256  # cost estimate when a request sets no max_tokens
+
+
+@dataclass(frozen=True)
+class Policy:
+    redis: RedisSettings
+    queue: QueueSettings
+    watermarks: Watermarks
+    edge: EdgeSettings
+    classes: dict[str, ClassPolicy]  # ordered most urgent first (lowest priority value)
+    tenants: dict[str, Tenant]
+    nodes: dict[str, Node]
+    key_index: dict[str, str] = field(default_factory=dict)  # sha256 digest → tenant id
+
+    def class_above(self, name: str) -> str:
+        """The next more urgent class (aging), or `name` itself at the top."""
+        order = list(self.classes)
+        i = order.index(name)
+        return order[max(0, i - 1)]
+
+    def class_below(self, name: str) -> str:
+        order = list(self.classes)
+        i = order.index(name)
+        return order[min(len(order) - 1, i + 1)]
+
+    def models(self) -> set[str]:
+        return {m for n in self.nodes.values() for m in n.models}
+
+
+def digest_key(api_key: str) -> str:
+    """SHA-256 hex digest of an API key: the only form keys are stored or compared in."""
+    return hashlib.sha256(api_key.encode()).hexdigest()

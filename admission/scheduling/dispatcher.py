@@ -1,0 +1,310 @@
+"""The dispatcher: owns the whole admission decision, from the limits to the node lease.
+
+`admit` is the one place that decides:
+1. fast path: when nobody waits (so no one is overtaken) and a node has room, the node lease
+   rides in the same Redis round trip as the tenant's buckets;
+2. otherwise the request joins the `FairQueue`, and the dispatcher loop admits it when some
+   node serving its model is open, below its watermark after projection and under its
+   in-flight cap (lease.lua takes the lease atomically across sidecars).
+Whatever the decision, this module undoes what it took and did not use (an optimistic lease,
+the reservation of a request that never ran); nobody else undoes its work.
+
+Routing: among eligible nodes, the least loaded by max(projected memory / hold, in-flight / cap);
+the next ones are the edge's fallbacks for a connect failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from admission.errors import AdmissionError, BackendUnavailable, QueueTimeout
+from admission.limits import Limiter
+from admission.metrics import Metrics
+from admission.policy import FailureMode, Policy, Tenant
+from admission.scheduling import leases
+from admission.scheduling.nodetable import NodeTable
+from admission.scheduling.queue import FairQueue, Item
+from admission.scheduling.routing import NodeView, fallbacks
+from admission.store import REDIS_DOWN, Store
+
+log = logging.getLogger(__name__)
+
+REFRESH_S = 0.1  # node-state poll period: a fraction of the agents' sample period
+
+
+@dataclass(frozen=True)
+class Admission:
+    ticket: str
+    node: str
+    url: str
+    fallbacks: list[tuple[str, str]]
+    priority: int
+    cls: str
+    queued_s: float
+
+
+@dataclass
+class _Waiter:
+    future: asyncio.Future[Admission] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        st: Store,
+        limiter: Limiter,
+        policy: Callable[[], Policy],
+        metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.store = st
+        self.limiter = limiter
+        self.policy = policy
+        self.metrics = metrics
+        self.clock = clock
+        self.queue = FairQueue(policy())
+        self.nodes = NodeTable(st.redis, policy, metrics, clock)
+        self._wake = asyncio.Event()
+
+    def set_policy(self, policy: Policy) -> None:
+        self.queue.set_policy(policy)
+        self.nodes.set_policy(policy)
+        self._wake.set()
+
+    # -- the decision ------------------------------------------------------------------------
+    async def admit(self, tenant: Tenant, cls: str, model: str, cost: int) -> Admission:
+        """Charge the tenant's limits and get a node, now or from the queue.
+
+        Raises Throttled / RequestTooLarge (limits), QueueFull, QueueTimeout,
+        BackendUnavailable (fail-closed); in every case nothing stays taken.
+        """
+        policy = self.policy()
+        ttl_s = policy.queue.lease_ttl_s
+        rid = leases.new_request_id()
+        nodes = self._fast_path(model, cls)
+        lease = ticket = None
+        if nodes:
+            ticket = leases.make_ticket(rid, nodes[0].node.id, tenant.id)
+            lease = leases.take(nodes[0].node, ticket, ttl_s)
+        acq = await self.limiter.acquire(tenant, rid, cost, ttl_s, also=lease)
+        held = lease is not None and leases.granted(acq.also)
+        # The round trip that carried the lease failed but may have run: unless this request
+        # ends up holding that very lease, it is given back.
+        maybe = ticket if ticket is not None and acq.also is None else None
+        adm: Admission | None = None
+        try:
+            if acq.denied is not None:
+                if held and ticket is not None:
+                    await self._give_back(ticket)
+                raise acq.denied
+            now = self.clock()
+            item = Item(tenant=tenant.id, cls=cls, cost=cost, model=model, enqueued_at=now,
+                        deadline_at=now + policy.classes[cls].deadline_s, rid=rid)  # fmt: skip
+            if held and nodes and ticket is not None:
+                adm = self._record(item, nodes, ticket)
+                return adm
+            if nodes and acq.also is not None:
+                nodes[0].inflight = nodes[0].node.max_inflight  # another sidecar filled it
+            try:
+                adm = await self.submit(item)
+                return adm
+            except (AdmissionError, asyncio.CancelledError):
+                # Nothing ran: refund the whole reservation and free the concurrency slot.
+                await self.limiter.settle(tenant, rid, 0)
+                raise
+        finally:
+            if maybe is not None and (adm is None or adm.ticket != maybe):
+                self.store.backlog.add(leases.give_back(maybe))
+
+    async def release(self, ticket: str, actual_tokens: int) -> int:
+        """Give the lease back and settle the reservation in one round trip; tokens refunded."""
+        rid, node, tid = leases.parse_ticket(ticket)
+        self._freed(node)
+        tenant = self.policy().tenants.get(tid)
+        return await self.limiter.settle(tenant, rid, actual_tokens, also=leases.give_back(ticket))
+
+    def serves(self, model: str) -> bool:
+        return self.nodes.serves(model)
+
+    # -- the queue ---------------------------------------------------------------------------
+    def _fast_path(self, model: str, cls: str) -> list[NodeView] | None:
+        """Nodes to admit onto directly, when nobody is waiting (so no one is overtaken)."""
+        if len(self.queue) == 0:
+            return self.nodes.eligible(model, cls) or None
+        return None
+
+    async def submit(self, item: Item) -> Admission:
+        """Queue `item` and wait for a node (or QueueFull now, or QueueTimeout at its deadline).
+
+        Cancelling the caller (the client went away) removes the item from the queue, or
+        releases its lease if it was admitted in the meantime.
+        """
+        if nodes := self._fast_path(item.model, item.requested_cls or item.cls):
+            # Nobody is waiting, so admitting directly overtakes no one and saves the hop
+            # through the dispatcher task.
+            adm = await self._lease(item, nodes)
+            if adm is not None:
+                return adm
+        waiter = _Waiter()
+        item.payload = waiter
+        self.queue.push(item)
+        self._gauge_depth()
+        self._wake.set()
+        timeout = max(0.0, item.deadline_at - self.clock())
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
+        except TimeoutError:
+            self.queue.cancel(item)
+            self._gauge_depth()
+            if waiter.future.done():  # admitted at the very last moment
+                return waiter.future.result()
+            exc = QueueTimeout(
+                self.clock() - item.enqueued_at, self.queue.retry_after(len(self.queue))
+            )
+            # A dispatch in flight for this item sees the settled future and gives its lease back.
+            waiter.future.set_exception(exc)
+            waiter.future.exception()  # mark retrieved
+            raise exc from None
+        except asyncio.CancelledError:
+            self.queue.cancel(item)
+            self._gauge_depth()
+            if waiter.future.done():
+                if not waiter.future.cancelled() and waiter.future.exception() is None:
+                    await self._give_back(waiter.future.result().ticket)
+            else:
+                waiter.future.cancel()
+            raise
+
+    # -- the loop ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Refresh node views and dispatch, until cancelled. An unexpected error is logged and
+        the loop goes on: a dead dispatcher would leave every queued request to time out."""
+        next_refresh = 0.0
+        while True:
+            try:
+                now = self.clock()
+                if now >= next_refresh:
+                    await self.nodes.refresh()
+                    next_refresh = now + REFRESH_S
+                started = time.process_time()
+                await self.dispatch()
+                self.metrics.dispatch_seconds.observe(time.process_time() - started)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("dispatcher step failed; continuing")
+                self.metrics.redis_errors.labels("dispatch").inc()
+            self._wake.clear()
+            try:
+                await asyncio.wait_for(self._wake.wait(), REFRESH_S)
+            except TimeoutError:
+                pass
+
+    async def dispatch(self) -> int:
+        """Admit as many queued requests as nodes have room for; return how many."""
+        admitted = 0
+        self.queue.age(self.clock())
+        while True:
+            # Memory rules follow the class a request asked for: aging moves it up the queue,
+            # but does not let a long batch request use the headroom kept for realtime.
+            item = self.queue.pop(
+                self.clock(),
+                lambda it: bool(self.nodes.eligible(it.model, it.requested_cls or it.cls)),
+            )
+            if item is None:
+                break
+            waiter: _Waiter = item.payload
+            if waiter.future.done():  # the waiter gave up between pop and now
+                continue
+            nodes = self.nodes.eligible(item.model, item.requested_cls or item.cls)
+            try:
+                adm = await self._lease(item, nodes)
+            except BackendUnavailable as exc:
+                waiter.future.set_exception(exc)
+                continue
+            if adm is None:
+                if not waiter.future.done():
+                    self.queue.requeue_front(item)
+                continue
+            if waiter.future.done():  # timed out or cancelled while the lease was taken
+                await self._give_back(adm.ticket)
+                continue
+            waiter.future.set_result(adm)
+            admitted += 1
+        self._gauge_depth()
+        return admitted
+
+    async def _lease(self, item: Item, nodes: list[NodeView]) -> Admission | None:
+        """Take a lease on the best node; None if another sidecar filled it meanwhile."""
+        node = nodes[0]
+        ticket = leases.make_ticket(item.rid, node.node.id, item.tenant)
+        try:
+            res = (await self.store.scripts.run(
+                leases.take(node.node, ticket, self.policy().queue.lease_ttl_s)
+            ))[0]  # fmt: skip
+        except REDIS_DOWN as exc:
+            self.metrics.redis_errors.labels("lease").inc()
+            if self.policy().redis.failure_mode == FailureMode.CLOSED:
+                self.store.backlog.add(leases.give_back(ticket))  # it may have run
+                raise BackendUnavailable(
+                    "lease store unavailable", code="limiter_unavailable"
+                ) from exc
+            return self._record(item, nodes, ticket)  # fail-open: local in-flight counting
+        if isinstance(res, Exception):
+            raise res
+        if not leases.granted(res):
+            node.inflight = node.node.max_inflight  # another sidecar filled it
+            return None
+        return self._record(item, nodes, ticket)
+
+    def _record(self, item: Item, nodes: list[NodeView], ticket: str) -> Admission:
+        """Account a lease taken on nodes[0] (projected usage, in-flight); build the answer."""
+        chosen = nodes[0]
+        now = self.clock()
+        chosen.admitted(now, item.cost)
+        cls = self.policy().classes.get(item.cls)
+        self.metrics.queue_wait_seconds.labels(item.cls).observe(now - item.enqueued_at)
+        return Admission(
+            ticket=ticket,
+            node=chosen.node.id,
+            url=chosen.node.url,
+            fallbacks=fallbacks(nodes),
+            priority=cls.priority if cls else 0,
+            cls=item.cls,
+            queued_s=now - item.enqueued_at,
+        )
+
+    async def _give_back(self, ticket: str) -> None:
+        _rid, node, _tenant = leases.parse_ticket(ticket)
+        self._freed(node)
+        call = leases.give_back(ticket)
+        try:
+            await self.store.scripts.run(call)
+        except REDIS_DOWN:
+            self.metrics.redis_errors.labels("release").inc()
+            self.store.backlog.add(call)
+
+    def _freed(self, node: str) -> None:
+        v = self.nodes.get(node)
+        if v is not None:
+            v.inflight = max(0, v.inflight - 1)
+        self._wake.set()
+
+    # -- admin and gauges --------------------------------------------------------------------
+    async def set_maintenance(self, node: str, on: bool) -> None:
+        await self.nodes.set_maintenance(node, on)
+        self._wake.set()
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        return self.nodes.snapshot()
+
+    def _gauge_depth(self) -> None:
+        for name in self.policy().classes:
+            self.metrics.queue_depth.labels(name).set(self.queue.depth(name))

@@ -1,0 +1,110 @@
+"""The sidecar's table of node views, refreshed from Redis: agents' states, admin flags, leases.
+
+Sidecars never scrape engines: each reads the `NodeState` its node's agent published, the
+operator's drain flag and the node's lease count, in one pipeline every `REFRESH_S`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from admission.metrics import Metrics
+from admission.nodes.state import NodeState, Status
+from admission.policy import FailureMode, Policy
+from admission.scheduling.routing import NodeView, eligible
+from admission.store import REDIS_DOWN, keys
+
+log = logging.getLogger(__name__)
+
+
+class NodeTable:
+    def __init__(
+        self, redis: Any, policy: Callable[[], Policy], metrics: Metrics, clock: Callable[[], float]
+    ) -> None:
+        self.redis = redis
+        self.policy = policy
+        self.metrics = metrics
+        self.clock = clock
+        self.views: dict[str, NodeView] = {}
+        self._last_ok = clock()
+        self._bad_state_logged: set[str] = set()
+        self.set_policy(policy())
+
+    def set_policy(self, policy: Policy) -> None:
+        old, self.views = self.views, {}
+        for nid, node in policy.nodes.items():
+            v = old.get(nid) or NodeView(node)
+            v.node = node
+            self.views[nid] = v
+
+    def get(self, node: str) -> NodeView | None:
+        return self.views.get(node)
+
+    def eligible(self, model: str, cls: str | None) -> list[NodeView]:
+        return eligible(list(self.views.values()), self.policy(), model, cls)
+
+    def serves(self, model: str) -> bool:
+        return any(model in n.models for n in self.policy().nodes.values())
+
+    async def refresh(self) -> None:
+        """Read every node's published state, admin flag and lease count from Redis."""
+        views = list(self.views.values())
+        pipe = self.redis.pipeline(transaction=False)
+        for v in views:
+            pipe.get(keys.node_state(v.node.id))
+            pipe.get(keys.node_admin(v.node.id))
+            pipe.zcard(keys.node_leases(v.node.id))
+        try:
+            res = await pipe.execute()
+        except REDIS_DOWN:
+            self.metrics.redis_errors.labels("refresh").inc()
+            self._refresh_failed()
+            return
+        self._last_ok = self.clock()
+        seen_by = self._last_ok - self.policy().watermarks.projection_window_s
+        for i, v in enumerate(views):
+            raw, admin, leases = res[3 * i], res[3 * i + 1], res[3 * i + 2]
+            v.observe(self._state(v.node.id, raw), bool(admin), int(leases), seen_by)
+        self._gauge()
+
+    def _state(self, node: str, raw: bytes | None) -> NodeState | None:
+        if raw is None:
+            return None
+        try:
+            return NodeState.from_json(raw)
+        except ValueError as exc:
+            if node not in self._bad_state_logged:  # once per node: it repeats every refresh
+                self._bad_state_logged.add(node)
+                log.error(
+                    "node %s: unreadable state from its agent, treated as down: %s", node, exc
+                )
+            return None
+
+    def _refresh_failed(self) -> None:
+        if self.clock() - self._last_ok < self.policy().watermarks.stale_after_s:
+            return  # keep the last view through a blip
+        fail_open = self.policy().redis.failure_mode == FailureMode.OPEN
+        for v in self.views.values():
+            if v.state != Status.MAINTENANCE:
+                v.state = Status.OPEN if fail_open else Status.DOWN
+
+    async def set_maintenance(self, node: str, on: bool) -> None:
+        if on:
+            await self.redis.set(keys.node_admin(node), "drain")
+        else:
+            await self.redis.delete(keys.node_admin(node))
+        await self.refresh()
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        hold = self.policy().watermarks.hold
+        return [v.snapshot(hold) for v in self.views.values()]
+
+    def _gauge(self) -> None:
+        m = self.metrics
+        for v in self.views.values():
+            for s in Status:
+                m.node_state.labels(v.node.id, s.value).set(1 if v.state == s else 0)
+            m.node_memory.labels(v.node.id).set(v.projected())
+            m.node_inflight.labels(v.node.id).set(v.inflight)

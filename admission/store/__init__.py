@@ -1,0 +1,38 @@
+"""Redis plumbing, knowing nothing of tenants or queues: connection, failure classification,
+scripts, keys and the backlog of calls owed to Redis."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from admission.metrics import Metrics
+from admission.policy import RedisSettings
+from admission.store.backlog import Backlog
+from admission.store.connection import REDIS_DOWN, StoreDown, connect, is_down
+from admission.store.scripts import Call, Scripts
+
+
+@dataclass
+class Store:
+    """One process's Redis: the client, its loaded scripts and its backlog, opened together."""
+
+    redis: Any
+    scripts: Scripts
+    backlog: Backlog
+
+    @classmethod
+    def open(cls, settings: RedisSettings, metrics: Metrics) -> Store:
+        return cls.over(connect(settings), metrics)
+
+    @classmethod
+    def over(cls, redis: Any, metrics: Metrics) -> Store:
+        """A store over an existing client (tests, tools)."""
+        scripts = Scripts(redis)
+        return cls(redis, scripts, Backlog(scripts, metrics))
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+
+__all__ = ["REDIS_DOWN", "Backlog", "Call", "Scripts", "Store", "StoreDown", "connect", "is_down"]

@@ -1,0 +1,72 @@
+"""The Redis connection and the one place that says which Redis failures mean "unavailable".
+
+Every other module catches `REDIS_DOWN` and nothing else from redis-py: a connection that broke,
+timed out or is still loading, and the reply errors a healthy Redis gives while it cannot take
+writes (READONLY after a failover, OOM at maxmemory, CLUSTERDOWN, TRYAGAIN, MASTERDOWN,
+LOADING). Those reach us as `ResponseError`s; `raise_if_down` turns them into `StoreDown` so
+they take the same fail-open/fail-closed path as a dead connection instead of killing a task.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis import exceptions as rex
+
+from admission.policy import RedisSettings
+
+
+class StoreDown(rex.ConnectionError):
+    """Redis answered, but with an error that says it cannot serve us now (READONLY, OOM…)."""
+
+
+REDIS_DOWN: tuple[type[BaseException], ...] = (
+    rex.ConnectionError,
+    rex.TimeoutError,
+    rex.BusyLoadingError,
+    OSError,
+)
+
+# Reply-error prefixes that a retry later can cure; any other ResponseError is our bug.
+_UNAVAILABLE = ("READONLY", "OOM", "CLUSTERDOWN", "TRYAGAIN", "MASTERDOWN", "LOADING", "BUSY ")
+
+
+def is_down(result: Any) -> bool:
+    """True for a result or exception that means Redis cannot serve us now."""
+    if isinstance(result, REDIS_DOWN):
+        return True
+    return isinstance(result, rex.ResponseError) and str(result).startswith(_UNAVAILABLE)
+
+
+def raise_if_down(results: list[Any]) -> None:
+    """Raise the first result of a batch that means "Redis unavailable" (as StoreDown)."""
+    for r in results:
+        if isinstance(r, REDIS_DOWN):
+            raise r
+        if is_down(r):
+            raise StoreDown(str(r)) from r
+
+
+def connect(settings: RedisSettings) -> Any:
+    """A redis-py asyncio client with short timeouts and a *blocking* pool.
+
+    The default pool raises once all connections are busy; a blocking pool makes the excess
+    wait `pool_wait_ms` instead, which under bursts is the difference between a queue and 503s.
+    """
+    timeout = settings.command_timeout_ms / 1000
+    if settings.cluster:
+        return aioredis.RedisCluster.from_url(
+            settings.url,
+            socket_timeout=timeout,
+            socket_connect_timeout=settings.connect_timeout_ms / 1000,
+            max_connections=settings.pool_size,
+        )
+    pool = aioredis.BlockingConnectionPool.from_url(
+        settings.url,
+        max_connections=settings.pool_size,
+        timeout=settings.pool_wait_ms / 1000,
+        socket_timeout=timeout,
+        socket_connect_timeout=settings.connect_timeout_ms / 1000,
+    )
+    return aioredis.Redis.from_pool(pool)  # the client owns (and closes) its pool

