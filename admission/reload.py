@@ -106,6 +106,7 @@ def edge_table(policy: Policy) -> dict[str, object]:
         "deadline_s": {c.name: c.deadline_s for c in policy.classes.values()},
         "max_body_bytes": policy.edge.max_body_bytes,
         "chars_per_token": policy.edge.chars_per_token,
+        "default_max_tokens": policy.edge.default_max_tokens,
         "sidecar_failure_mode": policy.edge.sidecar_failure_mode,
         "nodes": {n.id: n.url for n in policy.nodes.values()},
     }

@@ -85,6 +85,7 @@ class RedisServer:
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
+    """SIGTERM the process group (children included), SIGKILL it after `timeout_s`."""
     if proc.poll() is not None:
         return
     try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,7 @@ import yaml
 
 from admission.policy import load_policy
 from devstack.nodes import NodeSet
-from devstack.procs import free_port, http_ok, port_open, wait_for
+from devstack.procs import free_port, http_ok, port_open, stop_process, wait_for
 
 # Shipped inside the product package, so an installed `admission` finds them from any directory.
 NGINX_DIR = Path(str(resources.files("admission") / "nginx"))
@@ -178,19 +177,7 @@ class Stack:
     def stop(self) -> None:
         """Stop in reverse start order (NGINX first, Redis last), each within 10 s."""
         for _name, proc in reversed(self.procs):
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+            stop_process(proc)
         self.procs.clear()
         if self.nodes is not None:
             self.nodes.stop()

@@ -164,6 +164,9 @@ def _prompt_tokens(body: dict[str, Any], chat: bool) -> int:
     return max(1, len(prompt) // 4 if isinstance(prompt, str) else len(prompt))
 
 
+MAX_MODEL_LEN = 8192
+
+
 def _err(msg: str, code: int = 400) -> str:
     return json.dumps(
         {"object": "error", "message": msg, "type": "BadRequestError", "param": None, "code": code}
@@ -186,9 +189,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
     if body.get("model") not in (engine.model, None):
         raise web.HTTPNotFound(text=_err(f"The model `{body.get('model')}` does not exist.", 404),
                                content_type="application/json")  # fmt: skip
+    # As vLLM reads them: max_completion_tokens wins on chat; with neither set, a chat request
+    # generates up to the model's length (MAX_MODEL_LEN here), a completion 16 tokens.
     max_tokens = (
-        body.get("max_tokens") or body.get("max_completion_tokens") or (256 if chat else 16)
-    )
+        (chat and body.get("max_completion_tokens")) or body.get("max_tokens")
+        or (MAX_MODEL_LEN if chat else 16)
+    )  # fmt: skip
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise web.HTTPBadRequest(
             text=_err("max_tokens must be at least 1"), content_type="application/json"

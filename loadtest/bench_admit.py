@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import hashlib
-import json
 import os
 import statistics
 import subprocess
@@ -25,6 +24,7 @@ from pathlib import Path
 import aiohttp
 import redis
 
+from admission.nodes.state import NodeState, Status
 from admission.store import keys
 from devstack.procs import RedisServer, stop_process, wait_for
 
@@ -146,10 +146,9 @@ def main() -> None:
     )
     r = redis.Redis.from_url(rs.url)
     try:
-        state = json.dumps(
-            {"node": "n1", "state": "open", "memory": 0.1, "per_token": 0.0, "seq": 1}
-        )
-        r.set(keys.node_state("n1"), state, px=600_000)
+        state = NodeState(node="n1", seq=1, state=Status.OPEN, source="kv", healthy=True,
+                          memory=0.1)  # fmt: skip
+        r.set(keys.node_state("n1"), state.to_json(), px=600_000)
         wait_for(lambda: os.path.exists(sock), 20, "sidecar")
         time.sleep(0.5)
         ok, fail = asyncio.run(closed_loop(sock, a.seconds, a.concurrency, release=False))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
@@ -13,8 +14,10 @@ from admission.metrics import Metrics
 from admission.nodes.state import Status
 from admission.policy import Policy
 from admission.scheduling import Dispatcher
+from admission.scheduling.routing import NodeView, eligible, fallbacks
 from admission.store import Call, Store, connect, keys
 from devstack.procs import RedisServer
+from tests.conftest import BASE_POLICY, make_policy
 from tests.test_limiter import tenant_policy
 
 
@@ -97,3 +100,51 @@ async def test_readonly_redis_is_unavailable_not_a_crash(
 
 async def _readonly(calls: tuple[Call, ...]) -> list[Any]:
     return [rex.ResponseError("READONLY You can't write against a read only replica.")] * len(calls)
+
+
+async def test_aging_moves_the_queue_not_the_engine_priority(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    # batch (priority 1) waits past promote_after_s (2 s) and is promoted to realtime in the
+    # queue; the priority it carries into vLLM stays batch's.
+    p = make_policy(redis_server.url)
+    now = [100.0]
+    client = connect(p.redis)
+    st = Store.over(client, Metrics())
+    d = Dispatcher(
+        st, Limiter(st, lambda: p, Metrics()), lambda: p, Metrics(), clock=lambda: now[0]
+    )
+    view = d.nodes.views["n1"]
+    view.state, view.inflight = Status.OPEN, view.node.max_inflight  # full: requests queue
+    task = asyncio.create_task(d.admit(p.tenants["acme"], "batch", "m", 100))
+    for _ in range(20):
+        await asyncio.sleep(0.01)
+        if len(d.queue):
+            break
+    now[0] += 3.0
+    assert d.queue.age(now[0]) == 1 and d.queue.depth("realtime") == 1
+    view.inflight = 0
+    assert await d.dispatch() == 1
+    adm = await task
+    assert adm.cls == "realtime"  # promoted in the queue ...
+    assert adm.priority == p.classes["batch"].priority == 1  # ... not inside the engine
+    await client.aclose()
+
+
+def test_fallbacks_include_live_nodes_that_are_not_eligible(redis_server: RedisServer) -> None:
+    # n1 is the only eligible node; n2 is held (not eligible for new batch work) and n3 drained.
+    # If n1 refuses the connection, n2 can still serve: it is a fallback, n3 is not.
+    text = BASE_POLICY.replace(
+        'nodes:\n  n1: {url: "http://127.0.0.1:1", models: [m], memory_source: kv, max_inflight: 4}',
+        "nodes:\n" + "".join(
+            f'  n{i}: {{url: "http://127.0.0.1:{i}", models: [m], memory_source: kv}}\n'
+            for i in (1, 2, 3)
+        ),
+    )  # fmt: skip
+    p = make_policy(redis_server.url, text)
+    views = {n: NodeView(p.nodes[n]) for n in p.nodes}
+    for n, s in (("n1", Status.OPEN), ("n2", Status.HOLD), ("n3", Status.DRAIN)):
+        views[n].state = s
+    chosen = eligible(list(views.values()), p, "m", "batch")
+    assert [v.node.id for v in chosen] == ["n1"]
+    assert fallbacks(chosen, list(views.values()), "m") == [("n2", "http://127.0.0.1:2")]

@@ -161,6 +161,25 @@ async def test_settle_refunds_once_and_charges_overage(
     await client.aclose()
 
 
+async def test_overage_beyond_one_bucket_is_owed_in_full(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    # A request that used 5 buckets' worth must pay 5 buckets, not one: the debt is not capped.
+    p = tenant_policy(
+        redis_server.url, "{requests_per_s: 50, tokens_per_min: 60, token_burst: 100}"
+    )
+    lim, client = await make_limiter(p)
+    t = p.tenants["t1"]
+    await take(lim, t, "a", 100, 60)
+    assert await lim.settle(t, "a", 600) == -500
+    level = int(await redis.hget(keys.tenant_keys("t1", "x")[1], "l"))
+    assert -500 * U <= level < -499 * U  # (refilled a few µs since)
+    with pytest.raises(Throttled) as ei:
+        await take(lim, t, "b", 1, 60)
+    assert ei.value.retry_after > 500  # 1 token/s refill: ~501 s until one token is back
+    await client.aclose()
+
+
 async def test_settle_after_reservation_expired_is_harmless(
     redis: Any, redis_server: RedisServer
 ) -> None:

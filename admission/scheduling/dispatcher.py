@@ -269,17 +269,25 @@ class Dispatcher:
         chosen = nodes[0]
         now = self.clock()
         chosen.admitted(now, item.cost)
-        cls = self.policy().classes.get(item.cls)
         self.metrics.queue_wait_seconds.labels(item.cls).observe(now - item.enqueued_at)
         return Admission(
             ticket=ticket,
             node=chosen.node.id,
             url=chosen.node.url,
-            fallbacks=fallbacks(nodes),
-            priority=cls.priority if cls else 0,
+            fallbacks=fallbacks(nodes, list(self.nodes.views.values()), item.model),
+            priority=self._engine_priority(item),
             cls=item.cls,
             queued_s=now - item.enqueued_at,
         )
+
+    def _engine_priority(self, item: Item) -> int:
+        """vLLM's `priority` (lower runs earlier): the less urgent of the class asked for and the
+        class it is in now. Aging moves a request up the *queue* only: a promoted batch request
+        must not compete with realtime inside the engine; a long request demoted by
+        `long_request_tokens` runs at the lower class there too."""
+        classes = self.policy().classes
+        prios = [c.priority for n in (item.requested_cls, item.cls) if (c := classes.get(n))]
+        return max(prios, default=0)
 
     async def _give_back(self, ticket: str) -> None:
         _rid, node, _tenant = leases.parse_ticket(ticket)

@@ -95,6 +95,17 @@ def eligible(views: list[NodeView], policy: Policy, model: str, cls: str | None)
     return ok
 
 
-def fallbacks(nodes: list[NodeView]) -> list[tuple[str, str]]:
-    """(node id, url) of the next best nodes: where the edge goes on a connect failure."""
-    return [(v.node.id, v.node.url) for v in nodes[1 : 1 + MAX_FALLBACKS]]
+def fallbacks(nodes: list[NodeView], views: list[NodeView], model: str) -> list[tuple[str, str]]:
+    """(node id, url) of where the edge goes when the chosen node refuses the connection: the
+    next eligible nodes, then any other live node serving the model. A node that refuses
+    connections has served nothing, so a held node beats a 502."""
+    out = [v for v in nodes[1 : 1 + MAX_FALLBACKS]]
+    if len(out) < MAX_FALLBACKS:
+        taken = {v.node.id for v in nodes}
+        live = sorted(
+            (v for v in views if v.node.id not in taken and model in v.node.models
+             and v.state in (Status.OPEN, Status.HOLD)),
+            key=lambda v: v.projected(),
+        )  # fmt: skip
+        out += live[: MAX_FALLBACKS - len(out)]
+    return [(v.node.id, v.node.url) for v in out]

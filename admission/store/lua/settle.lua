@@ -3,8 +3,9 @@
 -- KEYS: 1 token bucket, 2 concurrency zset, 3 reservation
 -- ARGV: 1 tok_cap_u  2 tok_rate_u  3 actual tokens (whole; -1 = unknown, keep the charge)
 --       4 ticket
--- Refunds reserved-but-unused tokens, or debits overage (the level may go below zero, down to
--- -capacity: the tenant pays it back before its next request). Deleting the reservation makes a
+-- Refunds reserved-but-unused tokens, or debits overage in full (the level may go below zero:
+-- the tenant pays the debt back before its next request; it is not capped, or a tenant could
+-- overrun by any amount and pay for one bucket). Deleting the reservation makes a
 -- second settle of the same ticket a no-op; an expired reservation settles nothing, harmlessly.
 -- Returns {1, delta_tokens} (positive = refunded) or {0, 0} when there was nothing to settle.
 
@@ -20,5 +21,5 @@ local delta = tonumber(reserved) - actual
 if delta == 0 then return {1, 0} end
 
 local l = bucket_level(KEYS[1], cap, rate, now)
-bucket_store(KEYS[1], math.max(-cap, math.min(cap, l + delta * 1000000)), cap, rate, now)
+bucket_store(KEYS[1], math.min(cap, l + delta * 1000000), cap, rate, now)
 return {1, delta}

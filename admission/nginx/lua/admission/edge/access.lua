@@ -32,7 +32,7 @@ function _M.run()
   end
   local t = edge_table.get()
   local chat = ngx_var.uri == "/v1/chat/completions"
-  local f, status, code, msg = request.read(chat, t.chars_per_token or 4)
+  local f, status, code, msg = request.read(chat, t.chars_per_token or 4, t.default_max_tokens or 256)
   if not f then
     return respond.error(status, code, msg)
   end
@@ -48,7 +48,7 @@ function _M.run()
   -- A client that goes away while queued aborts the subrequest, which frees its queue slot.
   ngx.on_abort(function() ngx.exit(499) end)
   local d, res, err = admit.ask({ tenant = tid, class = class, model = f.model,
-                                  prompt_tokens = f.prompt_tokens, max_tokens = f.max_tokens,
+                                  prompt_tokens = f.prompt_tokens, max_tokens = f.charged_output,
                                   stream = f.stream })
   if not d then
     if res then

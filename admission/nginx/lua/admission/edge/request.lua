@@ -6,6 +6,7 @@ local cjson = require "cjson.safe"
 
 local ngx = ngx
 local math_floor = math.floor
+local math_max = math.max
 local str_find = string.find
 local str_match = string.match
 local str_sub = string.sub
@@ -13,27 +14,65 @@ local type = type
 
 local _M = { _VERSION = "0.1.0" }
 
-local function text_len(v)
+local IMAGE_TOKENS = 765   -- an image part, as OpenAI counts a high-detail 512 px tile set
+local MAX_COPIES = 128    -- n / best_of above this are refused (vLLM's own bound is similar)
+local MAX_TOKENS = 10000000
+
+-- Characters and explicit tokens of a prompt or message content: a string, an array of
+-- parts ({type=text,text=...} / {type=image_url,...}), or token ids.
+local function size(v)
   if type(v) == "string" then
-    return #v
+    return #v, 0
   end
-  local n = 0
+  local chars, tokens = 0, 0
   if type(v) == "table" then
     for _, part in ipairs(v) do
-      if type(part) == "table" and type(part.text) == "string" then
-        n = n + #part.text
+      if type(part) == "table" then
+        if type(part.text) == "string" then
+          chars = chars + #part.text
+        elseif part.type == "image_url" or part.image_url ~= nil then
+          tokens = tokens + IMAGE_TOKENS
+        end
       elseif type(part) == "string" then
-        n = n + #part
+        chars = chars + #part
       elseif type(part) == "number" then
-        n = n + 4 -- a token id
+        tokens = tokens + 1 -- a token id
       end
     end
   end
-  return n
+  return chars, tokens
 end
 
--- Returns features {model, max_tokens, stream, prompt_tokens, raw} or nil, status, code, message.
-function _M.read(chat, chars_per_token)
+-- A positive integer field, absent or null allowed (nil); false, message when invalid.
+local function positive_int(body, key, max)
+  local v = body[key]
+  if v == nil or v == cjson.null then
+    return nil
+  end
+  if type(v) ~= "number" or v < 1 or v ~= math_floor(v) or v > max then
+    return false, key .. " must be an integer between 1 and " .. max
+  end
+  return v
+end
+
+-- How many prompts a /v1/completions body carries: a list of strings or of token-id lists is
+-- a batch, each generating its own completion.
+local function prompts(p)
+  if type(p) ~= "table" or #p == 0 then
+    return { p }
+  end
+  local first = p[1]
+  if type(first) == "string" or type(first) == "table" then
+    return p
+  end
+  return { p } -- one prompt of token ids
+end
+
+-- Returns features {model, max_tokens, charged_output, stream, prompt_tokens, raw, chat} or
+-- nil, status, code, message. The output cap is what vLLM will use: max_completion_tokens
+-- before max_tokens (as vLLM reads them), the policy's default when neither is set; the charge
+-- multiplies it by n / best_of and by the number of prompts.
+function _M.read(chat, chars_per_token, default_max_tokens)
   ngx.req.read_body()
   local raw = ngx.req.get_body_data()
   if not raw then
@@ -49,19 +88,21 @@ function _M.read(chat, chars_per_token)
   if type(body.model) ~= "string" or body.model == "" then
     return nil, 400, "invalid_model", "model must be a non-empty string"
   end
-  local mt = body.max_tokens
-  if mt == nil then mt = body.max_completion_tokens end
-  if mt ~= nil and mt ~= cjson.null then
-    if type(mt) ~= "number" or mt < 1 or mt ~= math_floor(mt) or mt > 10000000 then
-      return nil, 400, "invalid_request", "max_tokens must be a positive integer"
-    end
-  else
-    mt = nil
+  local mct, err1 = positive_int(body, "max_completion_tokens", MAX_TOKENS)
+  local mt, err2 = positive_int(body, "max_tokens", MAX_TOKENS)
+  local n, err3 = positive_int(body, "n", MAX_COPIES)
+  local best_of, err4 = positive_int(body, "best_of", MAX_COPIES)
+  local bad = (mct == false and err1) or (mt == false and err2) or (n == false and err3)
+    or (best_of == false and err4)
+  if bad then
+    return nil, 400, "invalid_request", bad
   end
+  local cap = mct or mt or default_max_tokens
   if body.stream ~= nil and type(body.stream) ~= "boolean" then
     return nil, 400, "invalid_request", "stream must be true or false"
   end
-  local chars = 0
+  local copies = math_max(n or 1, best_of or 1)
+  local chars, tokens, count = 0, 0, 1
   if chat then
     if type(body.messages) ~= "table" or #body.messages == 0 then
       return nil, 400, "invalid_request", "messages must be a non-empty array"
@@ -70,30 +111,46 @@ function _M.read(chat, chars_per_token)
       if type(m) ~= "table" then
         return nil, 400, "invalid_request", "each message must be an object"
       end
-      chars = chars + text_len(m.content) + 16 -- role and template overhead
+      local c, t = size(m.content)
+      chars, tokens = chars + c + 16, tokens + t -- role and template overhead
+    end
+    if type(body.tools) == "table" then
+      chars = chars + #(cjson.encode(body.tools) or "")
     end
   else
-    if body.prompt == nil then
+    if body.prompt == nil or body.prompt == cjson.null then
       return nil, 400, "invalid_request", "prompt is required"
     end
-    chars = text_len(body.prompt)
+    local list = prompts(body.prompt)
+    count = #list
+    for _, p in ipairs(list) do
+      local c, t = size(p)
+      chars, tokens = chars + c, tokens + t
+    end
   end
   return {
     model = body.model,
-    max_tokens = mt,
+    max_tokens = cap,
+    charged_output = cap * copies * count,
     stream = body.stream == true,
-    prompt_tokens = math_floor(chars / chars_per_token) + 1,
+    prompt_tokens = math_floor(chars / chars_per_token) + tokens + 1,
     raw = raw,
+    chat = chat,
   }
 end
 
--- Append vLLM's priority and, for streams, ask for the usage chunk.
+-- Append vLLM's priority and the output cap that was charged (so the engine cannot generate
+-- more than was paid for) and, for streams, ask for the usage chunk.
 function _M.rewrite(features, priority)
   local raw = features.raw
   local last = str_match(raw, "^.*()}")
   local head = str_sub(raw, 1, last - 1)
   local empty = str_find(head, "^%s*{%s*$") ~= nil
-  local extra = '"priority":' .. priority
+  local cap = features.max_tokens
+  local extra = '"priority":' .. priority .. ',"max_tokens":' .. cap
+  if features.chat then
+    extra = extra .. ',"max_completion_tokens":' .. cap
+  end
   if features.stream then
     extra = extra .. ',"stream_options":{"include_usage":true}'
   end
