@@ -23,6 +23,12 @@ from admission.errors import PolicyError
 from admission.metrics import Metrics
 from admission.policy import load_policy
 
+# Connections NGINX may open at once before the sidecar accepts them. aiohttp's default (128)
+# overflows under a burst of a few hundred clients: connect() on a full unix-socket backlog fails
+# with EAGAIN and the edge used to answer 503 for traffic it could have queued. The kernel caps
+# this at net.core.somaxconn (4096 on current kernels).
+LISTEN_BACKLOG = 4096
+
 
 def _setup_logging(level: str) -> None:
     logging.basicConfig(
@@ -67,9 +73,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sites: list[web.BaseSite] = []
         if args.unix:
             Path(args.unix).unlink(missing_ok=True)
-            sites.append(web.UnixSite(runner, args.unix))
+            sites.append(web.UnixSite(runner, args.unix, backlog=LISTEN_BACKLOG))
         if args.port is not None:
-            sites.append(web.TCPSite(runner, args.host, args.port))
+            sites.append(web.TCPSite(runner, args.host, args.port, backlog=LISTEN_BACKLOG))
         for s in sites:
             await s.start()
         if args.unix:

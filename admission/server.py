@@ -39,6 +39,7 @@ DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 ADMIT_KEYS = {"tenant", "class", "model", "prompt_tokens", "max_tokens", "stream", "request_id"}
 RELEASE_KEYS = {"ticket", "status", "usage"}
 MAX_TOKENS_LIMIT = 10_000_000
+MAX_RELEASE_BATCH = 256
 
 
 class Forbidden(AdmissionError):
@@ -161,8 +162,12 @@ async def admit(request: web.Request) -> web.Response:
         metrics.decision_seconds.labels(cls).observe(time.perf_counter() - started)
 
 
-async def release(request: web.Request) -> web.Response:
-    body = await _json_object(request, RELEASE_KEYS)
+def _release_args(body: Any) -> tuple[str, int]:
+    """(ticket, actual tokens; -1 = unknown) of one release; BadRequest when malformed."""
+    if not isinstance(body, dict):
+        raise BadRequest("a release must be a JSON object", code="invalid_json")
+    if unknown := sorted(set(body) - RELEASE_KEYS):
+        raise BadRequest(f"unknown field(s): {', '.join(unknown)}", code="unknown_field")
     ticket = body.get("ticket")
     try:
         if not isinstance(ticket, str):
@@ -174,20 +179,46 @@ async def release(request: web.Request) -> web.Response:
     if isinstance(status, bool) or not isinstance(status, int):
         raise BadRequest("status must be an integer")
     usage = body.get("usage")
-    actual = -1  # unknown: keep the reservation as charged
     if isinstance(usage, dict):
         p, c = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
         if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (p, c)):
             raise BadRequest(
                 "usage.prompt_tokens and usage.completion_tokens must be integers >= 0"
             )
-        actual = p + c
-    elif usage is not None:
+        return ticket, p + c
+    if usage is not None:
         raise BadRequest("usage must be an object or null")
-    elif status == 0 or status >= 500:
-        actual = 0  # the engine never answered: nothing was consumed
-    refunded = await request.app[DISPATCHER].release(ticket, actual)
-    return web.json_response({"released": True, "refunded_tokens": refunded})
+    if status == 0 or status >= 500:
+        return ticket, 0  # the engine never answered: nothing was consumed
+    return ticket, -1  # unknown: keep the reservation as charged
+
+
+async def release(request: web.Request) -> web.Response:
+    """One release (an object) or a batch (an array, as the edge sends them): give the node
+    lease back and settle the reservation. A malformed entry of a batch is answered on its own
+    and does not hold the others back; settling is idempotent, so a batch may be resent whole."""
+    try:
+        body = await request.json(loads=json.loads)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"body is not valid JSON: {exc}", code="invalid_json") from exc
+    dispatcher = request.app[DISPATCHER]
+    if not isinstance(body, list):
+        ticket, actual = _release_args(body)
+        refunded = await dispatcher.release(ticket, actual)
+        return web.json_response({"released": True, "refunded_tokens": refunded})
+    if len(body) > MAX_RELEASE_BATCH:
+        raise BadRequest(f"at most {MAX_RELEASE_BATCH} releases per batch", code="batch_too_large")
+
+    async def one(entry: Any) -> dict[str, Any]:
+        try:
+            ticket, actual = _release_args(entry)
+        except BadRequest as exc:
+            return {"error": {"message": exc.message, "code": exc.code}}
+        return {"refunded_tokens": await dispatcher.release(ticket, actual)}
+
+    results = await asyncio.gather(*(one(e) for e in body))
+    return web.json_response({"released": sum("error" not in r for r in results),
+                              "results": results})  # fmt: skip
 
 
 async def healthz(request: web.Request) -> web.Response:

@@ -2,7 +2,7 @@
 
     python -m loadtest.stub --port P [--delay-ms 20]
 
-Answers chat/completions after `--delay-ms` with a canned body and usage, /health 200, and a
+Answers chat/completions after `--delay-ms` (or the body's `stub_delay_ms`) with a canned body and usage, /health 200, and a
 /metrics with an idle KV cache so a node agent reports it open.
 """
 
@@ -29,8 +29,11 @@ def main() -> None:
     a = ap.parse_args()
 
     async def chat(request: web.Request) -> web.Response:
-        await request.read()
-        await asyncio.sleep(a.delay_ms / 1000)
+        raw = await request.read()
+        delay_ms = a.delay_ms
+        if b"stub_delay_ms" in raw:  # a test holds one request open this long
+            delay_ms = float(json.loads(raw).get("stub_delay_ms", delay_ms))
+        await asyncio.sleep(delay_ms / 1000)
         return web.Response(body=BODY, content_type="application/json")
 
     async def ok(_r: web.Request) -> web.Response:

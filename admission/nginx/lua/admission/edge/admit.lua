@@ -10,10 +10,16 @@ local str_find = string.find
 
 local _M = { _VERSION = "0.1.0" }
 
--- Returns decision table (200), or nil, res (a sidecar answer to pass on), or nil, nil, err
--- when no sidecar answered at all.
-function _M.ask(req)
-  local res = capture("/_admission/admit", { method = HTTP_POST, body = cjson.encode(req) })
+-- No sidecar answering (a connect burst, a sidecar restarting or dying while the request
+-- waited in its queue) is retried for this long, with backoff, before the failure mode applies:
+-- a request waits for a sidecar rather than fails.
+local RETRY_FOR_S = 3
+local ngx_sleep = ngx.sleep
+local ngx_now = ngx.now
+local math_min = math.min
+
+local function once(body)
+  local res = capture("/_admission/admit", { method = HTTP_POST, body = body })
   if res.status == 200 then
     local d = cjson.decode(res.body)
     if type(d) == "table" and d.ticket then
@@ -27,6 +33,22 @@ function _M.ask(req)
     return nil, res
   end
   return nil, nil, "sidecar unavailable (status " .. res.status .. ")"
+end
+
+-- Returns decision table (200), or nil, res (a sidecar answer to pass on), or nil, nil, err
+-- when no sidecar answered within RETRY_FOR_S.
+function _M.ask(req)
+  local body = cjson.encode(req)
+  local deadline = ngx_now() + RETRY_FOR_S
+  local delay = 0.01
+  while true do
+    local d, res, err = once(body)
+    if d or res or ngx_now() >= deadline then
+      return d, res, err
+    end
+    ngx_sleep(delay)
+    delay = math_min(delay * 2, 0.25)
+  end
 end
 
 return _M

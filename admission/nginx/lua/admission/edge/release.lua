@@ -1,49 +1,116 @@
 -- admission.edge.release: report ticket, status and usage to a sidecar after the response
--- (log phase). The log phase cannot use sockets, so a zero-delay timer does the POST over the
--- sidecars' unix sockets (first one that answers), reusing connections from a keepalive pool.
--- A lost release leaks nothing: leases and reservations expire on their own.
+-- (log phase). The log phase cannot use sockets, so the release is queued in a shared dict
+-- and delivered by a few drainer timers per worker, in batches (one POST of a JSON array)
+-- over keepalive unix-socket connections to the sidecars.
+--
+-- Nothing is dropped on a sidecar stall or a burst: a batch that no sidecar takes goes back
+-- to the head of the queue, and a periodic timer retries; the queue lives in shared memory,
+-- so it survives `nginx -s reload` (new workers drain what old ones left). Only a full queue
+-- (lua_shared_dict admission_releases) loses a release — logged — and even then leases and
+-- reservations expire on their own.
 local cjson = require "cjson.safe"
 local usage = require "admission.edge.usage"
 
 local ngx = ngx
 local log = ngx.log
+local ERR = ngx.ERR
 local WARN = ngx.WARN
+local timer_at = ngx.timer.at
+local tcp = ngx.socket.tcp
+local concat = table.concat
+local str_match = string.match
+local str_lower = string.lower
+local tonumber = tonumber
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
+
+local QUEUE = "q"
+local BATCH = 64          -- releases per POST (the sidecar takes up to 256)
+local DRAINERS = 4        -- concurrent drainer timers per worker
+local RETRY_S = 0.5       -- period of the retry timer for batches no sidecar took
 
 local sockets = {}
+local next_socket = 0
+local draining = 0        -- drainer timers running in this worker
+local dict
 
-function _M.configure(socket_paths)
-  sockets = socket_paths
-end
-
-local function post(premature, body)
-  if premature then return end
-  for _, path in ipairs(sockets) do
-    local sock = ngx.socket.tcp()
-    sock:settimeouts(200, 1000, 2000)
-    local ok = sock:connect("unix:" .. path)
+-- POST one batch; true when a sidecar answered (2xx, or 400: malformed, retrying won't help).
+local function post(body)
+  local n = #sockets
+  for i = 1, n do
+    next_socket = next_socket % n + 1 -- spread batches over the sidecars
+    local sock = tcp()
+    sock:settimeouts(200, 2000, 5000)
+    local ok = sock:connect("unix:" .. sockets[next_socket])
     if ok then
       local req = "POST /release HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json\r\n"
         .. "Content-Length: " .. #body .. "\r\n\r\n" .. body
-      local sent = sock:send(req)
-      local line = sent and sock:receive("*l")
-      if line then
-        local len
-        while true do
-          local h = sock:receive("*l")
-          if not h or h == "" then break end
-          local n = h:lower():match("^content%-length:%s*(%d+)")
-          if n then len = tonumber(n) end
-        end
-        if len and len > 0 then sock:receive(len) end
-        sock:setkeepalive(10000, 16)
-        return
+      local line = sock:send(req) and sock:receive("*l")
+      local status = line and tonumber(str_match(line, "^HTTP/%d%.%d (%d%d%d)"))
+      local len
+      while status do
+        local h = sock:receive("*l")
+        if not h then status = nil break end
+        if h == "" then break end
+        local v = str_match(str_lower(h), "^content%-length:%s*(%d+)")
+        if v then len = tonumber(v) end
+      end
+      if status and len and len > 0 and not sock:receive(len) then status = nil end
+      if status and status < 300 then
+        sock:setkeepalive(60000, 64)
+        return true
       end
       sock:close()
+      if status == 400 then
+        log(ERR, "admission release batch refused as malformed; dropped")
+        return true
+      end
     end
   end
-  log(WARN, "admission release not delivered (no sidecar answered); the lease will expire")
+  return false
+end
+
+local function drain(premature)
+  if not premature then
+    local ok, err = pcall(function()
+      while true do
+        local items = {}
+        for _ = 1, BATCH do
+          local v = dict:lpop(QUEUE)
+          if not v then break end
+          items[#items + 1] = v
+        end
+        if #items == 0 then return end
+        if not post("[" .. concat(items, ",") .. "]") then
+          for i = #items, 1, -1 do dict:lpush(QUEUE, items[i]) end -- back, in order
+          log(WARN, "admission releases not delivered (no sidecar answered); ", #items,
+              " queued for retry")
+          return
+        end
+      end
+    end)
+    if not ok then log(ERR, "admission release drainer failed: ", err) end
+  end
+  draining = draining - 1
+end
+
+local function kick()
+  if draining >= DRAINERS then return end
+  draining = draining + 1
+  local ok, err = timer_at(0, drain)
+  if not ok then
+    draining = draining - 1 -- the release stays queued: the retry timer takes it
+    log(WARN, "admission release drainer not started: ", err)
+  end
+end
+
+-- init_worker: the sidecars' sockets, and the retry timer.
+function _M.configure(socket_paths)
+  sockets = socket_paths
+  dict = ngx.shared.admission_releases
+  ngx.timer.every(RETRY_S, function(premature)
+    if not premature and dict:llen(QUEUE) > 0 then kick() end
+  end)
 end
 
 function _M.log()
@@ -54,7 +121,12 @@ function _M.log()
   local status = tonumber(ngx.var.upstream_status) or ngx.status or 0
   local body = cjson.encode({ ticket = ctx.ticket, status = status,
                               usage = usage.extract(ctx) or cjson.null })
-  ngx.timer.at(0, post, body)
+  local len, err = dict:rpush(QUEUE, body)
+  if not len then
+    log(ERR, "admission release queue full (", err, "); the lease will expire")
+    return
+  end
+  kick()
 end
 
 return _M
