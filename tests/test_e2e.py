@@ -238,6 +238,9 @@ def test_queued_client_disconnect_frees_its_slot(stack: Stack) -> None:
                     f"{stack.sidecar_url}/nodes/{n}/undrain", method="POST", data=b""
                 )
             )
+        # The other sidecar sees the flags at its next refresh (every 0.1 s); until then it
+        # may know node-0 open and node-1 still in maintenance (no fallback for the next test).
+        time.sleep(0.5)
 
 
 def test_dead_node_requests_go_to_fallback(stack: Stack, tmp_path: Path) -> None:
