@@ -74,7 +74,7 @@ def shares(served: dict[str, float], weights: dict[str, float]) -> dict[str, tup
 @dataclass
 class SystemResult:
     system: str
-    seconds: float
+    seconds: float  # the makespan: first arrival to last answer
     records: list[Record]
     nodes: dict[str, dict[str, float]] = field(
         default_factory=dict
