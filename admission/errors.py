@@ -4,7 +4,8 @@
     ├── PolicyError                policies.yaml is invalid (every problem, with its path)
     ├── BadRequest                 the /admit or /release payload is malformed (400)
     ├── Throttled                  a tenant limit says no (429 + Retry-After)
-    │   └── QueueFull              the queue is at its bound (429 queue_full)
+    │   ├── QueueFull              the queue is at its bound (429 queue_full)
+    │   └── SloUnreachable         waiting longer cannot meet the class's TTFT target (429)
     ├── RequestTooLarge            a cost no bucket can ever hold (400, do not retry)
     ├── QueueTimeout               waited past the class deadline (503 queue_timeout)
     └── BackendUnavailable         Redis down under fail-closed, or no node serves the model (503)
@@ -100,6 +101,17 @@ class QueueFull(Throttled):
     def __init__(self, scope: str, retry_after: float) -> None:
         super().__init__("queue_full", retry_after, f"queue is full ({scope})")
         self.scope = scope
+
+
+class SloUnreachable(Throttled):
+    """Waiting any longer cannot meet the class's TTFT target (`on_late: refuse`): refused now,
+    with the time until the queue has drained enough, rather than served late."""
+
+    def __init__(self, cls: str, retry_after: float) -> None:
+        super().__init__(
+            "slo_unreachable", retry_after, f"the {cls} class's TTFT target can no longer be met"
+        )
+        self.cls = cls
 
 
 class QueueTimeout(AdmissionError):

@@ -40,6 +40,12 @@ class Metrics:
             ["cls"],
             registry=r,
         )
+        self.late_refused = Counter(
+            "admission_late_refused_total",
+            "Queued requests refused because their class's TTFT target could no longer be met.",
+            ["cls"],
+            registry=r,
+        )
         self.redis_errors = Counter(
             "admission_redis_errors_total",
             "Redis calls that failed, by operation.",

@@ -132,7 +132,7 @@ async def admit(request: web.Request) -> web.Response:
         raise BadRequest("stream must be true or false")
     outcome, reason = "error", "internal"
     try:
-        adm = await dispatcher.admit(tenant, cls, model, prompt + max_tokens)
+        adm = await dispatcher.admit(tenant, cls, model, prompt, max_tokens)
         outcome, reason = "admitted", "degraded" if request.app[LIMITER].degraded else "ok"
         return web.json_response(
             {

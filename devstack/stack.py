@@ -157,9 +157,7 @@ class Stack:
             "@@LUA_DIR@@": str(self.sock_dir / "lua"),
             "@@EDGE_TABLE@@": str(edge_table),
             "@@SIDECAR_SOCKET_LIST@@": ", ".join(f'"{s}"' for s in sockets),
-            "@@SIDECAR_SERVERS@@": "\n".join(
-                f"    server unix:{s} max_fails=0;" for s in sockets
-            ),
+            "@@SIDECAR_SERVERS@@": "\n".join(f"    server unix:{s} max_fails=0;" for s in sockets),
             "@@MAX_BODY@@": str(max_body),
             "@@PORT@@": str(self.port),
             "@@WORKERS@@": "2",

@@ -229,8 +229,6 @@ def run_system(
             raw = yaml.safe_load(policy_path.read_text())
             tenants = {k: {**v, "models": [model]} for k, v in raw["tenants"].items()}
             overrides: dict[str, Any] = {"tenants": tenants}
-            if a.projection_window_s is not None:
-                overrides["watermarks"] = {"projection_window_s": a.projection_window_s}
             stack = Stack(policy_path, run, external_nodes=nodes.policy_nodes(a.max_inflight),
                           policy_overrides=overrides)  # fmt: skip
             stack.start()
@@ -280,9 +278,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity", type=float,
                     help="requests/s one node sustains (default: calibrated for sim; required for vllm)")  # fmt: skip
     ap.add_argument("--num-gpu-blocks", type=int, help="vllm: KV blocks per node (default 48)")
-    ap.add_argument("--projection-window-s", type=float,
-                    help="admission: watermarks.projection_window_s (default: the policy's; about the time "
-                         "an admission takes to show in a node's memory — ~0.4 s for the tiny CPU model)")  # fmt: skip
     ap.add_argument("--out", default="bench-out")
     a = ap.parse_args(argv)
     # The demo keys are the point here; the sidecars still log the plaintext-key warning.

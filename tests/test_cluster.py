@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import time
@@ -13,7 +14,8 @@ import pytest
 from admission.errors import Throttled
 from admission.limits import Limiter
 from admission.metrics import Metrics
-from admission.store import Call, Store, connect
+from admission.scheduling import leases
+from admission.store import Store, connect
 from devstack.procs import RedisServer, free_port
 from tests.test_limiter import take, tenant_policy
 
@@ -91,13 +93,15 @@ async def test_acquire_with_lease_and_settle_with_release_on_cluster(cluster: st
     try:
         await client.flushall()  # the module's cluster is shared with the test above
         lim = Limiter(Store.over(client, Metrics()), lambda: p, Metrics())
-        lease = Call("lease", [keys.node_leases("n1")], [1, 60_000_000, "tk1"])
+        node1 = dataclasses.replace(p.nodes["n1"], max_inflight=1)
+        T1 = f"{'1' * 16}:n1:t1"
+        lease = leases.take(node1, T1, 60, leases.Ask(10, 100))
         mode, res, _ = await lim.acquire(p.tenants["t1"], "a", 100, 60, also=lease)
         assert mode == "redis" and int(res[0]) == 1
-        lease2 = Call("lease", [keys.node_leases("n1")], [1, 60_000_000, "tk2"])
+        lease2 = leases.take(node1, f"{'2' * 16}:n1:t1", 60, leases.Ask(10, 100))
         _mode, res2, _ = await lim.acquire(p.tenants["t1"], "b", 100, 60, also=lease2)
         assert int(res2[0]) == 0  # cap 1 across the cluster
-        release = Call(None, [], ["ZREM", keys.node_leases("n1"), "tk1"])
+        release = leases.give_back(T1)
         assert await lim.settle(p.tenants["t1"], "a", 10, also=release) == 90
         assert await client.zcard(keys.node_leases("n1")) == 0
     finally:

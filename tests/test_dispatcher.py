@@ -35,7 +35,7 @@ async def test_fast_path_lease_rides_with_the_buckets_and_release_frees_both(
 ) -> None:
     p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000}")
     d, client = make(p)
-    adm = await d.admit(p.tenants["t1"], "realtime", "m", 100)
+    adm = await d.admit(p.tenants["t1"], "realtime", "m", 10, 100 - 10)
     assert adm.node == "n1" and await redis.zcard(keys.node_leases("n1")) == 1
     assert await d.release(adm.ticket, 40) == 60
     assert await redis.zcard(keys.node_leases("n1")) == 0
@@ -49,9 +49,9 @@ async def test_denied_request_gives_the_optimistic_lease_back(
         redis_server.url, "{requests_per_s: 0.01, request_burst: 1, tokens_per_min: 60000}"
     )
     d, client = make(p)
-    await d.admit(p.tenants["t1"], "realtime", "m", 10)
+    await d.admit(p.tenants["t1"], "realtime", "m", 10, 10 - 10)
     with pytest.raises(Throttled):
-        await d.admit(p.tenants["t1"], "realtime", "m", 10)
+        await d.admit(p.tenants["t1"], "realtime", "m", 10, 10 - 10)
     assert await redis.zcard(keys.node_leases("n1")) == 1  # only the admitted one
     await client.aclose()
 
@@ -75,7 +75,7 @@ async def test_fail_closed_round_trip_that_ran_leaves_no_lease(
 
     scripts.run = ran_then_timed_out  # type: ignore[method-assign]
     with pytest.raises(BackendUnavailable):
-        await d.admit(p.tenants["t1"], "realtime", "m", 50)
+        await d.admit(p.tenants["t1"], "realtime", "m", 10, 50 - 10)
     scripts.run = run  # type: ignore[method-assign]
     assert await redis.zcard(keys.node_leases("n1")) == 1  # it did run
     assert await d.store.backlog.flush()
@@ -94,7 +94,7 @@ async def test_readonly_redis_is_unavailable_not_a_crash(
 
     d.store.scripts._batch = lambda calls: _readonly(calls)  # type: ignore[method-assign]
     with pytest.raises(BackendUnavailable):
-        await d.admit(p.tenants["t1"], "realtime", "m", 50)
+        await d.admit(p.tenants["t1"], "realtime", "m", 10, 50 - 10)
     await client.aclose()
 
 
@@ -116,7 +116,7 @@ async def test_aging_moves_the_queue_not_the_engine_priority(
     )
     view = d.nodes.views["n1"]
     view.state, view.inflight = Status.OPEN, view.node.max_inflight  # full: requests queue
-    task = asyncio.create_task(d.admit(p.tenants["acme"], "batch", "m", 100))
+    task = asyncio.create_task(d.admit(p.tenants["acme"], "batch", "m", 10, 100 - 10))
     for _ in range(20):
         await asyncio.sleep(0.01)
         if len(d.queue):
@@ -145,6 +145,6 @@ def test_fallbacks_include_live_nodes_that_are_not_eligible(redis_server: RedisS
     views = {n: NodeView(p.nodes[n]) for n in p.nodes}
     for n, s in (("n1", Status.OPEN), ("n2", Status.HOLD), ("n3", Status.DRAIN)):
         views[n].state = s
-    chosen = eligible(list(views.values()), p, "m", "batch")
+    chosen = [v for v, _ask in eligible(list(views.values()), p, "m", "batch", 10, 20, 0.0)]
     assert [v.node.id for v in chosen] == ["n1"]
     assert fallbacks(chosen, list(views.values()), "m") == [("n2", "http://127.0.0.1:2")]

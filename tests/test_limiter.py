@@ -370,7 +370,11 @@ async def test_redis_errors_are_counted(redis_server: RedisServer) -> None:
 
 
 def lease(node: str, ticket: str) -> Call:
-    return Call("lease", [keys.node_leases(node)], [8, 600 * U, ticket])
+    return Call(
+        "lease",
+        [keys.node_leases(node), keys.node_ledger(node)],
+        [8, 600 * U, ticket, 10, 50, 0, 0, -1],
+    )
 
 
 async def test_release_while_redis_is_away_is_replayed(

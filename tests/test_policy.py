@@ -74,6 +74,21 @@ def test_every_problem_is_reported_with_path_and_line() -> None:
         ),
         ("reopen: 0.75", "reopen: 0.8", "watermarks.reopen (line 4): must be below hold"),
         (
+            "stale_after_s: 2}",
+            "stale_after_s: 2, projection_window_s: 2}",
+            "watermarks.projection_window_s (line 4): removed: each node's ledger in Redis",
+        ),
+        (
+            "stale_after_s: 2}",
+            "stale_after_s: 2, max_engine_waiting: 2}",
+            "watermarks.max_engine_waiting (line 4): removed: the prefill budget",
+        ),
+        (
+            "promote_after_s: 2}",
+            "promote_after_s: 2, on_late: drop}",
+            "classes.batch.on_late (line 7): must be one of serve, refuse, got 'drop'",
+        ),
+        (
             '"plain:sk-small"',
             '"sha256:abc"',
             "tenants.small.keys[0] (line 17): sha256 digest must be 64 hex",

@@ -274,3 +274,81 @@ def test_retry_after_from_drain_rate() -> None:
     for k in range(100):
         q.pop(k * 0.01)  # 100 per second
     assert q.retry_after(500) == pytest.approx(5.0, rel=0.1)
+
+
+def slo_policy(w: tuple[float, float, float] = (8, 3, 1),
+               m: tuple[float, float, float] = (0.1, 0.1, 0.05)) -> Policy:  # fmt: skip
+    """realtime and batch have TTFT targets; offline has none."""
+    text = POLICY.format(w0=w[0], w1=w[1], w2=w[2], m0=m[0], m1=m[1], m2=m[2], ta=5, tb=3, tc=1,
+                         long=0)  # fmt: skip
+    text = text.replace("deadline_s: 5}", "deadline_s: 5, slo: {ttft_ms: 1000}}")
+    text = text.replace("promote_after_s: 2}", "promote_after_s: 2, slo: {ttft_ms: 10000}}")
+    return parse_policy(text)
+
+
+def test_class_without_slo_gets_min_share_while_an_slo_class_waits() -> None:
+    # By weight offline would get 1/12 of everything (8.3 %) and a quarter of what realtime
+    # leaves; with batch missing its deadlines, it gets its 5 % and no more.
+    q = FairQueue(slo_policy())
+    for _ in range(3000):
+        for name in ("realtime", "batch", "offline"):
+            q.push(item("a", name))
+    got = Counter(it.cls for it in drain(q, 2000))
+    assert got["offline"] == pytest.approx(100, abs=5)
+    assert got["realtime"] / got["batch"] == pytest.approx(8 / 3, rel=0.05)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    w=st.tuples(*[st.integers(1, 20)] * 3),
+    m=st.tuples(*[st.sampled_from([0.0, 0.05, 0.1, 0.2, 0.3])] * 3),
+    slo=st.booleans(),
+)
+def test_min_share_binds_for_every_class(
+    w: tuple[int, int, int], m: tuple[float, float, float], slo: bool
+) -> None:
+    # Whatever the weights, with every class backlogged, each class gets at least its
+    # min_share of the served cost: no class starves beyond its bound.
+    p = slo_policy(w, m) if slo else policy(w=w, m=m)
+    q = FairQueue(p)
+    for _ in range(1500):
+        for name in ("realtime", "batch", "offline"):
+            q.push(item("a", name))
+    got = Counter(it.cls for it in drain(q, 1000))
+    for name, share in zip(("realtime", "batch", "offline"), m, strict=True):
+        assert got[name] >= share * 1000 - 2, (got, w, m)
+
+
+def test_class_without_slo_does_not_overtake_a_blocked_slo_class() -> None:
+    # batch's head cannot run yet (say its prompt does not fit the nodes' prefill budget);
+    # offline must not take that room: it runs only on its own (min_share) turns.
+    q = FairQueue(slo_policy())
+    for _ in range(50):
+        q.push(item("a", "batch"))
+        q.push(item("a", "offline"))
+    assert q.pop(0.0, lambda it: it.cls != "batch") is None
+    q2 = FairQueue(policy())  # no SLOs anywhere: work-conserving as before
+    for _ in range(5):
+        q2.push(item("a", "batch"))
+        q2.push(item("a", "offline"))
+    got = q2.pop(0.0, lambda it: it.cls != "batch")
+    assert got is not None and got.cls == "offline"
+
+
+def test_drop_heads_takes_the_late_and_keeps_order() -> None:
+    q = FairQueue(slo_policy())
+    for t in range(6):
+        q.push(item("a" if t % 2 else "b", "batch", now=float(t)))
+    dropped = q.drop_heads("batch", lambda it: it.enqueued_at < 3.0)
+    assert sorted(it.enqueued_at for it in dropped) == [0.0, 1.0, 2.0]
+    assert len(q) == 3 and q.tenant_depth("a") + q.tenant_depth("b") == 3
+    assert [it.enqueued_at for it in drain(q, 3)] == [3.0, 4.0, 5.0] or len(q) == 0
+
+
+def test_waiting_at_or_above_counts_more_urgent_classes() -> None:
+    q = FairQueue(slo_policy())
+    q.push(item("a", "batch"))
+    q.push(item("a", "offline"))
+    assert q.waiting_at_or_above("realtime") == 0  # realtime keeps its fast path
+    assert q.waiting_at_or_above("batch") == 1
+    assert q.waiting_at_or_above("offline") == 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ class EngineSample:
     preemptions: float = 0.0
     kv_pool_bytes: int | None = None
     kv_tokens: int | None = None  # KV pool capacity in tokens (blocks × block size)
+    prompt_tokens: float | None = None  # vllm:prompt_tokens_total (prefill tokens processed)
 
 
 def parse_vllm_metrics(text: str) -> EngineSample:
@@ -47,6 +49,8 @@ def parse_vllm_metrics(text: str) -> EngineSample:
                 s.running += int(sm.value)
             elif sm.name == "vllm:num_requests_waiting":
                 s.waiting += int(sm.value)
+            elif sm.name == "vllm:prompt_tokens_total":
+                s.prompt_tokens = (s.prompt_tokens or 0.0) + sm.value
             elif sm.name == "vllm:num_preemptions_total":
                 s.preemptions += sm.value
             elif sm.name == "vllm:cache_config_info":
@@ -58,6 +62,36 @@ def parse_vllm_metrics(text: str) -> EngineSample:
                 if mem not in (None, "None", ""):
                     s.kv_pool_bytes = int(float(mem))
     return s
+
+
+class PrefillRate:
+    """The prompt tokens per second a node clears at full load, from vllm:prompt_tokens_total.
+
+    A sample only shows what the node was *given*, so the estimate is the peak seen, decaying
+    by `DECAY` per sample so that it follows a node that got slower. It is self-probing: the
+    dispatcher always lets a request onto a node whose pending prefill has drained, so a node
+    gets a full-speed sample as soon as it has work. Samples shorter than `MIN_DT_S` are noise.
+    """
+
+    DECAY = 0.998  # per sample (0.2 s): halves in ~70 s without a new peak
+    MIN_DT_S = 0.15
+
+    def __init__(self) -> None:
+        self.rate = 0.0
+        self._last: tuple[float, float] | None = None  # (time, prompt tokens total)
+
+    def update(self, now: float, total: float | None) -> float:
+        if total is None:
+            return self.rate
+        if self._last is not None:
+            t0, c0 = self._last
+            dt = now - t0
+            if dt < self.MIN_DT_S:
+                return self.rate
+            seen = max(0.0, total - c0) / dt
+            self.rate = max(seen, self.rate * self.DECAY)
+        self._last = (now, total)
+        return self.rate
 
 
 class NodeProbe:
@@ -72,6 +106,7 @@ class NodeProbe:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.state = DOWN
         self.seq = 0
+        self.prefill = PrefillRate()
         self._warned: set[str] = set()
 
     async def sample(self, policy: Policy) -> NodeState:
@@ -102,6 +137,8 @@ class NodeProbe:
             self.state = DOWN
             return NodeState.down(node.id, self.seq, src.value, str(exc), healthy=healthy)
         self.state = next_state(self.state, fraction, policy.watermarks) if healthy else DOWN
+        per_token = reader.per_token(inputs)
+        kv_in_use = (engine.kv_usage or 0.0) * (engine.kv_tokens or 0) * per_token
         return NodeState(
             node=node.id,
             seq=self.seq,
@@ -109,7 +146,9 @@ class NodeProbe:
             source=src.value,
             healthy=healthy,
             memory=round(fraction, 5),
-            per_token=reader.per_token(inputs),
+            per_token=per_token,
+            base_memory=round(max(0.0, fraction - kv_in_use), 5),
+            prefill_rate=round(self.prefill.update(time.monotonic(), engine.prompt_tokens), 1),
             kv_usage=engine.kv_usage,
             running=engine.running,
             waiting=engine.waiting,

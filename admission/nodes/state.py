@@ -37,6 +37,8 @@ class NodeState:
     healthy: bool
     memory: float = 0.0  # the fraction the watermarks compared
     per_token: float = 0.0  # memory fraction one token of KV takes (0: unknown)
+    base_memory: float = 0.0  # the fraction that is not KV in use (weights, activations, leaks)
+    prefill_rate: float = 0.0  # prompt tokens/s the node clears at full load (0: not measured yet)
     kv_usage: float | None = None
     running: int = 0
     waiting: int = 0

@@ -21,6 +21,7 @@ from admission.policy.model import (
     Limits,
     MemorySource,
     Node,
+    OnLate,
     Policy,
     QueueSettings,
     RedisSettings,
@@ -131,7 +132,30 @@ def _queue(c: Checker, raw: Any) -> QueueSettings:
     )
 
 
+# Keys an older policies.yaml may still carry: named as removed, with what replaced them.
+_REMOVED = {
+    "watermarks.projection_window_s": "removed: each node's ledger in Redis (KV reserved at "
+    "dispatch, cleared at release) replaced the time window; delete the key",
+    "watermarks.max_engine_waiting": "removed: the prefill budget (pending prefill within what "
+    "the node clears in the target TTFT, from its measured rate) replaced it; delete the key",
+}
+
+
+def _removed(c: Checker, m: dict[Any, Any], section: str) -> dict[Any, Any]:
+    """Report removed keys (with their replacement) and drop them, so they are not also
+    reported as unknown."""
+    out = dict(m)
+    for key in list(out):
+        why = _REMOVED.get(f"{section}.{key}")
+        if why:
+            c.err(f"{section}.{key}", why)
+            del out[key]
+    return out
+
+
 def _watermarks(c: Checker, raw: Any) -> Watermarks:
+    if isinstance(raw, dict):
+        raw = _removed(c, raw, "watermarks")
     m = c.mapping(raw, "watermarks", set(Watermarks.__dataclass_fields__)) or {}
     d = Watermarks()
     w = Watermarks(
@@ -140,12 +164,6 @@ def _watermarks(c: Checker, raw: Any) -> Watermarks:
         reopen=c.number(m, "reopen", "watermarks", d.reopen, lo=0, hi=1),
         stale_after_s=c.number(
             m, "stale_after_s", "watermarks", d.stale_after_s, lo=0, lo_open=True
-        ),
-        max_engine_waiting=c.integer(
-            m, "max_engine_waiting", "watermarks", d.max_engine_waiting, lo=1
-        ),
-        projection_window_s=c.number(
-            m, "projection_window_s", "watermarks", d.projection_window_s, lo=0
         ),
     )
     if w.hold >= w.drain:
@@ -181,6 +199,7 @@ _CLASS_KEYS = {
     "promote_after_s",
     "slo",
     "admit_until",
+    "on_late",
 }
 
 
@@ -206,6 +225,7 @@ def _classes(c: Checker, raw: Any) -> dict[str, ClassPolicy]:
                 slo_ttft_ms=c.optional_number(slo, "ttft_ms", f"{p}.slo", lo=0, lo_open=True),
                 slo_e2e_ms=c.optional_number(slo, "e2e_ms", f"{p}.slo", lo=0, lo_open=True),
                 admit_until=c.choice(b, "admit_until", p, AdmitUntil.HOLD),
+                on_late=c.choice(b, "on_late", p, OnLate.SERVE),
             )
         )
     if sum(k.min_share for k in out) > 1:

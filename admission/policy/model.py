@@ -26,6 +26,13 @@ class AdmitUntil(StrEnum):
     DRAIN = "drain"
 
 
+class OnLate(StrEnum):
+    """What to do with a queued request that can no longer meet its class's TTFT target."""
+
+    SERVE = "serve"  # keep it: it runs late
+    REFUSE = "refuse"  # 429 slo_unreachable now, with Retry-After: capacity goes to work on time
+
+
 class MemorySource(StrEnum):
     """Which reading a node's watermarks compare (see admission.nodes.memory)."""
 
@@ -74,14 +81,6 @@ class Watermarks:
     drain: float = 0.85  # at or above: no new requests at all; in-flight finish
     reopen: float = 0.75  # hysteresis: a held/drained node opens again below this
     stale_after_s: float = 3.0  # a node state older than this means the node is down
-    # Classes admitted until `hold` also wait while the engine reports this many requests of
-    # its own waiting: vLLM admits from its backlog whenever KV blocks free up, so a backlog
-    # inside the engine keeps the KV cache full (and the node at drain) whatever the edge does.
-    max_engine_waiting: int = 2
-    # Tokens a sidecar admitted to a node count against its watermarks for this long on top of
-    # the node's samples: an admission takes a sample period plus queueing and chunked prefill
-    # before its KV shows, and forgetting it at the next sample over-admits in waves.
-    projection_window_s: float = 2.0
 
 
 @dataclass(frozen=True)
@@ -100,6 +99,7 @@ class ClassPolicy:
     # An urgent class admitted until drain keeps flowing while a node is held: vLLM's priority
     # scheduler makes room for it by preempting lower classes, which the edge keeps out.
     admit_until: AdmitUntil = AdmitUntil.HOLD
+    on_late: OnLate = OnLate.SERVE
 
 
 @dataclass(frozen=True)

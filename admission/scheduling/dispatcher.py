@@ -9,8 +9,10 @@
 Whatever the decision, this module undoes what it took and did not use (an optimistic lease,
 the reservation of a request that never ran); nobody else undoes its work.
 
-Routing: among eligible nodes, the least loaded by max(projected memory / hold, in-flight / cap);
-the next ones are the edge's fallbacks for a connect failure.
+Order: the fair queue decides who is next; a class with an SLO and `on_late: refuse` has its
+requests refused (429 `slo_unreachable`) as soon as waiting any longer cannot meet its TTFT
+target, instead of spending capacity on an answer that is late anyway. Routing: the node whose
+booked prefill clears soonest (routing.py); the next ones are the edge's fallbacks.
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from admission.errors import AdmissionError, BackendUnavailable, QueueTimeout
+from admission.errors import AdmissionError, BackendUnavailable, QueueTimeout, SloUnreachable
 from admission.limits import Limiter
 from admission.metrics import Metrics
-from admission.policy import FailureMode, Policy, Tenant
+from admission.nodes.state import Status
+from admission.policy import FailureMode, OnLate, Policy, Tenant
 from admission.scheduling import leases
+from admission.scheduling.leases import Ask
 from admission.scheduling.nodetable import NodeTable
 from admission.scheduling.queue import FairQueue, Item
 from admission.scheduling.routing import NodeView, fallbacks
@@ -79,7 +83,9 @@ class Dispatcher:
         self._wake.set()
 
     # -- the decision ------------------------------------------------------------------------
-    async def admit(self, tenant: Tenant, cls: str, model: str, cost: int) -> Admission:
+    async def admit(
+        self, tenant: Tenant, cls: str, model: str, prompt_tokens: int, max_tokens: int
+    ) -> Admission:
         """Charge the tenant's limits and get a node, now or from the queue.
 
         Raises Throttled / RequestTooLarge (limits), QueueFull, QueueTimeout,
@@ -87,12 +93,13 @@ class Dispatcher:
         """
         policy = self.policy()
         ttl_s = policy.queue.lease_ttl_s
+        cost = prompt_tokens + max_tokens
         rid = leases.new_request_id()
-        nodes = self._fast_path(model, cls)
+        nodes = self._fast_path(model, cls, prompt_tokens, cost)
         lease = ticket = None
         if nodes:
-            ticket = leases.make_ticket(rid, nodes[0].node.id, tenant.id)
-            lease = leases.take(nodes[0].node, ticket, ttl_s)
+            ticket = leases.make_ticket(rid, nodes[0][0].node.id, tenant.id)
+            lease = leases.take(nodes[0][0].node, ticket, ttl_s, nodes[0][1])
         acq = await self.limiter.acquire(tenant, rid, cost, ttl_s, also=lease)
         held = lease is not None and leases.granted(acq.also)
         # The round trip that carried the lease failed but may have run: unless this request
@@ -106,12 +113,13 @@ class Dispatcher:
                 raise acq.denied
             now = self.clock()
             item = Item(tenant=tenant.id, cls=cls, cost=cost, model=model, enqueued_at=now,
-                        deadline_at=now + policy.classes[cls].deadline_s, rid=rid)  # fmt: skip
+                        deadline_at=now + policy.classes[cls].deadline_s, rid=rid,
+                        prompt=prompt_tokens)  # fmt: skip
             if held and nodes and ticket is not None:
                 adm = self._record(item, nodes, ticket)
                 return adm
             if nodes and acq.also is not None:
-                nodes[0].inflight = nodes[0].node.max_inflight  # another sidecar filled it
+                self._refused(nodes[0][0], acq.also)
             try:
                 adm = await self.submit(item)
                 return adm
@@ -134,10 +142,14 @@ class Dispatcher:
         return self.nodes.serves(model)
 
     # -- the queue ---------------------------------------------------------------------------
-    def _fast_path(self, model: str, cls: str) -> list[NodeView] | None:
-        """Nodes to admit onto directly, when nobody is waiting (so no one is overtaken)."""
-        if len(self.queue) == 0:
-            return self.nodes.eligible(model, cls) or None
+    def _fast_path(
+        self, model: str, cls: str, prompt: int, kv: int
+    ) -> list[tuple[NodeView, Ask]] | None:
+        """Nodes to admit onto directly, when no request of this class or a more urgent one
+        waits (so no one who would go first is overtaken): under overload, realtime keeps
+        its fast path while batch queues."""
+        if self.queue.waiting_at_or_above(cls) == 0:
+            return self.nodes.eligible(model, cls, prompt, kv) or None
         return None
 
     async def submit(self, item: Item) -> Admission:
@@ -146,7 +158,9 @@ class Dispatcher:
         Cancelling the caller (the client went away) removes the item from the queue, or
         releases its lease if it was admitted in the meantime.
         """
-        if nodes := self._fast_path(item.model, item.requested_cls or item.cls):
+        if nodes := self._fast_path(
+            item.model, item.requested_cls or item.cls, item.prompt, item.cost
+        ):
             # Nobody is waiting, so admitting directly overtakes no one and saves the hop
             # through the dispatcher task.
             adm = await self._lease(item, nodes)
@@ -210,22 +224,24 @@ class Dispatcher:
     async def dispatch(self) -> int:
         """Admit as many queued requests as nodes have room for; return how many."""
         admitted = 0
-        self.queue.age(self.clock())
+        now = self.clock()
+        self.queue.age(now)
+        self._refuse_late(now)
+
+        def nodes_for(it: Item) -> list[tuple[NodeView, Ask]]:
+            # Memory and prefill rules follow the class a request asked for: aging moves it up
+            # the queue, but does not let a long batch request use what is kept for realtime.
+            return self.nodes.eligible(it.model, it.requested_cls or it.cls, it.prompt, it.cost)
+
         while True:
-            # Memory rules follow the class a request asked for: aging moves it up the queue,
-            # but does not let a long batch request use the headroom kept for realtime.
-            item = self.queue.pop(
-                self.clock(),
-                lambda it: bool(self.nodes.eligible(it.model, it.requested_cls or it.cls)),
-            )
+            item = self.queue.pop(self.clock(), lambda it: bool(nodes_for(it)))
             if item is None:
                 break
             waiter: _Waiter = item.payload
             if waiter.future.done():  # the waiter gave up between pop and now
                 continue
-            nodes = self.nodes.eligible(item.model, item.requested_cls or item.cls)
             try:
-                adm = await self._lease(item, nodes)
+                adm = await self._lease(item, nodes_for(item))
             except BackendUnavailable as exc:
                 waiter.future.set_exception(exc)
                 continue
@@ -241,13 +257,45 @@ class Dispatcher:
         self._gauge_depth()
         return admitted
 
-    async def _lease(self, item: Item, nodes: list[NodeView]) -> Admission | None:
-        """Take a lease on the best node; None if another sidecar filled it meanwhile."""
-        node = nodes[0]
+    def _refuse_late(self, now: float) -> None:
+        """Refuse queued requests of `on_late: refuse` classes that can no longer meet their
+        TTFT target: time waited + the soonest any node could prefill them > target."""
+        for c in self.policy().classes.values():
+            if c.on_late != OnLate.REFUSE or not c.slo_ttft_ms:
+                continue
+            target = c.slo_ttft_ms / 1000
+
+            def late(it: Item, t: float = target, n: str = c.name) -> bool:
+                return (it.requested_cls or it.cls) == n and (
+                    now - it.enqueued_at + self._eta_s(it, now) > t
+                )
+
+            for item in self.queue.drop_heads(c.name, late):
+                waiter: _Waiter = item.payload
+                if not waiter.future.done():
+                    waiter.future.set_exception(
+                        SloUnreachable(c.name, self.queue.retry_after(len(self.queue)))
+                    )
+                    waiter.future.exception()  # retrieved by submit
+                self.metrics.late_refused.labels(c.name).inc()
+
+    def _eta_s(self, item: Item, now: float) -> float:
+        """Soonest a live node serving the model could have this request prefilled."""
+        best = None
+        for v in self.nodes.views.values():
+            if item.model in v.node.models and v.state in (Status.OPEN, Status.HOLD):
+                eta = v.wait_s(now) + (item.prompt / v.prefill_rate if v.prefill_rate > 0 else 0)
+                best = eta if best is None else min(best, eta)
+        return best or 0.0
+
+    async def _lease(self, item: Item, nodes: list[tuple[NodeView, Ask]]) -> Admission | None:
+        """Take a lease on the best node; None if its ledger refused (another sidecar booked
+        it meanwhile)."""
+        node, ask = nodes[0]
         ticket = leases.make_ticket(item.rid, node.node.id, item.tenant)
         try:
             res = (await self.store.scripts.run(
-                leases.take(node.node, ticket, self.policy().queue.lease_ttl_s)
+                leases.take(node.node, ticket, self.policy().queue.lease_ttl_s, ask)
             ))[0]  # fmt: skip
         except REDIS_DOWN as exc:
             self.metrics.redis_errors.labels("lease").inc()
@@ -256,25 +304,35 @@ class Dispatcher:
                 raise BackendUnavailable(
                     "lease store unavailable", code="limiter_unavailable"
                 ) from exc
-            return self._record(item, nodes, ticket)  # fail-open: local in-flight counting
+            return self._record(item, nodes, ticket)  # fail-open: local accounting only
         if isinstance(res, Exception):
             raise res
         if not leases.granted(res):
-            node.inflight = node.node.max_inflight  # another sidecar filled it
+            self._refused(node, res)
             return None
         return self._record(item, nodes, ticket)
 
-    def _record(self, item: Item, nodes: list[NodeView], ticket: str) -> Admission:
-        """Account a lease taken on nodes[0] (projected usage, in-flight); build the answer."""
-        chosen = nodes[0]
+    def _refused(self, node: NodeView, res: Any) -> None:
+        """The ledger said no: take its figures, so that the next pass sees the node as full."""
+        r = leases.refusal(res)
+        if r is None:
+            return
+        reason, pending, kv = r
+        node.ledger(pending, kv, node.inflight, self.clock())
+        if reason == "inflight":
+            node.inflight = node.node.max_inflight
+
+    def _record(self, item: Item, nodes: list[tuple[NodeView, Ask]], ticket: str) -> Admission:
+        """Account a lease taken on the first node; build the answer."""
+        chosen, ask = nodes[0]
         now = self.clock()
-        chosen.admitted(now, item.cost)
+        chosen.booked(ask, now)
         self.metrics.queue_wait_seconds.labels(item.cls).observe(now - item.enqueued_at)
         return Admission(
             ticket=ticket,
             node=chosen.node.id,
             url=chosen.node.url,
-            fallbacks=fallbacks(nodes, list(self.nodes.views.values()), item.model),
+            fallbacks=fallbacks([v for v, _a in nodes], self.views, item.model),
             priority=self._engine_priority(item),
             cls=item.cls,
             queued_s=now - item.enqueued_at,
@@ -312,6 +370,10 @@ class Dispatcher:
 
     def snapshot(self) -> list[dict[str, Any]]:
         return self.nodes.snapshot()
+
+    @property
+    def views(self) -> list[NodeView]:
+        return list(self.nodes.views.values())
 
     def _gauge_depth(self) -> None:
         for name in self.policy().classes:

@@ -7,6 +7,7 @@ A ticket is `<request id>:<node>:<tenant>`, so any sidecar process can take the 
 from __future__ import annotations
 
 import secrets
+from dataclasses import dataclass
 from typing import Any
 
 from admission.policy import Node
@@ -31,17 +32,41 @@ def parse_ticket(ticket: str) -> tuple[str, str, str]:
     return parts[0], parts[1], parts[2]
 
 
-def take(node: Node, ticket: str, ttl_s: float) -> Call:
-    """Take one in-flight lease on `node` if it is under its cap."""
-    return Call("lease", [keys.node_leases(node.id)], [node.max_inflight, int(ttl_s * U), ticket])
+@dataclass(frozen=True)
+class Ask:
+    """What one request would add to a node's ledger, and the limits its class must respect."""
+
+    prompt_tokens: int  # pending prefill
+    kv_tokens: int  # KV reserved until release: prompt estimate + output cap
+    prefill_rate: float = 0.0  # the node's measured rate, tokens/s (0: unknown)
+    prefill_budget: int = 0  # max pending prefill tokens after this one (0: not gated)
+    kv_limit: int = -1  # max reserved KV tokens after this one (-1: not gated)
+
+
+def take(node: Node, ticket: str, ttl_s: float, ask: Ask) -> Call:
+    """Take one in-flight lease on `node` and book `ask` in its ledger, if every limit holds."""
+    return Call(
+        "lease",
+        [keys.node_leases(node.id), keys.node_ledger(node.id)],
+        [node.max_inflight, int(ttl_s * U), ticket, ask.prompt_tokens, ask.kv_tokens,
+         ask.prefill_rate, ask.prefill_budget, ask.kv_limit],
+    )  # fmt: skip
 
 
 def give_back(ticket: str) -> Call:
-    """The ZREM that gives a ticket's lease back (idempotent: harmless if never taken)."""
+    """Give a ticket's lease and its KV reservation back (idempotent: harmless if never taken)."""
     _rid, node, _tenant = parse_ticket(ticket)
-    return Call(None, [], ["ZREM", keys.node_leases(node), ticket])
+    return Call("unlease", [keys.node_leases(node), keys.node_ledger(node)], [ticket])
 
 
 def granted(result: Any) -> bool:
     """Whether a lease.lua result says the lease was taken."""
     return isinstance(result, list) and bool(result) and int(result[0]) == 1
+
+
+def refusal(result: Any) -> tuple[str, float, int] | None:
+    """(reason, pending prefill, reserved KV) of a refused lease.lua result; None if granted."""
+    if granted(result) or not isinstance(result, list) or len(result) < 5:
+        return None
+    reason = result[2].decode() if isinstance(result[2], bytes) else str(result[2])
+    return reason, float(result[3]), int(result[4])

@@ -13,6 +13,7 @@ from typing import Any
 from admission.metrics import Metrics
 from admission.nodes.state import NodeState, Status
 from admission.policy import FailureMode, Policy
+from admission.scheduling.leases import Ask
 from admission.scheduling.routing import NodeView, eligible
 from admission.store import REDIS_DOWN, keys
 
@@ -42,8 +43,12 @@ class NodeTable:
     def get(self, node: str) -> NodeView | None:
         return self.views.get(node)
 
-    def eligible(self, model: str, cls: str | None) -> list[NodeView]:
-        return eligible(list(self.views.values()), self.policy(), model, cls)
+    def eligible(
+        self, model: str, cls: str | None, prompt: int, kv: int
+    ) -> list[tuple[NodeView, Ask]]:
+        return eligible(
+            list(self.views.values()), self.policy(), model, cls, prompt, kv, self.clock()
+        )
 
     def serves(self, model: str) -> bool:
         return any(model in n.models for n in self.policy().nodes.values())
@@ -52,21 +57,28 @@ class NodeTable:
         """Read every node's published state, admin flag and lease count from Redis."""
         views = list(self.views.values())
         pipe = self.redis.pipeline(transaction=False)
+        pipe.time()
         for v in views:
             pipe.get(keys.node_state(v.node.id))
             pipe.get(keys.node_admin(v.node.id))
             pipe.zcard(keys.node_leases(v.node.id))
+            pipe.hmget(keys.node_ledger(v.node.id), "p", "t", "kv")
         try:
             res = await pipe.execute()
         except REDIS_DOWN:
             self.metrics.redis_errors.labels("refresh").inc()
             self._refresh_failed()
             return
-        self._last_ok = self.clock()
-        seen_by = self._last_ok - self.policy().watermarks.projection_window_s
+        now = self._last_ok = self.clock()
+        secs, micros = res[0]
+        redis_now_us = int(secs) * 1_000_000 + int(micros)
         for i, v in enumerate(views):
-            raw, admin, leases = res[3 * i], res[3 * i + 1], res[3 * i + 2]
-            v.observe(self._state(v.node.id, raw), bool(admin), int(leases), seen_by)
+            raw, admin, leases, (p, t, kv) = res[1 + 4 * i : 5 + 4 * i]
+            v.observe(self._state(v.node.id, raw), bool(admin))
+            pending = float(p or 0)
+            if t is not None and v.prefill_rate > 0:  # drained until Redis's now
+                pending = max(0.0, pending - v.prefill_rate * (redis_now_us - int(t)) / 1e6)
+            v.ledger(pending, int(kv or 0), int(leases), now)
         self._gauge()
 
     def _state(self, node: str, raw: bytes | None) -> NodeState | None:
@@ -98,8 +110,8 @@ class NodeTable:
         await self.refresh()
 
     def snapshot(self) -> list[dict[str, Any]]:
-        hold = self.policy().watermarks.hold
-        return [v.snapshot(hold) for v in self.views.values()]
+        now = self.clock()
+        return [v.snapshot(now) for v in self.views.values()]
 
     def _gauge(self) -> None:
         m = self.metrics

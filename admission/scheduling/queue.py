@@ -42,6 +42,7 @@ class Item:
     deadline_at: float
     class_since: float = 0.0
     rid: str = ""
+    prompt: int = 0  # prompt tokens (estimate): the prefill this request books on a node
     requested_cls: str = ""
     payload: Any = None
     cancelled: bool = False
@@ -96,6 +97,11 @@ class FairQueue:
     def depth(self, cls: str) -> int:
         q = self._classes.get(cls)
         return q.live if q else 0
+
+    def waiting_at_or_above(self, cls: str) -> int:
+        """Requests waiting in `cls` or a more urgent class (promoted ones included)."""
+        top = self._rank.get(cls, len(self._rank))
+        return sum(q.live for n, q in self._classes.items() if self._rank[n] <= top)
 
     def tenant_depth(self, tenant: str) -> int:
         return self._per_tenant.get(tenant, 0)
@@ -157,8 +163,13 @@ class FairQueue:
             return None
         shares = self._shares([n for n, _ in backlogged])
         rank = self._rank
+        classes = self.policy.classes
+        slo_blocked = False
         # Ties go to the more urgent class (policy order), then to the lower tenant id.
         for name, q in sorted(backlogged, key=lambda nq: (nq[1].pass_, rank[nq[0]])):
+            if slo_blocked and not classes[name].slo_ttft_ms:
+                continue  # no SLO: it does not take room that a waiting SLO class cannot use yet
+            slo_blocked = slo_blocked or bool(classes[name].slo_ttft_ms)
             for tenant, lane in sorted(q.lanes.items(), key=lambda tl: (tl[1].pass_, tl[0])):
                 head = lane.head()
                 if head is None or not eligible(head):
@@ -174,6 +185,20 @@ class FairQueue:
                 self._note_pop(now)
                 return head
         return None
+
+    def drop_heads(self, cls: str, late: Callable[[Item], bool]) -> list[Item]:
+        """Remove and return, from the head of each of `cls`'s tenant lanes, the items `late`
+        says can no longer be served in time (lanes are in arrival order: the oldest first)."""
+        q = self._classes.get(cls)
+        out: list[Item] = []
+        if q is None:
+            return out
+        for lane in list(q.lanes.values()):
+            while (head := lane.head()) is not None and late(head):
+                head.cancelled = True
+                self._forget(head)
+                out.append(head)
+        return out
 
     def requeue_front(self, item: Item) -> None:
         """Put a popped item back at the head of its lane (its node lease was refused)."""
@@ -217,9 +242,13 @@ class FairQueue:
 
     # -- internals --------------------------------------------------------------------------
     def _shares(self, names: list[str]) -> dict[str, float]:
-        """Weight shares among backlogged classes, raised to min_share where needed."""
+        """Weight shares among backlogged classes, raised to min_share where needed. While a
+        class with an SLO is backlogged, classes without one get their min_share only: work
+        that has no deadline does not take capacity from work that still can meet one."""
         classes = self.policy.classes
         fixed: dict[str, float] = {}
+        if any(classes[n].slo_ttft_ms for n in names):
+            fixed = {n: classes[n].min_share for n in names if not classes[n].slo_ttft_ms}
         while True:
             free = [n for n in names if n not in fixed]
             rest = 1.0 - sum(fixed.values())

@@ -1,62 +1,86 @@
 """Node views and routing: which nodes may take a request of a class now, best first. Pure.
 
-A view is a node's published state (`NodeState`), the lease count from Redis, and what this
-sidecar admitted to it within `projection_window_s` ("projected usage": an admission takes a
-sample period plus queueing and prefill before its KV shows in the node's memory).
+A view is what this sidecar knows of a node: the state its agent published (`NodeState`:
+measured memory, prefill rate), and the node's ledger in Redis as of the last refresh (pending
+prefill, reserved KV, leases), advanced locally by what this sidecar booked since. The ledger
+decides; the local view only avoids asking Redis for leases that would be refused.
+
+Two limits, both from the node's own figures (no per-engine constant):
+- memory: the larger of measured memory and base + reserved KV must stay below the class's
+  watermark (`hold`, or `drain` for a class admitted until drain): KV is reserved for prompt +
+  output cap, so admitted work cannot outgrow the pool — no preemptions by construction;
+- prefill: classes admitted until `hold` go to a node only while its pending prefill stays
+  within what it clears in the target TTFT (the most urgent class's `slo.ttft_ms`), from its
+  measured prefill rate: the backlog stays in the sidecar, where fairness and SLO order apply,
+  not inside vLLM.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from admission.nodes.state import NodeState, Status
 from admission.policy import AdmitUntil, Node, Policy
+from admission.scheduling.leases import Ask
 
 MAX_FALLBACKS = 2
+DEFAULT_TARGET_TTFT_S = 1.0  # when no class sets slo.ttft_ms
 
 
 @dataclass
 class NodeView:
     node: Node
     state: Status = Status.DOWN
-    memory: float = 0.0
-    per_token: float = 0.0  # memory fraction one token of KV takes
-    projected_tokens: int = 0  # admitted by this sidecar within the projection window
-    recent: deque[tuple[float, int]] = field(default_factory=deque)  # (admitted at, tokens)
+    memory: float = 0.0  # measured by the agent
+    base_memory: float = 0.0  # measured memory that is not KV in use
+    per_token: float = 0.0  # memory fraction one token of KV takes (0: unknown)
+    prefill_rate: float = 0.0  # tokens/s at full load (0: not measured yet)
+    pending: float = 0.0  # ledger: pending prefill tokens, as of `pending_at` (local clock)
+    pending_at: float = 0.0
+    kv_reserved: int = 0  # ledger: KV tokens reserved by live leases
     inflight: int = 0
-    waiting: int = 0
+    waiting: int = 0  # the engine's own queue (requests), for operators
 
-    def observe(self, st: NodeState | None, maintenance: bool, leases: int, seen_by: float) -> None:
-        """Take a refresh: the agent's state (None: silent → down), the admin flag, leases."""
+    def observe(self, st: NodeState | None, maintenance: bool) -> None:
+        """Take the agent's latest state (None: silent → down) and the operator's flag."""
         if st is None:
             self.state = Status.DOWN
-        else:
-            self.state = Status.MAINTENANCE if maintenance else st.state
-            self.memory = st.memory
-            self.per_token = st.per_token
-            self.waiting = st.waiting
-            self.expire(seen_by)
-        self.inflight = leases
+            return
+        self.state = Status.MAINTENANCE if maintenance else st.state
+        self.memory = st.memory
+        self.base_memory = st.base_memory
+        self.per_token = st.per_token
+        self.prefill_rate = st.prefill_rate
+        self.waiting = st.waiting
 
-    def projected(self) -> float:
-        return self.memory + self.projected_tokens * self.per_token
+    def ledger(self, pending: float, kv: int, leases: int, now: float) -> None:
+        """Take the node's ledger as read from Redis (pending already drained to `now`)."""
+        self.pending, self.pending_at, self.kv_reserved, self.inflight = pending, now, kv, leases
 
-    def admitted(self, now: float, tokens: int) -> None:
-        self.recent.append((now, tokens))
-        self.projected_tokens += tokens
+    def pending_now(self, now: float) -> float:
+        if self.prefill_rate <= 0:
+            return self.pending
+        return max(0.0, self.pending - self.prefill_rate * (now - self.pending_at))
+
+    def wait_s(self, now: float) -> float:
+        """Seconds until this node has cleared the prefill booked on it."""
+        return self.pending_now(now) / self.prefill_rate if self.prefill_rate > 0 else 0.0
+
+    def projected(self, extra_kv: int = 0) -> float:
+        """Memory fraction the node will hold: measured, or base + reserved KV if larger."""
+        if self.per_token <= 0:
+            return self.memory
+        return max(self.memory, self.base_memory + (self.kv_reserved + extra_kv) * self.per_token)
+
+    def booked(self, ask: Ask, now: float) -> None:
+        """A lease this sidecar took: count it until the next refresh reads the ledger."""
+        self.pending = self.pending_now(now) + (ask.prompt_tokens if self.prefill_rate > 0 else 0)
+        self.pending_at = now
+        self.kv_reserved += ask.kv_tokens
         self.inflight += 1
 
-    def expire(self, before: float) -> None:
-        """Admissions older than `before` are assumed to show in the node's samples by now."""
-        while self.recent and self.recent[0][0] < before:
-            self.projected_tokens -= self.recent.popleft()[1]
-
-    def load(self, hold: float) -> float:
-        return max(self.projected() / hold, self.inflight / self.node.max_inflight)
-
-    def snapshot(self, hold: float) -> dict[str, Any]:
+    def snapshot(self, now: float) -> dict[str, Any]:
         return {
             "node": self.node.id,
             "url": self.node.url,
@@ -64,34 +88,68 @@ class NodeView:
             "state": self.state.value,
             "memory": round(self.memory, 4),
             "projected_memory": round(self.projected(), 4),
+            "pending_prefill_tokens": round(self.pending_now(now)),
+            "prefill_rate": round(self.prefill_rate, 1),
+            "kv_reserved_tokens": self.kv_reserved,
             "inflight": self.inflight,
             "max_inflight": self.node.max_inflight,
             "waiting": self.waiting,
-            "load": round(self.load(hold), 4),
         }
 
 
-def eligible(views: list[NodeView], policy: Policy, model: str, cls: str | None) -> list[NodeView]:
-    """Nodes serving `model` that may take a request of class `cls` now, least loaded first.
-
-    Open nodes below the hold watermark (after projection) take every class; a class with
-    `admit_until: drain` is also admitted to held nodes, up to the drain watermark.
-    """
-    wm = policy.watermarks
+def urgent(policy: Policy, cls: str | None) -> bool:
+    """A class admitted until drain: not held back by memory lower classes hold, nor by the
+    prefill budget (vLLM's priority scheduling runs it first inside the engine)."""
     c = policy.classes.get(cls) if cls else None
-    until_drain = c is not None and c.admit_until == AdmitUntil.DRAIN
-    limit = wm.drain if until_drain else wm.hold
-    states = (Status.OPEN, Status.HOLD) if until_drain else (Status.OPEN,)
-    ok = [
-        v
-        for v in views
-        if model in v.node.models
-        and v.state in states
-        and v.projected() < limit
-        and v.inflight < v.node.max_inflight
-        and (until_drain or v.waiting < wm.max_engine_waiting)
-    ]
-    ok.sort(key=lambda v: (v.load(wm.hold), v.node.id))
+    return c is not None and c.admit_until == AdmitUntil.DRAIN
+
+
+def target_ttft_s(policy: Policy) -> float:
+    """The TTFT the prefill budget protects: the most urgent class's target."""
+    for c in policy.classes.values():
+        if c.slo_ttft_ms:
+            return c.slo_ttft_ms / 1000
+    return DEFAULT_TARGET_TTFT_S
+
+
+def ask_for(v: NodeView, policy: Policy, cls: str | None, prompt: int, kv: int) -> Ask:
+    """The lease request for a node: this request's ledger entry and its class's limits there."""
+    wm = policy.watermarks
+    hurry = urgent(policy, cls)
+    limit = wm.drain if hurry else wm.hold
+    kv_limit = int((limit - v.base_memory) / v.per_token) if v.per_token > 0 else -1
+    budget = 0 if hurry or v.prefill_rate <= 0 else int(v.prefill_rate * target_ttft_s(policy))
+    return Ask(prompt, kv, v.prefill_rate, budget, max(0, kv_limit) if kv_limit >= 0 else -1)
+
+
+def fits(v: NodeView, ask: Ask, policy: Policy, cls: str | None, now: float) -> bool:
+    """Whether the node, as this sidecar sees it, would grant `ask` (the ledger decides)."""
+    hurry = urgent(policy, cls)
+    states = (Status.OPEN, Status.HOLD) if hurry else (Status.OPEN,)
+    if v.state not in states or v.inflight >= v.node.max_inflight:
+        return False
+    limit = policy.watermarks.drain if hurry else policy.watermarks.hold
+    if v.memory >= limit or (v.per_token > 0 and v.projected(ask.kv_tokens) >= limit):
+        return False
+    pending = v.pending_now(now)
+    return not (ask.prefill_budget > 0 and pending > 0
+                and pending + ask.prompt_tokens > ask.prefill_budget)  # fmt: skip
+
+
+def eligible(
+    views: list[NodeView], policy: Policy, model: str, cls: str | None, prompt: int, kv: int,
+    now: float,
+) -> list[tuple[NodeView, Ask]]:  # fmt: skip
+    """Nodes serving `model` that would take this request now, with their asks: the one whose
+    booked prefill clears soonest first (then the least projected memory)."""
+    ok = []
+    for v in views:
+        if model not in v.node.models:
+            continue
+        ask = ask_for(v, policy, cls, prompt, kv)
+        if fits(v, ask, policy, cls, now):
+            ok.append((v, ask))
+    ok.sort(key=lambda va: (va[0].wait_s(now), va[0].projected(), va[0].node.id))
     return ok
 
 
@@ -99,7 +157,7 @@ def fallbacks(nodes: list[NodeView], views: list[NodeView], model: str) -> list[
     """(node id, url) of where the edge goes when the chosen node refuses the connection: the
     next eligible nodes, then any other live node serving the model. A node that refuses
     connections has served nothing, so a held node beats a 502."""
-    out = [v for v in nodes[1 : 1 + MAX_FALLBACKS]]
+    out = list(nodes[1 : 1 + MAX_FALLBACKS])
     if len(out) < MAX_FALLBACKS:
         taken = {v.node.id for v in nodes}
         live = sorted(

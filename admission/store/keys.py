@@ -26,6 +26,12 @@ def node_leases(node: str) -> str:
     return f"{PREFIX}:{{n:{node}}}:leases"
 
 
+def node_ledger(node: str) -> str:
+    """What a node will hold: hash {p: pending prefill tokens, t: µs, kv: reserved KV tokens,
+    k:<ticket>: one lease's KV tokens} (lease.lua, unlease.lua)."""
+    return f"{PREFIX}:{{n:{node}}}:ledger"
+
+
 def node_state(node: str) -> str:
     """The node agent's latest sample (JSON), with a TTL of a few sample periods."""
     return f"{PREFIX}:{{n:{node}}}:state"

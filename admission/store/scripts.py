@@ -20,7 +20,7 @@ from redis import exceptions as rex
 
 from admission.store.connection import raise_if_down
 
-NAMES = ("acquire", "settle", "lease")
+NAMES = ("acquire", "settle", "lease", "unlease")
 
 
 def _lua(name: str) -> str:

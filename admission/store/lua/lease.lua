@@ -1,14 +1,63 @@
--- lease.lua: take one in-flight lease on a node if it is under its cap (atomic across sidecars).
+-- lease.lua: take one in-flight lease on a node, and book it in the node's ledger, atomically
+-- across sidecars: every sidecar sees one view of what each node will really hold.
 --
--- KEYS: 1 node leases zset (ticket → expiry µs)
+-- KEYS: 1 node leases zset (ticket → expiry µs)  2 node ledger hash
 -- ARGV: 1 max_inflight  2 lease_ttl_us  3 ticket
--- Expired leases (a lost release) are dropped first: a crash leaks a slot for one TTL at most.
--- Returns {1, in_flight_after} or {0, in_flight}.
+--       4 prompt tokens (pending prefill this request adds)
+--       5 KV tokens reserved (prompt estimate + output cap)
+--       6 prefill rate, tokens/s (0: unknown; pending prefill is then not drained by time)
+--       7 prefill budget, tokens (0: this class is not gated by pending prefill)
+--       8 KV limit, tokens (-1: not gated by memory): reserved KV after this one must stay below
+-- Ledger fields: p = pending prefill tokens (drained at the prefill rate since t), t = µs,
+--   kv = KV tokens reserved by live leases, k:<ticket> = this lease's KV tokens.
+-- Expired leases (a lost release) are dropped first, with their KV: a crash leaks for one TTL.
+-- A node whose pending prefill has drained always takes one request, whatever its size: the
+-- budget cannot starve a long prompt, and the node's prefill rate gets measured at full speed.
+-- Returns {1, in_flight, pending, kv} or {0, in_flight, reason, pending, kv}.
 
 local now = now_us()
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-local n = redis.call('ZCARD', KEYS[1])
-if n >= tonumber(ARGV[1]) then return {0, n} end
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[3])
-redis.call('PEXPIRE', KEYS[1], math.ceil(tonumber(ARGV[2]) / 1000))
-return {1, n + 1}
+local leases, ledger, ticket = KEYS[1], KEYS[2], ARGV[3]
+local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
+local kv = tonumber(redis.call('HGET', ledger, 'kv') or '0')
+for _, t in ipairs(expired) do
+  redis.call('ZREM', leases, t)
+  local k = redis.call('HGET', ledger, 'k:' .. t)
+  if k then
+    kv = kv - tonumber(k)
+    redis.call('HDEL', ledger, 'k:' .. t)
+  end
+end
+if kv < 0 then kv = 0 end
+local n = redis.call('ZCARD', leases)
+-- The same ticket again (a retry after a round trip that may have run) replaces its booking:
+-- checked and booked as if it were not there yet.
+local again = tonumber(redis.call('HGET', ledger, 'k:' .. ticket) or '0')
+local kv_others = math.max(0, kv - again)
+if redis.call('ZSCORE', leases, ticket) then n = n - 1 end
+local rate, budget, kv_limit = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+local v = redis.call('HMGET', ledger, 'p', 't')
+local pending = tonumber(v[1] or '0')
+if v[2] and rate > 0 then
+  pending = math.max(0, pending - rate * (now - tonumber(v[2])) / 1000000)
+end
+local prompt, need = tonumber(ARGV[4]), tonumber(ARGV[5])
+local reason = nil
+if n >= tonumber(ARGV[1]) then
+  reason = 'inflight'
+elseif budget > 0 and pending > 0 and pending + prompt > budget then
+  reason = 'prefill'
+elseif kv_limit >= 0 and kv_others + need > kv_limit then
+  reason = 'memory'
+end
+if reason then
+  redis.call('HSET', ledger, 'p', tostring(pending), 't', now, 'kv', kv)
+  return {0, n, reason, tostring(pending), kv}
+end
+redis.call('ZADD', leases, now + tonumber(ARGV[2]), ticket)
+if rate > 0 then pending = pending + prompt end
+kv = kv_others + need
+redis.call('HSET', ledger, 'p', tostring(pending), 't', now, 'kv', kv, 'k:' .. ticket, need)
+local ttl_ms = math.ceil(tonumber(ARGV[2]) / 1000)
+redis.call('PEXPIRE', leases, ttl_ms)
+redis.call('PEXPIRE', ledger, ttl_ms)
+return {1, n + 1, tostring(pending), kv}
