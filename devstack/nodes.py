@@ -37,6 +37,7 @@ class NodeSet:
         scheduling_policy: str = "priority",
         num_gpu_blocks: int | None = None,
         model_dir: Path | None = None,
+        engine_args: tuple[str, ...] = (),
     ) -> None:
         self.engine = engine
         self.ports = [free_port() for _ in range(n)]
@@ -54,6 +55,7 @@ class NodeSet:
                         "--scheduling-policy", scheduling_policy]  # fmt: skip
                 if num_gpu_blocks:
                     args += ["--num-gpu-blocks-override", str(num_gpu_blocks)]
+                args += list(engine_args)
             with open(run / f"node-{p}.log", "wb") as log:
                 self.procs.append(subprocess.Popen(args, cwd=run, start_new_session=True,
                                                    stdout=log, stderr=subprocess.STDOUT, env=env))  # fmt: skip

@@ -16,9 +16,12 @@ def main() -> None:
     p.add_argument("--num-gpu-blocks-override", type=int)
     p.add_argument("--served-model-name")
     p.add_argument("--start-delay-s", type=float, default=0.0, help="fault injection: slow start")
+    p.add_argument("--max-num-queued-tokens", type=int, default=0, help="vLLM's valve (0 = off)")
+    p.add_argument("--max-num-queued-reqs", type=int, default=0, help="vLLM's valve (0 = off)")
     a = p.parse_args()
     serve(a.port, a.profile, a.scheduling_policy, a.num_gpu_blocks_override, a.served_model_name,
-          a.start_delay_s)  # fmt: skip
+          a.start_delay_s, max_queued_tokens=a.max_num_queued_tokens,
+          max_queued_reqs=a.max_num_queued_reqs)  # fmt: skip
 
 
 if __name__ == "__main__":

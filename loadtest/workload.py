@@ -72,6 +72,35 @@ def schedule(
     return out
 
 
-def prompt_text(tokens: int) -> str:
-    """A prompt the emulator (and the edge's estimate, 4 chars per token) counts as `tokens`."""
-    return "lorem ipsum " * (tokens // 3) + "x" * (4 * tokens - 12 * (tokens // 3))
+def prompt_text(tokens: int, salt: int = 0) -> str:
+    """A prompt the emulator (and the edge's estimate, 4 chars per token) counts as `tokens`.
+    Prompts with different `salt` differ from their first characters, so an engine's prefix
+    cache cannot make one request's prompt free because another's was the same."""
+    head = f"{salt:08x}"[:8] if tokens >= 3 else ""
+    body = "lorem ipsum " * ((tokens - 2) // 3) if head else "lorem ipsum " * (tokens // 3)
+    text = head + body
+    return text + "x" * max(0, 4 * tokens - len(text))
+
+
+def load_kinds(path: str) -> tuple[Kind, ...]:
+    """A workload mix from YAML, so an SRE can benchmark their own traffic:
+
+    kinds:
+      - {name: chat, class: realtime, tenants: [acme], share: 0.7,
+         prompt_tokens: [50, 400], output_tokens: [30, 150]}
+    """
+    import yaml
+
+    with open(path) as f:
+        doc = yaml.safe_load(f)
+    kinds = []
+    for i, k in enumerate(doc.get("kinds") or []):
+        try:
+            kinds.append(Kind(str(k["name"]), str(k["class"]), tuple(k["tenants"]),
+                              float(k["share"]), tuple(k["prompt_tokens"]),  # type: ignore[arg-type]
+                              tuple(k["output_tokens"])))  # type: ignore[arg-type]  # fmt: skip
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SystemExit(f"{path}: kinds[{i}]: {exc!r}") from None
+    if not kinds:
+        raise SystemExit(f"{path}: no kinds")
+    return tuple(kinds)

@@ -90,3 +90,20 @@ def test_schedule_is_seeded_poisson() -> None:
     kinds = {r.kind for r in a}
     assert kinds == {"chat", "summarise", "offline"}
     assert len(prompt_text(250)) // 4 == 250
+
+
+def test_e2e_target_is_scored_and_counts_in_goodput() -> None:
+    slow = rec(tenant="a", tokens=40)
+    slow.e2e_s = 12.0  # TTFT fine, whole answer past the 10 s end-to-end target
+    fast = rec(tenant="b", tokens=60)
+    fast.e2e_s = 2.0
+    res = SystemResult("admission", 10.0, [slow, fast], {})
+    s = report.summarise(res, {"realtime": 1.0}, {"a": 1, "b": 1}, {"realtime": 10.0})
+    assert s["classes"]["realtime"]["e2e_attainment"] == pytest.approx(0.5)
+    assert s["goodput_tokens_per_s"] == pytest.approx(6.0)  # only the answer within both targets
+    assert "| 50.0% |" in report.markdown([s])
+
+
+def test_prompts_do_not_share_a_prefix_and_keep_their_size() -> None:
+    a, b = prompt_text(300, 1), prompt_text(300, 2)
+    assert a[:8] != b[:8] and len(a) == len(b) == 1200
