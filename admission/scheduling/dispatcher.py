@@ -39,6 +39,7 @@ from admission.store import REDIS_DOWN, Store
 log = logging.getLogger(__name__)
 
 REFRESH_S = 0.1  # node-state poll period: a fraction of the agents' sample period
+LATE_MARGIN = 0.25  # share of a TTFT target kept as slack for what the ETA does not see
 
 
 @dataclass(frozen=True)
@@ -259,11 +260,15 @@ class Dispatcher:
 
     def _refuse_late(self, now: float) -> None:
         """Refuse queued requests of `on_late: refuse` classes that can no longer meet their
-        TTFT target: time waited + the soonest any node could prefill them > target."""
+        TTFT target: time waited + the soonest any node could prefill them > target, less a
+        margin of `LATE_MARGIN` of the target. The estimate assumes the node's full prefill
+        rate, while inside the engine a more urgent class goes first: without the margin the
+        requests served were those dispatched with no slack left, and half of them arrived
+        just past the target (measured: batch TTFT p50 9,986 ms against a 10 s target)."""
         for c in self.policy().classes.values():
             if c.on_late != OnLate.REFUSE or not c.slo_ttft_ms:
                 continue
-            target = c.slo_ttft_ms / 1000
+            target = c.slo_ttft_ms / 1000 * (1 - LATE_MARGIN)
 
             def late(it: Item, t: float = target, n: str = c.name) -> bool:
                 return (it.requested_cls or it.cls) == n and (
