@@ -54,6 +54,7 @@ class Stack:
         num_gpu_blocks: int | None = None,
         external_nodes: dict[str, Any] | None = None,
         extra_nginx_http: str = "",
+        node_max_inflight: int = 256,
     ) -> None:
         self.policy_path = policy_path
         self.run_dir = run_dir
@@ -69,6 +70,7 @@ class Stack:
         self.extra_nginx_http = extra_nginx_http  # e.g. a benchmark's direct-proxy server block
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
         self.nodes: NodeSet | None = None
+        self.node_max_inflight = node_max_inflight
         self.admin_port = free_port()
         self.runtime_policy = run_dir / "policies.yaml"
 
@@ -149,7 +151,7 @@ class Stack:
     def _start_nodes(self) -> dict[str, Any]:
         self.nodes = NodeSet(self.n_nodes, self.run_dir, engine=self.engine, profile=self.profile,
                              num_gpu_blocks=self.num_gpu_blocks)  # fmt: skip
-        return self.nodes.policy_nodes(max_inflight=256)
+        return self.nodes.policy_nodes(max_inflight=self.node_max_inflight)
 
     def _write_nginx(self, max_body: int, sockets: list[Path], edge_table: Path) -> None:
         subs = {
