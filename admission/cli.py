@@ -79,9 +79,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for s in sites:
             await s.start()
         if args.unix:
-            # NGINX workers run as an unprivileged user; the socket is as reachable as a
-            # loopback port would be, no more.
-            os.chmod(args.unix, 0o666)
+            # Only NGINX's workers should reach the sidecar: in production run it with NGINX's
+            # group and the default 0660; the local stack (everything as one user, NGINX
+            # workers as another) passes 0666.
+            os.chmod(args.unix, int(args.socket_mode, 8))
         logging.info("sidecar listening on %s", ", ".join(s.name for s in sites))
         # Everything allocated so far lives as long as the process: keep it out of the
         # collector's generations so that collections on the request path stay short.
@@ -142,6 +143,21 @@ def cmd_example_policy(_args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_systemd_units(args: argparse.Namespace) -> int:
+    """Render the shipped systemd units for this installation into --out."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    exe = args.admission or str(Path(sys.executable).with_name("admission"))
+    policy = str(Path(args.policy).resolve())
+    for unit in resources.files("admission").joinpath("systemd").iterdir():
+        if not unit.name.endswith(".service"):
+            continue
+        text = unit.read_text().replace("@@ADMISSION@@", exe).replace("@@POLICY@@", policy)
+        (out / unit.name).write_text(text)
+        print(out / unit.name)
+    return 0
+
+
 def _use_uvloop() -> None:
     try:
         import uvloop
@@ -163,6 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the admission sidecar")
     s.add_argument("--policy", default="policies.yaml")
     s.add_argument("--unix", help="listen on this unix socket")
+    s.add_argument("--socket-mode", default="0660",
+                   help="permissions of the unix socket, octal (default 0660: owner and group)")  # fmt: skip
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int)
     s.add_argument("--edge-table", help="write the edge's tenant table here (JSON) on each load")
@@ -182,6 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("example-policy", help="print the policies.yaml shipped with the package")
     e.set_defaults(fn=cmd_example_policy)
+
+    u = sub.add_parser("systemd-units", help="write systemd units for this installation")
+    u.add_argument("--out", required=True, help="directory, e.g. /etc/systemd/system")
+    u.add_argument("--policy", default="/etc/admission/policies.yaml")
+    u.add_argument("--admission", help="path of the admission command (default: this one)")
+    u.set_defaults(fn=cmd_systemd_units)
 
     for ep in entry_points(group="admission.commands"):
         try:

@@ -51,12 +51,10 @@ def cmd_up(args: argparse.Namespace) -> int:
                 print(f"  tenant {t.id:<12} classes {','.join(t.classes):<18} key {k}")
         print("Ctrl-C stops everything.\n", flush=True)
         while not stop:
-            for name, proc in stack.procs:
-                if proc.poll() is not None:
-                    print(
-                        f"{name} exited with {proc.returncode}; stopping (see {run_dir}/{name}.log)"
-                    )
-                    stop = True
+            # A child that dies is restarted with backoff; the stack keeps serving meanwhile
+            # (the failure modes in README, "Operations"). Only Ctrl-C / SIGTERM stops it.
+            for event in stack.supervise():
+                print(f"{time.strftime('%H:%M:%S')} {event} (log: {run_dir})", flush=True)
             time.sleep(0.5)
     finally:
         stack.stop()

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from devstack.procs import free_port, http_ok, stop_process, wait_for
+from devstack.procs import Restarter, free_port, http_ok, stop_process, wait_for
 from engine.profiles import PROFILES
 from engine.vllm_node import vllm_command
 
@@ -42,6 +43,8 @@ class NodeSet:
         self.engine = engine
         self.ports = [free_port() for _ in range(n)]
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.specs: list[tuple[list[str], dict[str, str] | None]] = []
+        self.run = run
         self.model = PROFILES[profile].model
         for p in self.ports:
             env = None
@@ -56,9 +59,8 @@ class NodeSet:
                 if num_gpu_blocks:
                     args += ["--num-gpu-blocks-override", str(num_gpu_blocks)]
                 args += list(engine_args)
-            with open(run / f"node-{p}.log", "wb") as log:
-                self.procs.append(subprocess.Popen(args, cwd=run, start_new_session=True,
-                                                   stdout=log, stderr=subprocess.STDOUT, env=env))  # fmt: skip
+            self.specs.append((args, env))
+            self.procs.append(self._popen(len(self.procs)))
         try:
             for p, proc in zip(self.ports, self.procs, strict=True):
                 health = f"http://127.0.0.1:{p}/health"
@@ -67,6 +69,28 @@ class NodeSet:
         except BaseException:
             self.stop()
             raise
+
+    def _popen(self, i: int) -> subprocess.Popen[bytes]:
+        args, env = self.specs[i]
+        with open(self.run / f"node-{self.ports[i]}.log", "ab") as log:
+            return subprocess.Popen(args, cwd=self.run, start_new_session=True, stdout=log,
+                                    stderr=subprocess.STDOUT, env=env)  # fmt: skip
+
+    def supervise(self, restarter: Restarter) -> list[str]:
+        """Restart nodes that died (same port), through `restarter`'s backoff."""
+        events = []
+        for i, proc in enumerate(self.procs):
+            name = f"node-{i}"
+            if proc.poll() is not None and restarter.due(name):
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of its group
+                except (ProcessLookupError, PermissionError):
+                    pass
+                self.procs[i] = self._popen(i)
+                restarter.started(name)
+                events.append(f"{name} exited with {proc.returncode}; restarted "
+                              f"(restart {restarter.restarts[name]})")  # fmt: skip
+        return events
 
     def policy_nodes(self, max_inflight: int) -> dict[str, Any]:
         return {f"node-{i}": node_entry(p, self.model, self.engine, max_inflight)

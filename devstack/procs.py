@@ -100,3 +100,39 @@ def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None
         except ProcessLookupError:
             pass
         proc.wait()
+
+
+class Restarter:
+    """Restarts children that died, with exponential backoff, and says so (`admission up`).
+
+    A child that ran for `STABLE_S` before dying starts again at the shortest backoff; one that
+    keeps dying waits 0.5, 1, 2 … up to `MAX_BACKOFF_S` seconds between attempts.
+    """
+
+    FIRST_S = 0.5
+    MAX_BACKOFF_S = 30.0
+    STABLE_S = 60.0
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._due: dict[str, float] = {}
+        self._backoff: dict[str, float] = {}
+        self._started: dict[str, float] = {}
+        self.restarts: dict[str, int] = {}
+
+    def started(self, name: str) -> None:
+        self._started[name] = self.clock()
+
+    def due(self, name: str) -> bool:
+        """Call when `name` is found dead; True when it is time to start it again."""
+        now = self.clock()
+        if name not in self._due:
+            ran = now - self._started.get(name, now)
+            b = self.FIRST_S if ran >= self.STABLE_S else self._backoff.get(name, self.FIRST_S / 2)
+            self._backoff[name] = min(self.MAX_BACKOFF_S, b * 2 if ran < self.STABLE_S else b)
+            self._due[name] = now + self._backoff[name]
+        if now < self._due[name]:
+            return False
+        del self._due[name]
+        self.restarts[name] = self.restarts.get(name, 0) + 1
+        return True

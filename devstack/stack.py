@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -25,7 +26,7 @@ import yaml
 
 from admission.policy import load_policy
 from devstack.nodes import NodeSet
-from devstack.procs import free_port, http_ok, port_open, stop_process, wait_for
+from devstack.procs import Restarter, free_port, http_ok, port_open, stop_process, wait_for
 
 # Shipped inside the product package, so an installed `admission` finds them from any directory.
 NGINX_DIR = Path(str(resources.files("admission") / "nginx"))
@@ -69,6 +70,8 @@ class Stack:
         self.external_nodes = external_nodes  # policy `nodes:` entries already running elsewhere
         self.extra_nginx_http = extra_nginx_http  # e.g. a benchmark's direct-proxy server block
         self.procs: list[tuple[str, subprocess.Popen[bytes]]] = []
+        self.specs: dict[str, tuple[list[str], dict[str, str] | None]] = {}
+        self.restarter = Restarter()
         self.nodes: NodeSet | None = None
         self.node_max_inflight = node_max_inflight
         self.admin_port = free_port()
@@ -89,14 +92,44 @@ class Stack:
     def _spawn(
         self, name: str, args: list[str], env: dict[str, str] | None = None
     ) -> subprocess.Popen[bytes]:
+        self.specs[name] = (args, env)
+        proc = self._popen(name)
+        self.procs.append((name, proc))
+        return proc
+
+    def _popen(self, name: str) -> subprocess.Popen[bytes]:
+        args, env = self.specs[name]
         log = open(self.run_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
             args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.run_dir,
             env={**os.environ, **(env or {})},
         )  # fmt: skip
         log.close()
-        self.procs.append((name, proc))
+        self.restarter.started(name)
         return proc
+
+    def supervise(self) -> list[str]:
+        """Restart every child that died (with backoff); one line per event, for the log.
+
+        The rest keeps serving meanwhile, with the documented failure modes: a dead sidecar's
+        requests are re-asked at the other by the edge, a dead Redis is fail-open/closed per
+        policy, a dead node is marked down by its agent and its fallbacks take its traffic.
+        """
+        events = []
+        for i, (name, proc) in enumerate(self.procs):
+            if proc.poll() is None:
+                continue
+            if self.restarter.due(name):
+                _reap_group(proc)
+                if name.startswith("sidecar-"):
+                    sock = self.sock_dir / f"{name}.sock"
+                    sock.unlink(missing_ok=True)
+                self.procs[i] = (name, self._popen(name))
+                events.append(f"{name} exited with {proc.returncode}; restarted "
+                              f"(restart {self.restarter.restarts[name]})")  # fmt: skip
+        if self.nodes is not None:
+            events += self.nodes.supervise(self.restarter)
+        return events
 
     def start(self) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -131,7 +164,7 @@ class Stack:
         edge_table = self.sock_dir / "edge.json"
         for i, sock in enumerate(sockets):
             args = [py, "-m", "admission.cli", "serve", "--policy", str(self.runtime_policy),
-                    "--unix", str(sock), "--edge-table", str(edge_table)]  # fmt: skip
+                    "--unix", str(sock), "--socket-mode", "0666", "--edge-table", str(edge_table)]  # fmt: skip
             if i == 0:
                 args += ["--port", str(self.admin_port)]
             p = self._spawn(f"sidecar-{i}", args)
@@ -185,3 +218,12 @@ class Stack:
         if getattr(self, "sock_dir", None) is not None:
             shutil.rmtree(self.sock_dir, ignore_errors=True)
         (self.run_dir / "nginx.pid").unlink(missing_ok=True)
+
+
+def _reap_group(proc: subprocess.Popen[bytes]) -> None:
+    """Kill what is left of a dead child's process group (NGINX workers outlive a killed master
+    and keep its port)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

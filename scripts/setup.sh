@@ -21,6 +21,8 @@ command -v nginx >/dev/null || need_apt+=(nginx-light)
 [ -e /usr/share/nginx/modules-available/mod-http-lua.conf ] || need_apt+=(libnginx-mod-http-lua)
 [ -e /usr/lib/x86_64-linux-gnu/lua/5.1/cjson.so ] || [ -e /usr/lib/aarch64-linux-gnu/lua/5.1/cjson.so ] \
   || need_apt+=(lua-cjson)
+# The test suite checks the shipped systemd units with systemd-analyze.
+[ "$want_vllm" = 1 ] && ! command -v systemd-analyze >/dev/null && need_apt+=(systemd)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: installing ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive

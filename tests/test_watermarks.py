@@ -98,3 +98,23 @@ def test_nvml_reader_against_pynvml() -> None:
             assert mem is not None and 0 < mem.used_bytes <= mem.total_bytes
     finally:
         reader.close()
+
+
+def test_prefill_rate_is_the_decaying_peak() -> None:
+    from admission.nodes.agent import PrefillRate
+
+    r = PrefillRate()
+    assert r.update(0.0, 0.0) == 0.0  # unknown until two samples
+    assert r.update(0.2, 2000.0) == pytest.approx(10_000)  # a busy sample: 2,000 tokens in 0.2 s
+    assert r.update(0.4, 2100.0) == pytest.approx(10_000 * PrefillRate.DECAY)  # idle: keeps peak
+    assert r.update(0.45, 9e9) == pytest.approx(10_000 * PrefillRate.DECAY)  # too short: ignored
+
+
+def test_tpot_is_running_over_output_rate() -> None:
+    from admission.nodes.agent import Tpot
+
+    t = Tpot()
+    t.update(0.0, 0.0, 10)
+    assert t.update(1.0, 200.0, 10) == pytest.approx(0.05)  # 10 running, 200 tokens/s: 50 ms
+    assert t.update(2.0, 300.0, 10) == pytest.approx(0.5 * 0.1 + 0.5 * 0.05)  # slower, smoothed
+    assert Tpot().update(0.0, None, 3) == 0.0

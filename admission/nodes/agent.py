@@ -36,6 +36,7 @@ class EngineSample:
     kv_pool_bytes: int | None = None
     kv_tokens: int | None = None  # KV pool capacity in tokens (blocks × block size)
     prompt_tokens: float | None = None  # vllm:prompt_tokens_total (prefill tokens processed)
+    generation_tokens: float | None = None  # vllm:generation_tokens_total
 
 
 def parse_vllm_metrics(text: str) -> EngineSample:
@@ -49,6 +50,8 @@ def parse_vllm_metrics(text: str) -> EngineSample:
                 s.running += int(sm.value)
             elif sm.name == "vllm:num_requests_waiting":
                 s.waiting += int(sm.value)
+            elif sm.name == "vllm:generation_tokens_total":
+                s.generation_tokens = (s.generation_tokens or 0.0) + sm.value
             elif sm.name == "vllm:prompt_tokens_total":
                 s.prompt_tokens = (s.prompt_tokens or 0.0) + sm.value
             elif sm.name == "vllm:num_preemptions_total":
@@ -94,6 +97,35 @@ class PrefillRate:
         return self.rate
 
 
+class Tpot:
+    """Seconds per output token that the node's running requests see now: running requests ÷
+    output tokens per second (each running request gets one token per engine step), smoothed.
+    Read from counters every sample, so it follows load within a second — unlike vLLM's
+    per-request latency histograms, observed only when a request ends."""
+
+    ALPHA = 0.5
+
+    def __init__(self) -> None:
+        self.tpot_s = 0.0
+        self._last: tuple[float, float] | None = None
+
+    def update(self, now: float, generated: float | None, running: int) -> float:
+        if generated is None:
+            return self.tpot_s
+        if self._last is not None:
+            t0, g0 = self._last
+            dt = now - t0
+            if dt < PrefillRate.MIN_DT_S:
+                return self.tpot_s
+            rate = max(0.0, generated - g0) / dt
+            seen = running / rate if rate > 0 and running > 0 else 0.0
+            self.tpot_s = seen if self.tpot_s == 0 else (
+                self.ALPHA * seen + (1 - self.ALPHA) * self.tpot_s
+            )  # fmt: skip
+        self._last = (now, generated)
+        return self.tpot_s
+
+
 class NodeProbe:
     """Samples one node and keeps its watermark state between samples."""
 
@@ -107,6 +139,7 @@ class NodeProbe:
         self.state = DOWN
         self.seq = 0
         self.prefill = PrefillRate()
+        self.tpot = Tpot()
         self._warned: set[str] = set()
 
     async def sample(self, policy: Policy) -> NodeState:
@@ -149,6 +182,9 @@ class NodeProbe:
             per_token=per_token,
             base_memory=round(max(0.0, fraction - kv_in_use), 5),
             prefill_rate=round(self.prefill.update(time.monotonic(), engine.prompt_tokens), 1),
+            tpot_s=round(
+                self.tpot.update(time.monotonic(), engine.generation_tokens, engine.running), 5
+            ),
             kv_usage=engine.kv_usage,
             running=engine.running,
             waiting=engine.waiting,

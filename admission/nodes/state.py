@@ -39,6 +39,7 @@ class NodeState:
     per_token: float = 0.0  # memory fraction one token of KV takes (0: unknown)
     base_memory: float = 0.0  # the fraction that is not KV in use (weights, activations, leaks)
     prefill_rate: float = 0.0  # prompt tokens/s the node clears at full load (0: not measured yet)
+    tpot_s: float = 0.0  # seconds per output token the running requests see now (0: idle)
     kv_usage: float | None = None
     running: int = 0
     waiting: int = 0

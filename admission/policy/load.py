@@ -213,7 +213,7 @@ def _classes(c: Checker, raw: Any) -> dict[str, ClassPolicy]:
     for name, body in m.items():
         p = f"classes.{name}"
         b = c.mapping(body, p, _CLASS_KEYS, required={"weight", "priority", "deadline_s"}) or {}
-        slo = c.mapping(b.get("slo", {}), f"{p}.slo", {"ttft_ms", "e2e_ms"}) or {}
+        slo = c.mapping(b.get("slo", {}), f"{p}.slo", {"ttft_ms", "e2e_ms", "tpot_ms"}) or {}
         out.append(
             ClassPolicy(
                 name=str(name),
@@ -224,6 +224,7 @@ def _classes(c: Checker, raw: Any) -> dict[str, ClassPolicy]:
                 promote_after_s=c.optional_number(b, "promote_after_s", p, lo=0, lo_open=True),
                 slo_ttft_ms=c.optional_number(slo, "ttft_ms", f"{p}.slo", lo=0, lo_open=True),
                 slo_e2e_ms=c.optional_number(slo, "e2e_ms", f"{p}.slo", lo=0, lo_open=True),
+                slo_tpot_ms=c.optional_number(slo, "tpot_ms", f"{p}.slo", lo=0, lo_open=True),
                 admit_until=c.choice(b, "admit_until", p, AdmitUntil.HOLD),
                 on_late=c.choice(b, "on_late", p, OnLate.SERVE),
             )

@@ -95,6 +95,9 @@ class ClassPolicy:
     promote_after_s: float | None  # waited this long → moves up one class (None: never)
     slo_ttft_ms: float | None = None
     slo_e2e_ms: float | None = None
+    # Time per output token this class's answers must keep. On the most urgent class it is also
+    # a guard: a node whose decode is already this slow gets no more work of lower classes.
+    slo_tpot_ms: float | None = None
     # Watermark at which this class stops being admitted to a node: "hold" (default) or "drain".
     # An urgent class admitted until drain keeps flowing while a node is held: vLLM's priority
     # scheduler makes room for it by preempting lower classes, which the edge keeps out.

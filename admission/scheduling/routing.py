@@ -12,7 +12,9 @@ Two limits, both from the node's own figures (no per-engine constant):
 - prefill: classes admitted until `hold` go to a node only while its pending prefill stays
   within what it clears in the target TTFT (the most urgent class's `slo.ttft_ms`), from its
   measured prefill rate: the backlog stays in the sidecar, where fairness and SLO order apply,
-  not inside vLLM.
+  not inside vLLM;
+- decode: nor while the node's measured time per output token is above the most urgent
+  class's `slo.tpot_ms` (lower-class prefill chunks and KV slow every running decode).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class NodeView:
     base_memory: float = 0.0  # measured memory that is not KV in use
     per_token: float = 0.0  # memory fraction one token of KV takes (0: unknown)
     prefill_rate: float = 0.0  # tokens/s at full load (0: not measured yet)
+    tpot_s: float = 0.0  # seconds per output token running requests see now (0: unknown/idle)
     pending: float = 0.0  # ledger: pending prefill tokens, as of `pending_at` (local clock)
     pending_at: float = 0.0
     kv_reserved: int = 0  # ledger: KV tokens reserved by live leases
@@ -52,6 +55,7 @@ class NodeView:
         self.base_memory = st.base_memory
         self.per_token = st.per_token
         self.prefill_rate = st.prefill_rate
+        self.tpot_s = st.tpot_s
         self.waiting = st.waiting
 
     def ledger(self, pending: float, kv: int, leases: int, now: float) -> None:
@@ -90,6 +94,7 @@ class NodeView:
             "projected_memory": round(self.projected(), 4),
             "pending_prefill_tokens": round(self.pending_now(now)),
             "prefill_rate": round(self.prefill_rate, 1),
+            "tpot_ms": round(self.tpot_s * 1000, 1),
             "kv_reserved_tokens": self.kv_reserved,
             "inflight": self.inflight,
             "max_inflight": self.node.max_inflight,
@@ -112,6 +117,14 @@ def target_ttft_s(policy: Policy) -> float:
     return DEFAULT_TARGET_TTFT_S
 
 
+def target_tpot_s(policy: Policy) -> float | None:
+    """The decode speed lower classes must leave to the most urgent class (its slo.tpot_ms)."""
+    for c in policy.classes.values():
+        if c.slo_tpot_ms:
+            return c.slo_tpot_ms / 1000
+    return None
+
+
 def ask_for(v: NodeView, policy: Policy, cls: str | None, prompt: int, kv: int) -> Ask:
     """The lease request for a node: this request's ledger entry and its class's limits there."""
     wm = policy.watermarks
@@ -131,6 +144,8 @@ def fits(v: NodeView, ask: Ask, policy: Policy, cls: str | None, now: float) -> 
     limit = policy.watermarks.drain if hurry else policy.watermarks.hold
     if v.memory >= limit or (v.per_token > 0 and v.projected(ask.kv_tokens) >= limit):
         return False
+    if not hurry and (tpot := target_tpot_s(policy)) and v.tpot_s > tpot:
+        return False  # decode is already as slow as the urgent class may see: no more batch
     pending = v.pending_now(now)
     return not (ask.prefill_budget > 0 and pending > 0
                 and pending + ask.prompt_tokens > ask.prefill_budget)  # fmt: skip

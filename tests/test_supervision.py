@@ -1,0 +1,110 @@
+"""`admission up` supervises: a child that dies is restarted with backoff and the stack keeps
+serving — it never tears itself down because one child died."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+
+from devstack.procs import Restarter
+from devstack.stack import DEFAULT_POLICY, Stack
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(DEFAULT_POLICY, tmp_path_factory.mktemp("sup"), nodes=1, sidecars=2, profile="tiny")
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+
+
+def chat(stack: Stack) -> int:
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                       "max_tokens": 4}).encode()  # fmt: skip
+    req = urllib.request.Request(f"{stack.url}/v1/chat/completions", data=body, headers={
+        "Authorization": "Bearer sk-demo-acme", "Content-Type": "application/json"})  # fmt: skip
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return int(r.status)
+    except urllib.error.HTTPError as e:
+        e.close()
+        return int(e.code)
+
+
+def kill_and_supervise(stack: Stack, name: str) -> list[str]:
+    pid = dict(stack.procs)[name].pid
+    os.kill(pid, signal.SIGKILL)
+    events: list[str] = []
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and not events:
+        time.sleep(0.2)
+        events = stack.supervise()
+    assert dict(stack.procs)[name].pid != pid
+    return events
+
+
+def test_dead_sidecar_is_restarted_and_the_edge_keeps_serving(stack: Stack) -> None:
+    assert chat(stack) == 200
+    events = kill_and_supervise(stack, "sidecar-0")
+    assert events and events[0].startswith("sidecar-0 exited with -9; restarted")
+    assert chat(stack) == 200  # the other sidecar answered meanwhile, or the new one does
+    deadline = time.monotonic() + 20
+    while not (stack.sock_dir / "sidecar-0.sock").exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(chat(stack) == 200 for _ in range(6))
+
+
+def test_dead_redis_and_node_come_back(stack: Stack) -> None:
+    events = kill_and_supervise(stack, "redis")
+    assert events and "redis exited with -9; restarted" in events[0]
+    deadline = time.monotonic() + 20
+    ok = False
+    while time.monotonic() < deadline and not ok:  # fail-open meanwhile, then Redis again
+        ok = chat(stack) == 200
+        time.sleep(0.3)
+    assert ok
+    assert stack.nodes is not None
+    old = stack.nodes.procs[0].pid
+    os.kill(old, signal.SIGKILL)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and stack.nodes.procs[0].pid == old:
+        time.sleep(0.2)
+        stack.supervise()
+    assert stack.nodes.procs[0].pid != old
+    deadline = time.monotonic() + 30
+    ok = False
+    while time.monotonic() < deadline and not ok:  # the agent sees it open again
+        ok = chat(stack) == 200
+        time.sleep(0.5)
+    assert ok
+
+
+def test_backoff_grows_for_a_child_that_keeps_dying() -> None:
+    now = [0.0]
+    r = Restarter(clock=lambda: now[0])
+    r.started("x")
+    waits = []
+    for _ in range(5):
+        now[0] += 1.0  # dies a second after each start
+        first = now[0]
+        while not r.due("x"):
+            now[0] += 0.1
+        waits.append(round(now[0] - first, 1))
+        r.started("x")
+    assert waits == pytest.approx([0.5, 1.0, 2.0, 4.0, 8.0], abs=0.15)
+    now[0] += 120  # ran long enough: back to the shortest backoff
+    first = now[0]
+    while not r.due("x"):
+        now[0] += 0.1
+    assert now[0] - first == pytest.approx(0.5, abs=0.15)
