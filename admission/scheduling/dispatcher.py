@@ -135,9 +135,15 @@ class Dispatcher:
     async def release(self, ticket: str, actual_tokens: int) -> int:
         """Give the lease back and settle the reservation in one round trip; tokens refunded."""
         rid, node, tid = leases.parse_ticket(ticket)
-        self._freed(node)
         tenant = self.policy().tenants.get(tid)
-        return await self.limiter.settle(tenant, rid, actual_tokens, also=leases.give_back(ticket))
+        try:
+            return await self.limiter.settle(
+                tenant, rid, actual_tokens, also=leases.give_back(ticket)
+            )
+        finally:
+            # Only now is the lease gone in Redis: waking the dispatcher earlier made it try a
+            # lease the ledger still counted, and requeue the request it had popped.
+            self._freed(node)
 
     def serves(self, model: str) -> bool:
         return self.nodes.serves(model)

@@ -48,6 +48,7 @@ class Item:
     cancelled: bool = False
     dispatched: bool = False
     promotions: int = 0
+    charged: tuple[float, float] = (0.0, 0.0)  # (lane, class) pass advance of its last pop
     seq: int = field(default_factory=lambda: next(_seq))
 
 
@@ -177,9 +178,10 @@ class FairQueue:
                 lane.items.popleft()
                 weight = self._tenant_weight(tenant)
                 q.vtime = max(q.vtime, lane.pass_)
-                lane.pass_ += head.cost / weight
+                head.charged = (head.cost / weight, max(head.cost, 1) / shares[name])
+                lane.pass_ += head.charged[0]
                 self._vtime = max(self._vtime, q.pass_)
-                q.pass_ += max(head.cost, 1) / shares[name]
+                q.pass_ += head.charged[1]
                 self._forget(head)
                 head.dispatched = True
                 self._note_pop(now)
@@ -201,12 +203,17 @@ class FairQueue:
         return out
 
     def requeue_front(self, item: Item) -> None:
-        """Put a popped item back at the head of its lane (its node lease was refused)."""
+        """Put a popped item back at the head of its lane (its node lease was refused), and
+        take back what its pop charged: a tenant does not pay for a turn it did not get."""
         item.dispatched = False
         q = self._classes[item.cls]
+        q.pass_ -= item.charged[1]
         lane = q.lanes.get(item.tenant)
         if lane is None:
             lane = q.lanes[item.tenant] = _Lane(q.vtime)
+        else:
+            lane.pass_ -= item.charged[0]
+        item.charged = (0.0, 0.0)
         lane.items.appendleft(item)
         lane.live += 1
         q.live += 1
