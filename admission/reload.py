@@ -37,6 +37,7 @@ class PolicyHolder:
         return self.current
 
     def reload(self) -> bool:
+        """Load, validate and swap; False (the running policy stays) on any problem."""
         try:
             new = load_policy(self.path)
         except PolicyError as exc:
@@ -49,7 +50,13 @@ class PolicyHolder:
             return True
         self.current = new
         for listener in self.listeners:
-            listener(new)
+            try:
+                listener(new)
+            except Exception:
+                # One listener failing (the edge table's disk full) must not leave the others
+                # (the dispatcher) on the old policy, nor stop the watcher: log and go on.
+                self.metrics.policy_reloads.labels("listener_error").inc()
+                log.exception("policy listener %r failed; the others have the new policy", listener)
         self.metrics.policy_reloads.labels("ok").inc()
         self.metrics.policy_loaded.set(time.time())
         log.info("policy %s reloaded", self.path)
@@ -72,7 +79,10 @@ class PolicyHolder:
                 await hup.wait()
                 hup.clear()
                 log.info("SIGHUP: reloading policy")
-                self.reload()
+                try:
+                    self.reload()
+                except Exception:
+                    log.exception("policy reload failed; keeping the running policy")
 
         hup_task = asyncio.create_task(on_hup())
         try:
@@ -80,7 +90,11 @@ class PolicyHolder:
             async for _changes in awatch(
                 target.parent, watch_filter=only_policy, debounce=200, step=50
             ):
-                self.reload()
+                try:
+                    self.reload()
+                except Exception:  # the watcher must outlive any one bad reload
+                    self.metrics.policy_reloads.labels("invalid").inc()
+                    log.exception("policy reload failed; keeping the running policy")
         finally:
             hup_task.cancel()
             try:

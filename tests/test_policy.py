@@ -156,3 +156,30 @@ def test_check_command(tmp_path: Path) -> None:
         capture_output=True, text=True, cwd=ROOT,
     )  # fmt: skip
     assert missing.returncode == 1 and "cannot read" in missing.stdout
+
+
+def test_invalid_utf8_is_a_policy_error_not_a_crash(tmp_path: Path) -> None:
+    f = tmp_path / "p.yaml"
+    f.write_bytes(_BASE.replace("REDIS_URL", "redis://h:1/0").encode() + b"\n# \xff plain:sk-x\n")
+    with pytest.raises(PolicyError) as ei:
+        load_policy(f)
+    assert "not UTF-8" in ei.value.problems[0] and "sk-x" not in str(ei.value)
+
+
+def test_a_failing_listener_does_not_stop_the_others(tmp_path: Path) -> None:
+    from admission.metrics import Metrics
+    from admission.reload import PolicyHolder
+
+    f = tmp_path / "p.yaml"
+    base = _BASE.replace("REDIS_URL", "redis://127.0.0.1:1/0")
+    f.write_text(base)
+    holder = PolicyHolder(f, load_policy(f), Metrics())
+    seen: list[object] = []
+
+    def broken(_p: object) -> None:
+        raise OSError("disk full")
+
+    holder.listeners += [broken, seen.append]
+    f.write_text(base.replace("deadline_s: 5", "deadline_s: 6"))
+    assert holder.reload()
+    assert seen == [holder.current] and holder.current.classes["realtime"].deadline_s == 6

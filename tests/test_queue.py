@@ -352,3 +352,17 @@ def test_waiting_at_or_above_counts_more_urgent_classes() -> None:
     assert q.waiting_at_or_above("realtime") == 0  # realtime keeps its fast path
     assert q.waiting_at_or_above("batch") == 1
     assert q.waiting_at_or_above("offline") == 2
+
+
+def test_requeue_after_its_class_was_removed_does_not_crash() -> None:
+    p = policy()
+    q = FairQueue(p)
+    q.push(item("a", "offline"))
+    it = q.pop(0.0)
+    assert it is not None
+    text = POLICY.format(w0=8, w1=3, w2=1, m0=0, m1=0, m2=0, ta=5, tb=3, tc=1, long=0)
+    text = "\n".join(ln for ln in text.splitlines() if not ln.startswith("  offline:"))
+    text = text.replace("classes: [realtime, batch, offline]", "classes: [realtime, batch]")
+    q.set_policy(parse_policy(text))
+    q.requeue_front(it)  # its lease was refused after the reload
+    assert len(q) == 1 and it.cls == "batch"

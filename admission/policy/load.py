@@ -36,9 +36,12 @@ log = logging.getLogger(__name__)
 def load_policy(path: str | Path) -> Policy:
     """Read and validate a policies.yaml file; raise PolicyError listing every problem."""
     try:
-        text = Path(path).read_text()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise PolicyError([f"{path}: cannot read: {exc.strerror}"]) from exc
+    except UnicodeDecodeError as exc:
+        # Say where, never what: the bytes around it may be part of a key.
+        raise PolicyError([f"{path}: not UTF-8 (byte {exc.start})"]) from exc
     return parse_policy(text, source=str(path))
 
 

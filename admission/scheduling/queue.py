@@ -206,6 +206,9 @@ class FairQueue:
         """Put a popped item back at the head of its lane (its node lease was refused), and
         take back what its pop charged: a tenant does not pay for a turn it did not get."""
         item.dispatched = False
+        if item.cls not in self._classes:  # its class was removed by a reload meanwhile
+            item.cls = list(self.policy.classes)[-1]
+            item.charged = (0.0, 0.0)
         q = self._classes[item.cls]
         q.pass_ -= item.charged[1]
         lane = q.lanes.get(item.tenant)
