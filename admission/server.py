@@ -40,6 +40,9 @@ ADMIT_KEYS = {"tenant", "class", "model", "prompt_tokens", "max_tokens", "stream
 RELEASE_KEYS = {"ticket", "status", "usage"}
 MAX_TOKENS_LIMIT = 10_000_000
 MAX_RELEASE_BATCH = 256
+# Statuses that mean no engine worked on the request: no upstream answered (0), NGINX could
+# not connect (502), or the engine refused it (503).
+NOTHING_RAN = (0, 502, 503)
 
 
 class Forbidden(AdmissionError):
@@ -188,9 +191,11 @@ def _release_args(body: Any) -> tuple[str, int]:
         return ticket, p + c
     if usage is not None:
         raise BadRequest("usage must be an object or null")
-    if status == 0 or status >= 500:
-        return ticket, 0  # the engine never answered: nothing was consumed
-    return ticket, -1  # unknown: keep the reservation as charged
+    if status in NOTHING_RAN:
+        return ticket, 0  # no engine took it (connect refused, engine shed it): nothing consumed
+    # Unknown: keep the reservation as charged. That includes 500 and 504 without usage: the
+    # engine may have generated up to the cap before it failed or the proxy timed out.
+    return ticket, -1
 
 
 async def release(request: web.Request) -> web.Response:

@@ -79,6 +79,12 @@ class Engine:
             ),
         }
         # Not a vLLM metric: lets tests see the priority field the edge delivered.
+        # Not a vLLM metric: lets edge tests prove that client-sent internal headers never
+        # reach an engine.
+        self.m_spoofed = Counter(
+            "sim_internal_headers", "Requests that arrived with a client X-Tenant* header.",
+            registry=r,
+        )  # fmt: skip
         self.m_prio = Counter(
             "emulator_requests_by_priority", "Requests by priority field.", ["priority"], registry=r
         )
@@ -190,6 +196,8 @@ def _err(msg: str, code: int = 400) -> str:
 async def generate(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     chat = request.path.endswith("/chat/completions")
+    if any(h.lower().startswith("x-tenant") for h in request.headers):
+        engine.m_spoofed.inc()
     try:
         body = await request.json()
     except json.JSONDecodeError:

@@ -111,6 +111,14 @@ def test_bad_keys_and_spoofed_headers(stack: Stack) -> None:
         stack, chat(), key="sk-wrong", headers={"X-Tenant": "acme", "X-Admission-Ticket": "x"}
     )
     assert status == 401
+    # Internal headers are stripped however many headers come first (a cap of 100 let the
+    # 101st through to the engines).
+    junk = {f"X-Junk-{i}": "x" for i in range(150)}
+    status, _h, _b = raw(stack, chat(), headers={**junk, "X-Tenant-Id": "evil"})
+    assert status == 200
+    for port in stack.node_ports:
+        metrics = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+        assert "sim_internal_headers_total 0.0" in metrics
     # hobbyist may only use realtime; claiming batch via a spoofed header is refused.
     status, _h, body = raw(
         stack, chat(), key="sk-demo-hobbyist", headers={"X-Request-Class": "batch"}

@@ -183,3 +183,13 @@ def test_a_failing_listener_does_not_stop_the_others(tmp_path: Path) -> None:
     f.write_text(base.replace("deadline_s: 5", "deadline_s: 6"))
     assert holder.reload()
     assert seen == [holder.current] and holder.current.classes["realtime"].deadline_s == 6
+
+
+def test_errors_never_echo_secrets() -> None:
+    # A YAML error on a line holding a key names the problem and the line, not the line's text.
+    got = problems(BASE_POLICY.replace('keys: ["plain:sk-acme"]', 'keys: ["plain:sk-acme"]]'))
+    assert got and not any("sk-acme" in p for p in got)
+    # A Redis URL with a password is redacted where it is echoed.
+    got = problems(BASE_POLICY.replace("redis://127.0.0.1:6379/0", "http://:hunter2@db:6379/0"))
+    assert any("redis.url" in p and "***" in p for p in got)
+    assert not any("hunter2" in p for p in got)

@@ -83,6 +83,35 @@ async def test_admit_and_release_refunds(sidecar: Any, redis: Any) -> None:
 
 
 @pytest.mark.parametrize(
+    ("status", "refunded"),
+    [(0, 100), (502, 100), (503, 100), (500, 0), (504, 0), (200, 0)],
+)
+async def test_release_without_usage_refunds_only_what_no_engine_ran(
+    sidecar: Any, status: int, refunded: int
+) -> None:
+    # No upstream, connect refused, engine shed it: nothing ran, full refund. A 500 or a 504
+    # (the proxy timed out a long generation) may have generated up to the cap: kept.
+    client, _h, _p = sidecar
+    adm = await (await client.post("/admit", json=admit_body())).json()
+    r = await client.post("/release", json={"ticket": adm["ticket"], "status": status})
+    assert (await r.json())["refunded_tokens"] == refunded
+
+
+async def test_release_batch_answers_each_entry(sidecar: Any, redis: Any) -> None:
+    client, _h, _p = sidecar
+    tickets = [(await (await client.post("/admit", json=admit_body())).json())["ticket"]
+               for _ in range(2)]  # fmt: skip
+    batch = [{"ticket": tickets[0], "status": 200, "usage": {"prompt_tokens": 10,
+              "completion_tokens": 0}}, {"ticket": "garbage"}, {"ticket": tickets[1]}]  # fmt: skip
+    r = await client.post("/release", json=batch)
+    body = await r.json()
+    assert r.status == 200 and body["released"] == 2
+    assert body["results"][0] == {"refunded_tokens": 90}
+    assert body["results"][1]["error"]["code"] == "invalid_ticket"
+    assert await redis.zcard(keys.node_leases("n1")) == 0
+
+
+@pytest.mark.parametrize(
     ("raw", "status", "code"),
     [
         (b"{not json", 400, "invalid_json"),

@@ -6,6 +6,7 @@ default when the value is wrong, so that one pass reports every problem in the f
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from enum import StrEnum
 from typing import Any, TypeVar
@@ -53,6 +54,11 @@ def duplicate_keys(node: yaml.Node | None, path: str = "") -> list[tuple[str, in
         for i, v in enumerate(node.value):
             out.extend(duplicate_keys(v, f"{path}[{i}]"))
     return out
+
+
+def redact(url: str) -> str:
+    """A URL with any password replaced: `redis://:secret@host` → `redis://:***@host`."""
+    return re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1***@", url)
 
 
 class Checker:
@@ -142,7 +148,7 @@ class Checker:
             self.err(p, f"must be a non-empty string, got {v!r}")
             return default
         if prefixes and not v.startswith(prefixes):
-            self.err(p, f"must start with one of {', '.join(prefixes)}, got {v!r}")
+            self.err(p, f"must start with one of {', '.join(prefixes)}, got {redact(v)!r}")
             return default
         return v
 

@@ -53,7 +53,9 @@ def parse_policy(text: str, source: str = "<policy>") -> Policy:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1})" if mark is not None else ""
-        raise PolicyError([f"{source}: not valid YAML{where}: {exc}"]) from exc
+        # The problem, never the snippet: the offending line may hold a `plain:` key.
+        problem = getattr(exc, "problem", None) or type(exc).__name__
+        raise PolicyError([f"{source}: not valid YAML{where}: {problem}"]) from exc
     c = Checker(lines)
     for path, line in duplicate_keys(tree):
         c.problems.append(f"{path} (line {line}): duplicate key")

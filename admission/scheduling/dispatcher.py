@@ -101,7 +101,10 @@ class Dispatcher:
         if nodes:
             ticket = leases.make_ticket(rid, nodes[0][0].node.id, tenant.id)
             lease = leases.take(nodes[0][0].node, ticket, ttl_s, nodes[0][1])
-        acq = await self.limiter.acquire(tenant, rid, cost, ttl_s, also=lease)
+        # The reservation and the concurrency slot must outlive the wait in the queue as well
+        # as the run: they expire after the class deadline plus the longest run.
+        hold_s = ttl_s + policy.classes[cls].deadline_s
+        acq = await self.limiter.acquire(tenant, rid, cost, hold_s, also=lease)
         held = lease is not None and leases.granted(acq.also)
         # The round trip that carried the lease failed but may have run: unless this request
         # ends up holding that very lease, it is given back.

@@ -33,9 +33,11 @@ local function sha256_hex(s)
   return tbl_concat(out)
 end
 
--- Drop every header a client could use to impersonate the edge's own decisions.
+-- Drop every header a client could use to impersonate the edge's own decisions: all of them
+-- (0 = no cap; NGINX's large_client_header_buffers already bounds the count). With a cap, an
+-- internal header sent after the 100th reached the engines.
 function _M.strip_internal_headers()
-  for name, _ in pairs(get_headers(100)) do
+  for name, _ in pairs(get_headers(0)) do
     local n = str_lower(name)
     if str_sub(n, 1, 8) == "x-tenant" or str_sub(n, 1, 11) == "x-admission" then
       clear_header(name)

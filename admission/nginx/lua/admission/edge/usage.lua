@@ -6,6 +6,7 @@ local cjson = require "cjson.safe"
 local ngx = ngx
 local str_find = string.find
 local str_sub = string.sub
+local tbl_concat = table.concat
 
 local _M = { _VERSION = "0.1.0" }
 
@@ -18,20 +19,37 @@ function _M.body_filter()
     return
   end
   local chunk = ngx.arg[1]
-  if chunk and chunk ~= "" then
-    local buf = (ctx.usage_buf or "") .. chunk
-    if ctx.stream then
-      if #buf > TAIL then buf = str_sub(buf, -TAIL) end
-    elseif #buf > MAX_JSON then
-      buf = ""
-    end
-    ctx.usage_buf = buf
+  if not chunk or chunk == "" then
+    return
   end
+  if ctx.stream then
+    -- Keep a bounded tail: at most TAIL bytes are copied per chunk, whatever the stream's size.
+    local buf = (ctx.usage_buf or "") .. chunk
+    if #buf > TAIL then buf = str_sub(buf, -TAIL) end
+    ctx.usage_buf = buf
+    return
+  end
+  -- A plain body: collect the parts and join them once, at the end (no copy per chunk).
+  local size = (ctx.usage_size or 0) + #chunk
+  ctx.usage_size = size
+  if size > MAX_JSON then
+    ctx.usage_parts = nil
+    return
+  end
+  local parts = ctx.usage_parts
+  if not parts then
+    parts = {}
+    ctx.usage_parts = parts
+  end
+  parts[#parts + 1] = chunk
 end
 
 -- Returns {prompt_tokens, completion_tokens} or nil.
 function _M.extract(ctx)
   local buf = ctx.usage_buf
+  if not ctx.stream and ctx.usage_parts then
+    buf = tbl_concat(ctx.usage_parts)
+  end
   if not buf or buf == "" then
     return nil
   end
