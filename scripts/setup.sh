@@ -21,15 +21,17 @@ command -v nginx >/dev/null || need_apt+=(nginx-light)
 [ -e /usr/share/nginx/modules-available/mod-http-lua.conf ] || need_apt+=(libnginx-mod-http-lua)
 [ -e /usr/lib/x86_64-linux-gnu/lua/5.1/cjson.so ] || [ -e /usr/lib/aarch64-linux-gnu/lua/5.1/cjson.so ] \
   || need_apt+=(lua-cjson)
-# The test suite checks the shipped systemd units with systemd-analyze.
+# The test suite checks the shipped systemd units (systemd-analyze) and alert rules (promtool).
 [ "$want_vllm" = 1 ] && ! command -v systemd-analyze >/dev/null && need_apt+=(systemd)
+[ "$want_vllm" = 1 ] && ! command -v promtool >/dev/null && need_apt+=(prometheus)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: installing ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
   # Debian starts the packaged services; the project runs its own on loopback ports.
-  (service nginx stop || true; service redis-server stop || true) >/dev/null 2>&1
+  (service nginx stop || true; service redis-server stop || true; service prometheus stop || true
+   ) >/dev/null 2>&1
 fi
 
 py=${PYTHON:-python3.11}
