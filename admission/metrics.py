@@ -40,6 +40,12 @@ class Metrics:
             ["cls"],
             registry=r,
         )
+        self.node_ejections = Counter(
+            "admission_node_ejections_total",
+            "Times a node was taken out of rotation because proxied requests could not reach it.",
+            ["node"],
+            registry=r,
+        )
         self.late_refused = Counter(
             "admission_late_refused_total",
             "Queued requests refused because their class's TTFT target could no longer be met.",

@@ -36,8 +36,9 @@ STORE = web.AppKey("store", Store)
 LIMITER = web.AppKey("limiter", Limiter)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 
-ADMIT_KEYS = {"tenant", "class", "model", "prompt_tokens", "max_tokens", "stream", "request_id"}
-RELEASE_KEYS = {"ticket", "status", "usage"}
+ADMIT_KEYS = {"tenant", "class", "model", "prompt_tokens", "max_tokens", "stream", "request_id",
+              "arrived_at"}  # fmt: skip
+RELEASE_KEYS = {"ticket", "status", "usage", "node_failed"}
 MAX_TOKENS_LIMIT = 10_000_000
 MAX_RELEASE_BATCH = 256
 # Statuses that mean no engine worked on the request: no upstream answered (0), NGINX could
@@ -133,9 +134,17 @@ async def admit(request: web.Request) -> web.Response:
     max_tokens = _int_field(body, "max_tokens", lo=1, default=policy.edge.default_max_tokens)
     if "stream" in body and not isinstance(body["stream"], bool):
         raise BadRequest("stream must be true or false")
+    waited_s = 0.0
+    if (arrived := body.get("arrived_at")) is not None:
+        if isinstance(arrived, bool) or not isinstance(arrived, (int, float)):
+            raise BadRequest("arrived_at must be a number (seconds since the epoch)")
+        # The edge and its sidecars share a host (unix sockets), so one clock. Bounded: a
+        # skewed or forged value can neither jump the queue by more than the class deadline
+        # nor make a request younger than now.
+        waited_s = min(max(0.0, time.time() - arrived), policy.classes[cls].deadline_s)
     outcome, reason = "error", "internal"
     try:
-        adm = await dispatcher.admit(tenant, cls, model, prompt, max_tokens)
+        adm = await dispatcher.admit(tenant, cls, model, prompt, max_tokens, waited_s)
         outcome, reason = "admitted", "degraded" if request.app[LIMITER].degraded else "ok"
         return web.json_response(
             {
@@ -165,8 +174,9 @@ async def admit(request: web.Request) -> web.Response:
         metrics.decision_seconds.labels(cls).observe(time.perf_counter() - started)
 
 
-def _release_args(body: Any) -> tuple[str, int]:
-    """(ticket, actual tokens; -1 = unknown) of one release; BadRequest when malformed."""
+def _release_args(body: Any) -> tuple[str, int, bool]:
+    """(ticket, actual tokens (-1 = unknown), the edge could not reach the ticket's node) of
+    one release; BadRequest when malformed."""
     if not isinstance(body, dict):
         raise BadRequest("a release must be a JSON object", code="invalid_json")
     if unknown := sorted(set(body) - RELEASE_KEYS):
@@ -181,6 +191,9 @@ def _release_args(body: Any) -> tuple[str, int]:
     status = body.get("status", 200)
     if isinstance(status, bool) or not isinstance(status, int):
         raise BadRequest("status must be an integer")
+    failed = body.get("node_failed", False)
+    if not isinstance(failed, bool):
+        raise BadRequest("node_failed must be true or false")
     usage = body.get("usage")
     if isinstance(usage, dict):
         p, c = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
@@ -188,14 +201,14 @@ def _release_args(body: Any) -> tuple[str, int]:
             raise BadRequest(
                 "usage.prompt_tokens and usage.completion_tokens must be integers >= 0"
             )
-        return ticket, p + c
+        return ticket, p + c, failed
     if usage is not None:
         raise BadRequest("usage must be an object or null")
     if status in NOTHING_RAN:
-        return ticket, 0  # no engine took it (connect refused, engine shed it): nothing consumed
+        return ticket, 0, failed  # no engine took it (connect refused, shed): nothing consumed
     # Unknown: keep the reservation as charged. That includes 500 and 504 without usage: the
     # engine may have generated up to the cap before it failed or the proxy timed out.
-    return ticket, -1
+    return ticket, -1, failed
 
 
 async def release(request: web.Request) -> web.Response:
@@ -208,18 +221,18 @@ async def release(request: web.Request) -> web.Response:
         raise BadRequest(f"body is not valid JSON: {exc}", code="invalid_json") from exc
     dispatcher = request.app[DISPATCHER]
     if not isinstance(body, list):
-        ticket, actual = _release_args(body)
-        refunded = await dispatcher.release(ticket, actual)
+        ticket, actual, failed = _release_args(body)
+        refunded = await dispatcher.release(ticket, actual, failed)
         return web.json_response({"released": True, "refunded_tokens": refunded})
     if len(body) > MAX_RELEASE_BATCH:
         raise BadRequest(f"at most {MAX_RELEASE_BATCH} releases per batch", code="batch_too_large")
 
     async def one(entry: Any) -> dict[str, Any]:
         try:
-            ticket, actual = _release_args(entry)
+            ticket, actual, failed = _release_args(entry)
         except BadRequest as exc:
             return {"error": {"message": exc.message, "code": exc.code}}
-        return {"refunded_tokens": await dispatcher.release(ticket, actual)}
+        return {"refunded_tokens": await dispatcher.release(ticket, actual, failed)}
 
     results = await asyncio.gather(*(one(e) for e in body))
     return web.json_response({"released": sum("error" not in r for r in results),

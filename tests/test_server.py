@@ -328,3 +328,34 @@ async def test_urgent_class_flows_to_held_node_lower_class_waits(sidecar: Any, r
     assert r.status == 200  # held node, but realtime is admitted until drain
     r = await client.post("/admit", json=admit_body(**{"class": "batch"}))
     assert r.status == 503  # batch waited for the hold to clear, until its deadline
+
+
+async def test_a_reasked_request_keeps_its_arrival_time(sidecar: Any, redis: Any) -> None:
+    # The request waited 3.8 s at a sidecar that died; re-asked here it has 0.2 s of its 4 s
+    # (realtime: 5 s in BASE_POLICY, so 1.2 s) deadline left, not a fresh one.
+    client, _h, _p = sidecar
+    await set_node(redis, "n1", state="drain")  # nothing is admitted: it waits out its deadline
+    await asyncio.sleep(0.25)
+    started = time.monotonic()
+    r = await client.post("/admit", json=admit_body(arrived_at=time.time() - 3.8))
+    assert r.status == 503 and (await r.json())["error"]["code"] == "queue_timeout"
+    assert time.monotonic() - started < 2.5  # 5 - 3.8 = 1.2 s, not 5 s
+    r = await client.post("/admit", json=admit_body(arrived_at="yesterday"))
+    assert r.status == 400
+
+
+async def test_node_that_edge_cannot_reach_is_ejected(sidecar: Any, redis: Any) -> None:
+    # Three proxied requests that could not reach n1 (within 10 s, from any sidecar): n1 is out
+    # of rotation on every sidecar (a key in Redis) for 10 s; new requests wait for a node.
+    client, _h, _p = sidecar
+    tickets = [(await (await client.post("/admit", json=admit_body())).json())["ticket"]
+               for _ in range(3)]  # fmt: skip
+    for t in tickets[:2]:
+        await client.post("/release", json={"ticket": t, "status": 502, "node_failed": True})
+    assert not await redis.exists(keys.node_eject("n1"))
+    await client.post("/release", json={"ticket": tickets[2], "status": 502, "node_failed": True})
+    assert 0 < await redis.pttl(keys.node_eject("n1")) <= 10_000
+    nodes = await (await client.get("/nodes")).json()
+    assert nodes["nodes"][0]["state"] == "down"
+    metrics = await (await client.get("/metrics")).text()
+    assert 'admission_node_ejections_total{node="n1"} 1.0' in metrics

@@ -85,12 +85,20 @@ class Dispatcher:
 
     # -- the decision ------------------------------------------------------------------------
     async def admit(
-        self, tenant: Tenant, cls: str, model: str, prompt_tokens: int, max_tokens: int
+        self,
+        tenant: Tenant,
+        cls: str,
+        model: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        waited_s: float = 0.0,
     ) -> Admission:
         """Charge the tenant's limits and get a node, now or from the queue.
 
         Raises Throttled / RequestTooLarge (limits), QueueFull, QueueTimeout,
-        BackendUnavailable (fail-closed); in every case nothing stays taken.
+        BackendUnavailable (fail-closed); in every case nothing stays taken. `waited_s`: how
+        long the request already waited elsewhere (re-asked after its sidecar died): it keeps
+        that much of its deadline spent and that much aging credit.
         """
         policy = self.policy()
         ttl_s = policy.queue.lease_ttl_s
@@ -115,9 +123,9 @@ class Dispatcher:
                 if held and ticket is not None:
                     await self._give_back(ticket)
                 raise acq.denied
-            now = self.clock()
-            item = Item(tenant=tenant.id, cls=cls, cost=cost, model=model, enqueued_at=now,
-                        deadline_at=now + policy.classes[cls].deadline_s, rid=rid,
+            arrived = self.clock() - waited_s
+            item = Item(tenant=tenant.id, cls=cls, cost=cost, model=model, enqueued_at=arrived,
+                        deadline_at=arrived + policy.classes[cls].deadline_s, rid=rid,
                         prompt=prompt_tokens)  # fmt: skip
             if held and nodes and ticket is not None:
                 adm = self._record(item, nodes, ticket)
@@ -135,9 +143,11 @@ class Dispatcher:
             if maybe is not None and (adm is None or adm.ticket != maybe):
                 self.store.backlog.add(leases.give_back(maybe))
 
-    async def release(self, ticket: str, actual_tokens: int) -> int:
-        """Give the lease back and settle the reservation in one round trip; tokens refunded."""
+    async def release(self, ticket: str, actual_tokens: int, node_failed: bool = False) -> int:
+        """Give the lease back and settle the reservation in one round trip; tokens refunded.
+        `node_failed`: the edge could not reach the node this ticket named (health ejection)."""
         rid, node, tid = leases.parse_ticket(ticket)
+        await self.nodes.proxied(node, node_failed)
         tenant = self.policy().tenants.get(tid)
         try:
             return await self.limiter.settle(

@@ -19,6 +19,9 @@ from admission.store import REDIS_DOWN, keys
 
 log = logging.getLogger(__name__)
 
+EJECT_AFTER = 3  # proxied requests that could not reach a node, within EJECT_S
+EJECT_S = 10.0  # how long it stays out; then its agent's state applies again
+
 
 class NodeTable:
     def __init__(
@@ -63,6 +66,7 @@ class NodeTable:
             pipe.get(keys.node_admin(v.node.id))
             pipe.zcard(keys.node_leases(v.node.id))
             pipe.hmget(keys.node_ledger(v.node.id), "p", "t", "kv")
+            pipe.exists(keys.node_eject(v.node.id))
         try:
             res = await pipe.execute()
         except REDIS_DOWN:
@@ -73,8 +77,8 @@ class NodeTable:
         secs, micros = res[0]
         redis_now_us = int(secs) * 1_000_000 + int(micros)
         for i, v in enumerate(views):
-            raw, admin, leases, (p, t, kv) = res[1 + 4 * i : 5 + 4 * i]
-            v.observe(self._state(v.node.id, raw), bool(admin))
+            raw, admin, leases, (p, t, kv), ejected = res[1 + 5 * i : 6 + 5 * i]
+            v.observe(None if ejected else self._state(v.node.id, raw), bool(admin))
             pending = float(p or 0)
             if t is not None and v.prefill_rate > 0:  # drained until Redis's now
                 pending = max(0.0, pending - v.prefill_rate * (redis_now_us - int(t)) / 1e6)
@@ -101,6 +105,30 @@ class NodeTable:
         for v in self.views.values():
             if v.state != Status.MAINTENANCE:
                 v.state = Status.OPEN if fail_open else Status.DOWN
+
+    async def proxied(self, node: str, failed: bool) -> None:
+        """A release said the edge could not reach the node: `EJECT_AFTER` such failures within
+        `EJECT_S`, counted in Redis across every sidecar, take it out of rotation everywhere for
+        `EJECT_S`; then its agent's state applies again (a healthy node is back, a dead one is
+        down by its failed health checks). Successes cost nothing: nothing is written."""
+        if not failed or node not in self.views:
+            return
+        fails_key = keys.node_fails(node)
+        try:
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.incr(fails_key)
+            pipe.pexpire(fails_key, int(EJECT_S * 1000), nx=True)
+            count = int((await pipe.execute())[0])
+            if count < EJECT_AFTER:
+                return
+            await self.redis.set(keys.node_eject(node), "1", px=int(EJECT_S * 1000))
+            await self.redis.delete(fails_key)
+        except REDIS_DOWN:
+            return
+        self.views[node].state = Status.DOWN
+        self.metrics.node_ejections.labels(node).inc()
+        log.warning("node %s: %d proxied requests failed to reach it within %ss; out of rotation "
+                    "for %ss", node, EJECT_AFTER, EJECT_S, EJECT_S)  # fmt: skip
 
     async def set_maintenance(self, node: str, on: bool) -> None:
         if on:

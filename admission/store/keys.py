@@ -37,6 +37,17 @@ def node_state(node: str) -> str:
     return f"{PREFIX}:{{n:{node}}}:state"
 
 
+def node_eject(node: str) -> str:
+    """Set (with a TTL) when proxied requests keep failing to reach the node: out of rotation
+    on every sidecar until it expires."""
+    return f"{PREFIX}:{{n:{node}}}:eject"
+
+
+def node_fails(node: str) -> str:
+    """Proxied requests that could not reach the node, counted over a short window."""
+    return f"{PREFIX}:{{n:{node}}}:fails"
+
+
 def node_admin(node: str) -> str:
     """Set by an SRE (`admission node drain`): the node takes nothing new until cleared."""
     return f"{PREFIX}:{{n:{node}}}:admin"

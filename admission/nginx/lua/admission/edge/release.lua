@@ -118,8 +118,13 @@ function _M.log()
   if not ctx.ticket then
     return
   end
-  local status = tonumber(ngx.var.upstream_status) or ngx.status or 0
-  local body = cjson.encode({ ticket = ctx.ticket, status = status,
+  -- upstream_status lists every peer tried ("502, 200" after a fallback): the last is the
+  -- answer; a first one of 502 means the node the ticket names could not be reached.
+  local statuses = ngx.var.upstream_status or ""
+  local first = tonumber(str_match(statuses, "^%s*(%d+)"))
+  local last = tonumber(str_match(statuses, "(%d+)%s*$"))
+  local status = last or ngx.status or 0
+  local body = cjson.encode({ ticket = ctx.ticket, status = status, node_failed = first == 502,
                               usage = usage.extract(ctx) or cjson.null })
   local len, err = dict:rpush(QUEUE, body)
   if not len then
