@@ -38,7 +38,10 @@ def capacity(profile: str, seconds: float = 120, kinds: tuple[Kind, ...] = MIXED
     rate = 0.25
     saturated = 0
     while rate < 2000 and saturated < 3:
-        got = completed_rate(profile, rate, seconds, kinds)
+        # At least ~500 completions in the measured window: at low rates a short window's
+        # Poisson noise looked like saturation (a prefill-heavy mix calibrated at 1/8 of its
+        # real capacity).
+        got = completed_rate(profile, rate, max(seconds, 700 / rate), kinds)
         best = max(best, got)
         # Saturated: more offered load is not served. A heavy mix can look saturated at one
         # step while long requests are still in flight at the window's end: go three steps on.
