@@ -14,7 +14,7 @@ from admission.metrics import Metrics
 from admission.nodes.state import Status
 from admission.policy import Policy
 from admission.scheduling import Dispatcher
-from admission.scheduling.routing import NodeView, ask_for, eligible, fallbacks
+from admission.scheduling.routing import NodeView, eligible, fallbacks
 from admission.store import Call, Store, connect, keys
 from devstack.procs import RedisServer
 from tests.conftest import BASE_POLICY, make_policy
@@ -148,22 +148,3 @@ def test_fallbacks_include_live_nodes_that_are_not_eligible(redis_server: RedisS
     chosen = [v for v, _ask in eligible(list(views.values()), p, "m", "batch", 10, 20, 0.0)]
     assert [v.node.id for v in chosen] == ["n1"]
     assert fallbacks(chosen, list(views.values()), "m") == [("n2", "http://127.0.0.1:2")]
-
-
-def test_token_scale_learns_a_tokenizer_that_spends_more_tokens(
-    redis_server: RedisServer,
-) -> None:
-    # The node holds twice the KV the ledger booked from the edge's estimates: asks grow until
-    # what is booked covers what is in use; right estimates leave the scale at 1.
-    p = make_policy(redis_server.url)
-    v = NodeView(p.nodes["n1"], state=Status.OPEN, per_token=0.001, base_memory=0.2)
-    for _ in range(60):
-        booked = int(100 * v.token_scale)  # one request of 100 estimated tokens, scaled
-        v.memory = 0.2 + 200 * 0.001  # really 200 tokens in use
-        v.ledger(0.0, booked, 1, 0.0)
-    assert v.token_scale == pytest.approx(2.0, rel=0.05)
-    assert ask_for(v, p, "batch", 50, 100).kv_tokens == pytest.approx(200, rel=0.05)
-    right = NodeView(p.nodes["n1"], state=Status.OPEN, per_token=0.001, base_memory=0.2)
-    right.memory = 0.2 + 0.05
-    right.ledger(0.0, 100, 1, 0.0)
-    assert right.token_scale == 1.0

@@ -27,9 +27,6 @@ from admission.policy import AdmitUntil, Node, Policy
 from admission.scheduling.leases import Ask
 
 MAX_FALLBACKS = 2
-MAX_TOKEN_SCALE = 8.0  # an estimate off by more than this is a configuration error, not drift
-SCALE_ALPHA = 0.2  # per refresh (0.1 s): follows a change within a second or two
-SCALE_DECAY = 0.999  # per refresh: halves an excess in ~70 s
 DEFAULT_TARGET_TTFT_S = 1.0  # when no class sets slo.ttft_ms
 
 
@@ -47,11 +44,6 @@ class NodeView:
     kv_reserved: int = 0  # ledger: KV tokens reserved by live leases
     inflight: int = 0
     waiting: int = 0  # the engine's own queue (requests), for operators
-    # Tokens the engine really holds per token the edge estimated (≥ 1): the edge counts
-    # characters / chars_per_token, and a tokenizer that spends more tokens per character
-    # (measured: the tiny CPU model's) would have the ledger book too little KV and prefill.
-    # Learned from the node: KV in use (measured) against KV booked (ledger).
-    token_scale: float = 1.0
 
     def observe(self, st: NodeState | None, maintenance: bool) -> None:
         """Take the agent's latest state (None: silent → down) and the operator's flag."""
@@ -69,17 +61,6 @@ class NodeView:
     def ledger(self, pending: float, kv: int, leases: int, now: float) -> None:
         """Take the node's ledger as read from Redis (pending already drained to `now`)."""
         self.pending, self.pending_at, self.kv_reserved, self.inflight = pending, now, kv, leases
-        if self.per_token > 0 and kv > 0:
-            # Booked KV covers prompt estimate + output cap, so in use ≤ booked when the
-            # estimate is right; more in use than booked means the estimate is short: scale up
-            # by what is missing. Otherwise drift back towards 1, slowly (an emptying node
-            # shows little in use without the estimate being wrong).
-            in_use = max(0.0, self.memory - self.base_memory) / self.per_token
-            if in_use > kv:
-                want = min(MAX_TOKEN_SCALE, self.token_scale * in_use / kv)
-                self.token_scale += SCALE_ALPHA * (want - self.token_scale)
-            else:
-                self.token_scale = max(1.0, self.token_scale * SCALE_DECAY)
 
     def pending_now(self, now: float) -> float:
         if self.prefill_rate <= 0:
@@ -115,7 +96,6 @@ class NodeView:
             "prefill_rate": round(self.prefill_rate, 1),
             "tpot_ms": round(self.tpot_s * 1000, 1),
             "kv_reserved_tokens": self.kv_reserved,
-            "token_scale": round(self.token_scale, 3),
             "inflight": self.inflight,
             "max_inflight": self.node.max_inflight,
             "waiting": self.waiting,
@@ -146,9 +126,7 @@ def target_tpot_s(policy: Policy) -> float | None:
 
 
 def ask_for(v: NodeView, policy: Policy, cls: str | None, prompt: int, kv: int) -> Ask:
-    """The lease request for a node: this request's ledger entry (in the node's own tokens)
-    and its class's limits there."""
-    prompt, kv = int(prompt * v.token_scale), int(kv * v.token_scale)
+    """The lease request for a node: this request's ledger entry and its class's limits there."""
     wm = policy.watermarks
     hurry = urgent(policy, cls)
     limit = wm.drain if hurry else wm.hold
