@@ -113,7 +113,7 @@ def test_bad_keys_and_spoofed_headers(stack: Stack) -> None:
     assert status == 401
     # Internal headers are stripped however many headers come first (a cap of 100 let the
     # 101st through to the engines).
-    junk = {f"X-Junk-{i}": "x" for i in range(150)}
+    junk = {f"X-Junk-{i}": "x" for i in range(110)}  # > 100; the emulator (aiohttp) takes 128
     status, _h, _b = raw(stack, chat(), headers={**junk, "X-Tenant-Id": "evil"})
     assert status == 200
     for port in stack.node_ports:

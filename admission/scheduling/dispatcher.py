@@ -27,13 +27,12 @@ from typing import Any
 from admission.errors import AdmissionError, BackendUnavailable, QueueTimeout, SloUnreachable
 from admission.limits import Limiter
 from admission.metrics import Metrics
-from admission.nodes.state import Status
 from admission.policy import FailureMode, OnLate, Policy, Tenant
 from admission.scheduling import leases
 from admission.scheduling.leases import Ask
 from admission.scheduling.nodetable import NodeTable
 from admission.scheduling.queue import FairQueue, Item
-from admission.scheduling.routing import NodeView, fallbacks
+from admission.scheduling.routing import NodeView, eta_s, fallbacks
 from admission.store import REDIS_DOWN, Store
 
 log = logging.getLogger(__name__)
@@ -305,12 +304,7 @@ class Dispatcher:
 
     def _eta_s(self, item: Item, now: float) -> float:
         """Soonest a live node serving the model could have this request prefilled."""
-        best = None
-        for v in self.nodes.views.values():
-            if item.model in v.node.models and v.state in (Status.OPEN, Status.HOLD):
-                eta = v.wait_s(now) + (item.prompt / v.prefill_rate if v.prefill_rate > 0 else 0)
-                best = eta if best is None else min(best, eta)
-        return best or 0.0
+        return eta_s(self.views, item.model, item.prompt, now)
 
     async def _lease(self, item: Item, nodes: list[tuple[NodeView, Ask]]) -> Admission | None:
         """Take a lease on the best node; None if its ledger refused (another sidecar booked

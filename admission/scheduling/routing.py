@@ -168,6 +168,17 @@ def eligible(
     return ok
 
 
+def eta_s(views: list[NodeView], model: str, prompt: int, now: float) -> float:
+    """Soonest any live node serving `model` could have a `prompt`-token request prefilled:
+    its booked prefill cleared, then this one, at its measured rate (0 when none is known)."""
+    etas = [
+        v.wait_s(now) + (prompt / v.prefill_rate if v.prefill_rate > 0 else 0.0)
+        for v in views
+        if model in v.node.models and v.state in (Status.OPEN, Status.HOLD)
+    ]
+    return min(etas, default=0.0)
+
+
 def fallbacks(nodes: list[NodeView], views: list[NodeView], model: str) -> list[tuple[str, str]]:
     """(node id, url) of where the edge goes when the chosen node refuses the connection: the
     next eligible nodes, then any other live node serving the model. A node that refuses
