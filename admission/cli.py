@@ -40,10 +40,18 @@ def _setup_logging(level: str) -> None:
 def cmd_check(args: argparse.Namespace) -> int:
     try:
         policy = load_policy(args.path)
+        old = load_policy(args.diff) if args.diff else None
     except PolicyError as exc:
         for problem in exc.problems:
             print(problem)
         return 1
+    if old is not None:
+        from admission.policy.diff import describe
+
+        changes = describe(old, policy)
+        for line in changes or ["no change in meaning"]:
+            print(line)
+        return 0
     print(
         f"ok: {len(policy.tenants)} tenants, {len(policy.classes)} classes, "
         f"{len(policy.nodes)} nodes"
@@ -174,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("check", help="validate a policies.yaml; exit 1 listing every problem")
     c.add_argument("path")
+    c.add_argument("--diff", metavar="OLD", help="also say what changes from OLD, in plain words")
     c.set_defaults(fn=cmd_check)
 
     s = sub.add_parser("serve", help="run the admission sidecar")

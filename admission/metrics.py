@@ -40,6 +40,12 @@ class Metrics:
             ["cls"],
             registry=r,
         )
+        self.shadow_decisions = Counter(
+            "admission_shadow_decisions_total",
+            "Decisions of tenants in shadow mode: what their limits would have done.",
+            ["tenant", "would"],
+            registry=r,
+        )
         self.node_ejections = Counter(
             "admission_node_ejections_total",
             "Times a node was taken out of rotation because proxied requests could not reach it.",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import pytest
@@ -148,3 +149,21 @@ def test_fallbacks_include_live_nodes_that_are_not_eligible(redis_server: RedisS
     chosen = [v for v, _ask in eligible(list(views.values()), p, "m", "batch", 10, 20, 0.0)]
     assert [v.node.id for v in chosen] == ["n1"]
     assert fallbacks(chosen, list(views.values()), "m") == [("n2", "http://127.0.0.1:2")]
+
+
+async def test_shadow_tenant_is_counted_not_refused(redis: Any, redis_server: RedisServer) -> None:
+    # A burst of 1: the second request is over the limit. In shadow mode it is admitted, and
+    # the metric says what the limit would have done.
+    p = tenant_policy(
+        redis_server.url, "{requests_per_s: 0.01, request_burst: 1, tokens_per_min: 60000}"
+    )
+    t = dataclasses.replace(p.tenants["t1"], shadow=True)
+    d, client = make(p)
+    await d.admit(t, "realtime", "m", 10, 0)
+    await d.admit(t, "realtime", "m", 10, 0)  # not refused
+    m = d.metrics.shadow_decisions
+    assert m.labels("t1", "admit")._value.get() == 1
+    assert m.labels("t1", "requests_per_s")._value.get() == 1
+    with pytest.raises(Throttled):  # the same tenant without shadow: refused
+        await d.admit(p.tenants["t1"], "realtime", "m", 10, 0)
+    await client.aclose()

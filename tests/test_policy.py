@@ -193,3 +193,28 @@ def test_errors_never_echo_secrets() -> None:
     got = problems(BASE_POLICY.replace("redis://127.0.0.1:6379/0", "http://:hunter2@db:6379/0"))
     assert any("redis.url" in p and "***" in p for p in got)
     assert not any("hunter2" in p for p in got)
+
+
+def test_check_diff_says_what_a_change_means(tmp_path: Path) -> None:
+    base = _BASE.replace("REDIS_URL", "redis://127.0.0.1:1/0")
+    old, new = tmp_path / "old.yaml", tmp_path / "new.yaml"
+    old.write_text(base)
+    new.write_text(
+        base.replace("requests_per_s: 10,", "requests_per_s: 15,")
+        .replace("realtime: {weight: 8,", "realtime: {weight: 4,")
+        .replace("  small:\n    weight: 1\n", "  small:\n    weight: 1\n    shadow: true\n")
+    )
+    out = subprocess.run(
+        [sys.executable, "-m", "admission.cli", "check", "--diff", str(old), str(new)],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert "tenant acme: limit requests_per_s raised 50% (10 → 15)" in lines
+    assert "class realtime: weight lowered 50% (8 → 4)" in lines
+    assert "tenant small: limits shadowed (not enforced)" in lines
+    same = subprocess.run(
+        [sys.executable, "-m", "admission.cli", "check", "--diff", str(old), str(old)],
+        capture_output=True, text=True, cwd=tmp_path,
+    )  # fmt: skip
+    assert same.stdout.strip() == "no change in meaning"

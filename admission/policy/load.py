@@ -72,7 +72,8 @@ def parse_policy(text: str, source: str = "<policy>") -> Policy:
     return policy
 
 
-_TOP = {"version", "redis", "queue", "watermarks", "edge", "tiers", "classes", "tenants", "nodes"}
+_TOP = {"version", "redis", "queue", "watermarks", "edge", "tiers", "classes", "tenants", "nodes",
+        "shadow"}  # fmt: skip
 
 
 def _build(c: Checker, data: Any) -> Policy | None:
@@ -87,7 +88,8 @@ def _build(c: Checker, data: Any) -> Policy | None:
     edge = _edge(c, top.get("edge", {}))
     tiers = _tiers(c, top.get("tiers", {}))
     classes = _classes(c, top.get("classes"))
-    tenants = _tenants(c, top.get("tenants"), tiers, classes)
+    shadow = c.boolean(top, "shadow", "", False)  # every tenant's limits in shadow mode
+    tenants = _tenants(c, top.get("tenants"), tiers, classes, shadow)
     nodes = _nodes(c, top.get("nodes"))
     key_index: dict[str, str] = {}
     for t in tenants.values():
@@ -243,12 +245,16 @@ def _classes(c: Checker, raw: Any) -> dict[str, ClassPolicy]:
     return {k.name: k for k in out}
 
 
-_TENANT_KEYS = {"tier", "weight", "keys", "classes", "default_class", "limits", "models"}
+_TENANT_KEYS = {"tier", "weight", "keys", "classes", "default_class", "limits", "models", "shadow"}
 _LIMIT_KEYS = set(Limits.__dataclass_fields__)
 
 
 def _tenants(
-    c: Checker, raw: Any, tiers: dict[str, float], classes: dict[str, ClassPolicy]
+    c: Checker,
+    raw: Any,
+    tiers: dict[str, float],
+    classes: dict[str, ClassPolicy],
+    shadow: bool = False,
 ) -> dict[str, Tenant]:
     m = c.mapping(raw, "tenants", None)
     if m is None:
@@ -292,6 +298,7 @@ def _tenants(
             limits=_limits(c, b.get("limits"), f"{p}.limits"),
             models=tuple(c.string_list(b, "models", p, [])),
             demo_keys=demo,
+            shadow=c.boolean(b, "shadow", p, shadow),
         )
     return out
 

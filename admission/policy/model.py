@@ -130,6 +130,9 @@ class Tenant:
     limits: Limits
     models: tuple[str, ...] = ()  # empty: every model some node serves
     demo_keys: tuple[str, ...] = ()  # plaintext keys, demo only (never logged)
+    # Limits evaluated and counted (admission_shadow_decisions_total) but not enforced: try new
+    # limits on live traffic before they bite.
+    shadow: bool = False
 
 
 @dataclass(frozen=True)

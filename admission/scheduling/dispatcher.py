@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from admission.errors import AdmissionError, BackendUnavailable, QueueTimeout, SloUnreachable
-from admission.limits import Limiter
+from admission.limits import Limiter, shadow
 from admission.metrics import Metrics
 from admission.policy import FailureMode, OnLate, Policy, Tenant
 from admission.scheduling import leases
@@ -118,9 +118,10 @@ class Dispatcher:
         maybe = ticket if ticket is not None and acq.also is None else None
         adm: Admission | None = None
         try:
-            if acq.denied is not None:
+            if not shadow.let_through(tenant, acq.denied, self.metrics):
                 if held and ticket is not None:
                     await self._give_back(ticket)
+                assert acq.denied is not None  # let_through says no only with a reason
                 raise acq.denied
             arrived = self.clock() - waited_s
             item = Item(tenant=tenant.id, cls=cls, cost=cost, model=model, enqueued_at=arrived,

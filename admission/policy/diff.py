@@ -1,0 +1,77 @@
+"""What a policy change means, in plain words: `admission check --diff OLD NEW`. Pure.
+
+An SRE reads this before shipping a change to a live cluster: limits raised or lowered (by how
+much), tenants and classes added or removed, reweighting, watermarks and nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any
+
+from admission.policy.model import Policy
+
+
+def _pct(old: float, new: float) -> str:
+    if old == 0:
+        return f"{old:g} → {new:g}"
+    change = (new - old) / old * 100
+    word = "raised" if new > old else "lowered"
+    return f"{word} {abs(change):.0f}% ({old:g} → {new:g})"
+
+
+def _fields(kind: str, old: Any, new: Any, skip: tuple[str, ...] = ()) -> list[str]:
+    out = []
+    for f in fields(old):
+        if f.name in skip:
+            continue
+        a, b = getattr(old, f.name), getattr(new, f.name)
+        if a == b:
+            continue
+        if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool):
+            out.append(f"{kind} {f.name} {_pct(float(a), float(b))}")
+        else:
+            out.append(f"{kind} {f.name}: {a!r} → {b!r}")
+    return out
+
+
+def describe(old: Policy, new: Policy) -> list[str]:
+    """One line per change; empty when the policies mean the same."""
+    out: list[str] = []
+    for tid in sorted(set(new.tenants) - set(old.tenants)):
+        out.append(f"tenant {tid} added (weight {new.tenants[tid].weight:g})")
+    for tid in sorted(set(old.tenants) - set(new.tenants)):
+        out.append(f"tenant {tid} removed: its keys stop working")
+    for tid in sorted(set(old.tenants) & set(new.tenants)):
+        a, b = old.tenants[tid], new.tenants[tid]
+        out += _fields(f"tenant {tid}: limit", a.limits, b.limits)
+        if a.weight != b.weight:
+            out.append(f"tenant {tid}: weight {_pct(a.weight, b.weight)}")
+        if set(a.key_digests) != set(b.key_digests):
+            added, gone = (
+                len(set(b.key_digests) - set(a.key_digests)),
+                len(set(a.key_digests) - set(b.key_digests)),
+            )
+            out.append(f"tenant {tid}: {added} key(s) added, {gone} revoked")  # fmt: skip
+        if a.classes != b.classes:
+            out.append(f"tenant {tid}: classes {list(a.classes)} → {list(b.classes)}")
+        if a.shadow != b.shadow:
+            out.append(
+                f"tenant {tid}: limits {'shadowed (not enforced)' if b.shadow else 'enforced'}"
+            )
+    for name in sorted(set(new.classes) - set(old.classes)):
+        out.append(f"class {name} added")
+    for name in sorted(set(old.classes) - set(new.classes)):
+        out.append(f"class {name} removed: its queued requests move to the lowest class")
+    for name in sorted(set(old.classes) & set(new.classes)):
+        out += _fields(f"class {name}:", old.classes[name], new.classes[name], ("name",))
+    out += _fields("watermarks", old.watermarks, new.watermarks)
+    out += _fields("queue", old.queue, new.queue)
+    out += _fields("edge", old.edge, new.edge)
+    for nid in sorted(set(new.nodes) - set(old.nodes)):
+        out.append(f"node {nid} added ({new.nodes[nid].url})")
+    for nid in sorted(set(old.nodes) - set(new.nodes)):
+        out.append(f"node {nid} removed: it gets no new requests")
+    for nid in sorted(set(old.nodes) & set(new.nodes)):
+        out += _fields(f"node {nid}:", old.nodes[nid], new.nodes[nid], ("id",))
+    return out
