@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 POLICY = web.AppKey("policy", PolicyHolder)
 METRICS = web.AppKey("metrics", Metrics)
 STORE = web.AppKey("store", Store)
+DISPATCH_TASK = web.AppKey("dispatch_task", asyncio.Task[None])
 LIMITER = web.AppKey("limiter", Limiter)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 
@@ -240,15 +241,24 @@ async def release(request: web.Request) -> web.Response:
 
 
 async def healthz(request: web.Request) -> web.Response:
+    """503 when the dispatcher task is not running (queued requests would only time out).
+    `?brief=1` (what the public edge asks for) answers the status alone: node names and queue
+    depth are for operators, on the admin port."""
     limiter = request.app[LIMITER]
     dispatcher = request.app[DISPATCHER]
+    task = request.app[DISPATCH_TASK]
+    ok = not task.done()
+    status = 200 if ok else 503
+    if request.query.get("brief"):
+        return web.json_response({"status": "ok" if ok else "dispatcher_stopped"}, status=status)
     return web.json_response(
         {
-            "status": "ok",
+            "status": "ok" if ok else "dispatcher_stopped",
             "redis": "degraded" if limiter.degraded else "ok",
             "queued": len(dispatcher.queue),
             "nodes": {v["node"]: v["state"] for v in dispatcher.snapshot()},
-        }
+        },
+        status=status,
     )
 
 
@@ -310,7 +320,7 @@ def build_app(
         holder.listeners.append(d.set_policy)
         app[DISPATCHER] = d
         await d.nodes.refresh()
-        task = asyncio.create_task(d.run(), name="dispatcher")
+        task = app[DISPATCH_TASK] = asyncio.create_task(d.run(), name="dispatcher")
         task.add_done_callback(_log_death)
         yield
         await _stop(task)

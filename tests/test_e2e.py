@@ -101,6 +101,11 @@ def test_streaming_is_incremental_and_usage_released(stack: Stack) -> None:
     assert line, "no refund recorded for the streamed request"
 
 
+def test_public_healthz_shows_status_only(stack: Stack) -> None:
+    with urllib.request.urlopen(f"{stack.url}/healthz", timeout=5) as r:
+        assert r.status == 200 and json.load(r) == {"status": "ok"}  # no node names, no depth
+
+
 def test_bad_keys_and_spoofed_headers(stack: Stack) -> None:
     assert raw(stack, chat(), key=None)[0] == 401
     status, _h, body = raw(stack, chat(), key="sk-wrong")

@@ -17,7 +17,7 @@ from admission.metrics import Metrics
 from admission.nodes.state import NodeState, Status
 from admission.policy import load_policy
 from admission.reload import PolicyHolder
-from admission.server import build_app
+from admission.server import DISPATCH_TASK, build_app
 from admission.store import keys
 from devstack.procs import RedisServer
 from tests.conftest import BASE_POLICY
@@ -359,3 +359,16 @@ async def test_node_that_edge_cannot_reach_is_ejected(sidecar: Any, redis: Any) 
     assert nodes["nodes"][0]["state"] == "down"
     metrics = await (await client.get("/metrics")).text()
     assert 'admission_node_ejections_total{node="n1"} 1.0' in metrics
+
+
+async def test_healthz_tells_the_truth(sidecar: Any) -> None:
+    client, _h, _p = sidecar
+    full = await (await client.get("/healthz")).json()
+    assert full["status"] == "ok" and "n1" in full["nodes"]
+    assert await (await client.get("/healthz?brief=1")).json() == {"status": "ok"}
+    task = client.server.app[DISPATCH_TASK]
+    task.cancel()  # a dispatcher that stopped: queued requests would only time out
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    r = await client.get("/healthz")
+    assert r.status == 503 and (await r.json())["status"] == "dispatcher_stopped"
