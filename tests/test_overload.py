@@ -115,7 +115,7 @@ def test_release_survives_a_sidecar_stall(edge: Stack) -> None:
     """Both sidecars freeze (SIGSTOP) while a request runs: its release waits in the edge's
     queue and is delivered once they resume — the node lease does not leak until its TTL."""
     body = json.dumps({"model": "stub", "messages": [{"role": "user", "content": "hi"}],
-                       "max_tokens": 1, "stub_delay_ms": 1500}).encode()  # fmt: skip
+                       "max_tokens": 1, "stub_delay_ms": 3000}).encode()  # fmt: skip
     req = urllib.request.Request(f"{edge.url}/v1/chat/completions", data=body, headers={
         "Authorization": "Bearer sk-load", "Content-Type": "application/json"})  # fmt: skip
     sidecars = [p for name, p in edge.procs if name.startswith("sidecar-")]
@@ -123,10 +123,13 @@ def test_release_survives_a_sidecar_stall(edge: Stack) -> None:
     with ThreadPoolExecutor(1) as pool:
         answer = pool.submit(lambda: urllib.request.urlopen(req, timeout=30).status)
         wait_for(lambda: r.zcard(keys.node_leases("stub")) == 1, 5, "admitted")
+        # The lease is taken just before the sidecar answers NGINX: let the answer arrive and
+        # the request reach the stub (which holds it 3 s) before freezing the sidecars.
+        time.sleep(0.5)
         for p in sidecars:
             os.kill(p.pid, signal.SIGSTOP)
         try:
-            assert answer.result(10) == 200  # NGINX carried the bytes without the sidecars
+            assert answer.result(15) == 200  # NGINX carried the bytes without the sidecars
             time.sleep(6)  # past the drainers' read timeout: the batch went back to the queue
             assert r.zcard(keys.node_leases("stub")) == 1
         finally:
