@@ -101,4 +101,4 @@ async def test_prefill_budget_and_drain_by_rate(redis: Any) -> None:
     unbudgeted = leases.Ask(900, 1000, prefill_rate=1000.0, prefill_budget=0)  # realtime
     assert leases.granted((await s.run(leases.take(NODE, ticket(4), 60, unbudgeted)))[0])
     pending, _kv, _e = await ledger(redis)
-    assert 1700 < pending < 1900
+    assert 1400 < pending < 1900  # ~1,850, less whatever drained while a busy machine was slow

@@ -339,7 +339,7 @@ async def test_a_reasked_request_keeps_its_arrival_time(sidecar: Any, redis: Any
     started = time.monotonic()
     r = await client.post("/admit", json=admit_body(arrived_at=time.time() - 3.8))
     assert r.status == 503 and (await r.json())["error"]["code"] == "queue_timeout"
-    assert time.monotonic() - started < 2.5  # 5 - 3.8 = 1.2 s, not 5 s
+    assert time.monotonic() - started < 4.0  # 5 - 3.8 = 1.2 s, not a fresh 5 s
     r = await client.post("/admit", json=admit_body(arrived_at="yesterday"))
     assert r.status == 400
 
