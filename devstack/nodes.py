@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from devstack.procs import Restarter, free_port, http_ok, stop_process, wait_for
+from devstack.procs import Restarter, free_port, http_ok, kill_group, stop_process, wait_for
 from engine.profiles import PROFILES
 from engine.vllm_node import vllm_command
 
@@ -82,10 +81,7 @@ class NodeSet:
         for i, proc in enumerate(self.procs):
             name = f"node-{i}"
             if proc.poll() is not None and restarter.due(name):
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of its group
-                except (ProcessLookupError, PermissionError):
-                    pass
+                kill_group(proc)
                 self.procs[i] = self._popen(i)
                 restarter.started(name)
                 events.append(f"{name} exited with {proc.returncode}; restarted "

@@ -84,6 +84,15 @@ class RedisServer:
             self.proc = None
 
 
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL what is left of a child's process group (NGINX workers outlive a killed master
+    and keep its port)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None:
     """SIGTERM the process group (children included), SIGKILL it after `timeout_s`."""
     if proc.poll() is not None:
@@ -95,10 +104,7 @@ def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 10.0) -> None
     try:
         proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        kill_group(proc)
         proc.wait()
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,7 +25,15 @@ import yaml
 
 from admission.policy import load_policy
 from devstack.nodes import NodeSet
-from devstack.procs import Restarter, free_port, http_ok, port_open, stop_process, wait_for
+from devstack.procs import (
+    Restarter,
+    free_port,
+    http_ok,
+    kill_group,
+    port_open,
+    stop_process,
+    wait_for,
+)
 
 # Shipped inside the product package, so an installed `admission` finds them from any directory.
 NGINX_DIR = Path(str(resources.files("admission") / "nginx"))
@@ -120,7 +127,7 @@ class Stack:
             if proc.poll() is None:
                 continue
             if self.restarter.due(name):
-                _reap_group(proc)
+                kill_group(proc)
                 if name.startswith("sidecar-"):
                     sock = self.sock_dir / f"{name}.sock"
                     sock.unlink(missing_ok=True)
@@ -218,12 +225,3 @@ class Stack:
         if getattr(self, "sock_dir", None) is not None:
             shutil.rmtree(self.sock_dir, ignore_errors=True)
         (self.run_dir / "nginx.pid").unlink(missing_ok=True)
-
-
-def _reap_group(proc: subprocess.Popen[bytes]) -> None:
-    """Kill what is left of a dead child's process group (NGINX workers outlive a killed master
-    and keep its port)."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass

@@ -248,20 +248,24 @@ class Dispatcher:
         self.queue.age(now)
         self._refuse_late(now)
 
-        def nodes_for(it: Item) -> list[tuple[NodeView, Ask]]:
+        found: list[tuple[NodeView, Ask]] = []
+
+        def runnable(it: Item) -> bool:
             # Memory and prefill rules follow the class a request asked for: aging moves it up
             # the queue, but does not let a long batch request use what is kept for realtime.
-            return self.nodes.eligible(it.model, it.requested_cls or it.cls, it.prompt, it.cost)
+            # The nodes found for the item popped are kept: routing runs once per decision.
+            found[:] = self.nodes.eligible(it.model, it.requested_cls or it.cls, it.prompt, it.cost)
+            return bool(found)
 
         while True:
-            item = self.queue.pop(self.clock(), lambda it: bool(nodes_for(it)))
+            item = self.queue.pop(self.clock(), runnable)
             if item is None:
                 break
             waiter: _Waiter = item.payload
             if waiter.future.done():  # the waiter gave up between pop and now
                 continue
             try:
-                adm = await self._lease(item, nodes_for(item))
+                adm = await self._lease(item, list(found))
             except BackendUnavailable as exc:
                 waiter.future.set_exception(exc)
                 continue
@@ -291,7 +295,7 @@ class Dispatcher:
 
             def late(it: Item, t: float = target, n: str = c.name) -> bool:
                 return (it.requested_cls or it.cls) == n and (
-                    now - it.enqueued_at + self._eta_s(it, now) > t
+                    now - it.enqueued_at + eta_s(self.views, it.model, it.prompt, now) > t
                 )
 
             for item in self.queue.drop_heads(c.name, late):
@@ -302,10 +306,6 @@ class Dispatcher:
                     )
                     waiter.future.exception()  # retrieved by submit
                 self.metrics.late_refused.labels(c.name).inc()
-
-    def _eta_s(self, item: Item, now: float) -> float:
-        """Soonest a live node serving the model could have this request prefilled."""
-        return eta_s(self.views, item.model, item.prompt, now)
 
     async def _lease(self, item: Item, nodes: list[tuple[NodeView, Ask]]) -> Admission | None:
         """Take a lease on the best node; None if its ledger refused (another sidecar booked
