@@ -19,6 +19,7 @@ from importlib import resources
 from importlib.metadata import entry_points
 from pathlib import Path
 
+from admission.access import Access, is_loopback, read_token
 from admission.errors import PolicyError
 from admission.metrics import Metrics
 from admission.policy import load_policy
@@ -71,9 +72,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
         for problem in exc.problems:
             logging.error("%s", problem)
         return 1
+    token = None
+    if args.admin_token_file:
+        try:
+            token = read_token(args.admin_token_file)
+        except (OSError, ValueError) as exc:
+            logging.error("admin token: %s", exc)
+            return 2
+    if args.port is not None and not is_loopback(args.host) and token is None:
+        logging.error("refusing to serve the admin port on %s without --admin-token-file "
+                      "(node admin would be open to the network)", args.host)  # fmt: skip
+        return 2
     _use_uvloop()
     holder = PolicyHolder(Path(args.policy), policy, Metrics())
-    app = build_app(holder, edge_table=Path(args.edge_table) if args.edge_table else None)
+    access = Access(edge_over_tcp=args.edge_over_tcp, admin_token=token)
+    app = build_app(
+        holder, edge_table=Path(args.edge_table) if args.edge_table else None, access=access
+    )
 
     async def main() -> None:
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
@@ -140,7 +155,15 @@ def cmd_node(args: argparse.Namespace) -> int:
                     f"inflight {n['inflight']}/{n['max_inflight']}"
                 )
         return 0
-    req = urllib.request.Request(f"{url}/{args.node}/{args.action}", method="POST", data=b"")
+    headers = {}
+    token = os.environ.get("ADMISSION_ADMIN_TOKEN")
+    if args.token_file:
+        token = read_token(args.token_file)
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(
+        f"{url}/{args.node}/{args.action}", method="POST", data=b"", headers=headers
+    )
     with urllib.request.urlopen(req, timeout=5) as r:
         print(r.read().decode())
     return 0
@@ -190,8 +213,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--unix", help="listen on this unix socket")
     s.add_argument("--socket-mode", default="0660",
                    help="permissions of the unix socket, octal (default 0660: owner and group)")  # fmt: skip
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int)
+    s.add_argument("--host", default="127.0.0.1",
+                   help="admin port address (loopback unless --admin-token-file is given)")  # fmt: skip
+    s.add_argument("--port", type=int, help="admin port: health, metrics, nodes, status page")
+    s.add_argument("--admin-token-file",
+                   help="file holding the bearer token that node admin over TCP requires")  # fmt: skip
+    s.add_argument("--edge-over-tcp", action="store_true",
+                   help="also take /admit and /release on the TCP port (benchmarks, tests)")  # fmt: skip
     s.add_argument("--edge-table", help="write the edge's tenant table here (JSON) on each load")
     s.set_defaults(fn=cmd_serve)
 
@@ -205,6 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("action", choices=["list", "drain", "undrain"])
     n.add_argument("node", nargs="?")
     n.add_argument("--sidecar", default="http://127.0.0.1:9001")
+    n.add_argument("--token-file", help="admin token (default: $ADMISSION_ADMIN_TOKEN)")
     n.set_defaults(fn=cmd_node)
 
     e = sub.add_parser("example-policy", help="print the policies.yaml shipped with the package")

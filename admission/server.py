@@ -19,6 +19,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from admission.access import Access, Forbidden, Unauthorized
 from admission.errors import AdmissionError, BadRequest, QueueTimeout, Throttled
 from admission.limits import Limiter
 from admission.metrics import Metrics
@@ -36,6 +37,7 @@ STORE = web.AppKey("store", Store)
 DISPATCH_TASK = web.AppKey("dispatch_task", asyncio.Task[None])
 LIMITER = web.AppKey("limiter", Limiter)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
+ACCESS = web.AppKey("access", Access)
 
 ADMIT_KEYS = {"tenant", "class", "model", "prompt_tokens", "max_tokens", "stream", "request_id",
               "arrived_at"}  # fmt: skip
@@ -45,16 +47,6 @@ MAX_RELEASE_BATCH = 256
 # Statuses that mean no engine worked on the request: no upstream answered (0), NGINX could
 # not connect (502), or the engine refused it (503).
 NOTHING_RAN = (0, 502, 503)
-
-
-class Forbidden(AdmissionError):
-    status = 403
-    error_type = "permission_error"
-
-
-class Unauthorized(AdmissionError):
-    status = 401
-    error_type = "authentication_error"
 
 
 class NotFound(AdmissionError):
@@ -116,6 +108,7 @@ def _tenant(policy: Policy, body: dict[str, Any]) -> Tenant:
 
 async def admit(request: web.Request) -> web.Response:
     started = time.perf_counter()
+    request.app[ACCESS].check_edge(request)
     holder, metrics = request.app[POLICY], request.app[METRICS]
     policy = holder.current
     body = await _json_object(request, ADMIT_KEYS)
@@ -216,6 +209,7 @@ async def release(request: web.Request) -> web.Response:
     """One release (an object) or a batch (an array, as the edge sends them): give the node
     lease back and settle the reservation. A malformed entry of a batch is answered on its own
     and does not hold the others back; settling is idempotent, so a batch may be resent whole."""
+    request.app[ACCESS].check_edge(request)
     try:
         body = await request.json(loads=json.loads)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -272,6 +266,7 @@ async def nodes_view(request: web.Request) -> web.Response:
 
 
 async def node_admin(request: web.Request) -> web.Response:
+    request.app[ACCESS].check_admin(request)
     node = request.match_info["node"]
     action = request.match_info["action"]
     if node not in request.app[POLICY].current.nodes:
@@ -284,10 +279,16 @@ async def node_admin(request: web.Request) -> web.Response:
 
 
 def build_app(
-    holder: PolicyHolder, metrics: Metrics | None = None, edge_table: Path | None = None
+    holder: PolicyHolder,
+    metrics: Metrics | None = None,
+    edge_table: Path | None = None,
+    access: Access | None = None,
 ) -> web.Application:
-    """The sidecar application; resources open and close in its cleanup contexts."""
+    """The sidecar application; resources open and close in its cleanup contexts. `access`
+    defaults to what an in-process test client needs (the edge's calls over TCP); `serve`
+    passes the production trust model (admission.access)."""
     app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024)
+    app[ACCESS] = access or Access(edge_over_tcp=True)
     app[POLICY] = holder
     app[METRICS] = metrics or holder.metrics
 

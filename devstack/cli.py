@@ -46,6 +46,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         policy = load_policy(stack.runtime_policy)
         print(f"\nadmission edge ready: {stack.url}/v1  (health: {stack.url}/healthz)")
         print(f"sidecar admin: {stack.sidecar_url}/nodes   logs: {run_dir}")
+        print(f"node admin:    admission node drain NODE --sidecar {stack.sidecar_url} "
+              f"--token-file {stack.admin_token_file}")  # fmt: skip
         for t in policy.tenants.values():
             for k in t.demo_keys:
                 print(f"  tenant {t.id:<12} classes {','.join(t.classes):<18} key {k}")

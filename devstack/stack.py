@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -83,6 +84,8 @@ class Stack:
         self.node_max_inflight = node_max_inflight
         self.admin_port = free_port()
         self.runtime_policy = run_dir / "policies.yaml"
+        self.admin_token = secrets.token_urlsafe(24)  # node admin over the admin port
+        self.admin_token_file = run_dir / "admin.token"
 
     @property
     def node_ports(self) -> list[int]:
@@ -163,6 +166,8 @@ class Stack:
                 raw[section] = values
         self.runtime_policy.write_text(yaml.safe_dump(raw, sort_keys=False))
         policy = load_policy(self.runtime_policy)  # fails loudly on a bad combination
+        self.admin_token_file.touch(mode=0o600)
+        self.admin_token_file.write_text(self.admin_token + "\n")
         py = sys.executable
         self._spawn(
             "agent", [py, "-m", "admission.cli", "agent", "--policy", str(self.runtime_policy)]
@@ -173,7 +178,8 @@ class Stack:
             args = [py, "-m", "admission.cli", "serve", "--policy", str(self.runtime_policy),
                     "--unix", str(sock), "--socket-mode", "0666", "--edge-table", str(edge_table)]  # fmt: skip
             if i == 0:
-                args += ["--port", str(self.admin_port)]
+                args += ["--port", str(self.admin_port),
+                         "--admin-token-file", str(self.admin_token_file)]  # fmt: skip
             p = self._spawn(f"sidecar-{i}", args)
             wait_for(sock.exists, 30, f"sidecar {i}", p)
         self._write_nginx(policy.edge.max_body_bytes, sockets, edge_table)

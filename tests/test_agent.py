@@ -173,6 +173,7 @@ async def test_two_sidecar_processes_never_exceed_a_node_cap(
                 str(path),
                 "--port",
                 str(p),
+                "--edge-over-tcp",
             ],
             cwd=ROOT,
             start_new_session=True,

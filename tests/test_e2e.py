@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -15,6 +16,7 @@ from typing import Any
 import openai
 import pytest
 
+from devstack.procs import free_port, port_open, stop_process, wait_for
 from devstack.stack import DEFAULT_POLICY, Stack
 
 pytestmark = pytest.mark.timeout(180)
@@ -56,6 +58,10 @@ def chat(**kw: Any) -> dict[str, Any]:
         "max_tokens": 8,
         **kw,
     }
+
+
+def admin(stack: Stack) -> dict[str, str]:
+    return {"Authorization": f"Bearer {stack.admin_token}"}
 
 
 def client(stack: Stack, key: str = "sk-demo-acme") -> openai.OpenAI:
@@ -219,7 +225,12 @@ def test_queued_client_disconnect_frees_its_slot(stack: Stack) -> None:
     # Put node-0 and node-1 into maintenance so requests queue, then disconnect a client.
     for n in ("node-0", "node-1"):
         urllib.request.urlopen(
-            urllib.request.Request(f"{stack.sidecar_url}/nodes/{n}/drain", method="POST", data=b"")
+            urllib.request.Request(
+                f"{stack.sidecar_url}/nodes/{n}/drain",
+                method="POST",
+                data=b"",
+                headers=admin(stack),
+            )
         )
     try:
         body = json.dumps(chat()).encode()
@@ -248,7 +259,10 @@ def test_queued_client_disconnect_frees_its_slot(stack: Stack) -> None:
         for n in ("node-0", "node-1"):
             urllib.request.urlopen(
                 urllib.request.Request(
-                    f"{stack.sidecar_url}/nodes/{n}/undrain", method="POST", data=b""
+                    f"{stack.sidecar_url}/nodes/{n}/undrain",
+                    method="POST",
+                    data=b"",
+                    headers=admin(stack),
                 )
             )
         # The other sidecar sees the flags at its next refresh (every 0.1 s); until then it
@@ -265,6 +279,38 @@ def test_dead_node_requests_go_to_fallback(stack: Stack, tmp_path: Path) -> None
     proc.wait()
     answers = [raw(stack, chat(max_tokens=2)) for _ in range(10)]
     assert [s for s, _h, _b in answers] == [200] * 10, [b[:200] for _s, _h, b in answers]
+
+
+def test_edge_without_its_tenant_table_answers_503_not_401(stack: Stack, tmp_path: Path) -> None:
+    """An NGINX that starts before any sidecar wrote the tenant table cannot check keys: that
+    is an outage of ours (503, Retry-After), not the client's bad key (401)."""
+    run = tmp_path / "edge"
+    run.mkdir()
+    for d in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
+        (run / d).mkdir()
+    port = free_port()
+    for name in ("nginx.conf", "admission_http.conf", "admission_locations.conf"):
+        text = (stack.run_dir / name).read_text()
+        text = text.replace(str(stack.sock_dir / "edge.json"), str(run / "missing.json"))
+        text = text.replace(str(stack.run_dir), str(run))
+        text = text.replace(f"127.0.0.1:{stack.port}", f"127.0.0.1:{port}")
+        (run / name).write_text(text)
+    proc = subprocess.Popen(["nginx", "-c", str(run / "nginx.conf"), "-p", str(run)],
+                            start_new_session=True)  # fmt: skip
+    try:
+        wait_for(lambda: port_open(port), 20, "nginx", proc)
+        for path in ("/v1/chat/completions", "/v1/models"):
+            req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(chat()).encode()
+                                         if path != "/v1/models" else None,
+                                         headers={"Authorization": "Bearer sk-demo-acme",
+                                                  "Content-Type": "application/json"})  # fmt: skip
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=10)
+            assert e.value.code == 503, path
+            assert e.value.headers["Retry-After"] == "1"
+            assert json.loads(e.value.read())["error"]["code"] == "admission_unavailable"
+    finally:
+        stop_process(proc)
 
 
 def test_zz_sidecars_gone_fail_closed(stack: Stack) -> None:

@@ -21,12 +21,14 @@ from tests.conftest import ROOT, make_policy
 U = 1_000_000
 
 
-def tenant_policy(url: str, limits: str, failure_mode: str = "open") -> Policy:
+def tenant_policy(
+    url: str, limits: str, failure_mode: str = "open", redis_extra: str = ""
+) -> Policy:
     return make_policy(
         url,
         f"""
 redis: {{url: "{url}", failure_mode: {failure_mode}, command_timeout_ms: 200,
-         connect_timeout_ms: 200}}
+         connect_timeout_ms: 200{redis_extra}}}
 classes: {{realtime: {{weight: 1, priority: 0, deadline_s: 5}}}}
 tenants:
   t1: {{keys: ["plain:k1"], limits: {limits}}}
@@ -468,3 +470,66 @@ def test_tenant_is_frozen(policy: Policy) -> None:
     with pytest.raises(AttributeError):
         t.weight = 2  # type: ignore[misc]
     assert isinstance(rex.ConnectionError("x"), Exception)
+
+
+async def test_pool_exhaustion_is_busy_not_an_outage(redis_server: RedisServer) -> None:
+    """Every pooled connection in use is this process's overload: 503 admission_busy, and the
+    sidecar stays on Redis (no flip to fail-open that would skip every shared limit)."""
+    p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 600000}",
+                      redis_extra=", pool_size: 1, pool_wait_ms: 50")  # fmt: skip
+    lim, client = await make_limiter(p)
+    held = await client.connection_pool.get_connection()
+    try:
+        acq = await lim.acquire(p.tenants["t1"], "busy-1", 1, 60)
+        assert isinstance(acq.denied, BackendUnavailable)
+        assert acq.denied.code == "admission_busy" and acq.denied.retry_after_s() == 1
+        assert not lim.degraded
+        assert lim.metrics.redis_fallback._value.get() == 0
+    finally:
+        await client.connection_pool.release(held)
+    assert (await take(lim, p.tenants["t1"], "busy-2", 1, 60)).mode == "redis"
+    await client.aclose()
+
+
+async def test_fail_open_keeps_concurrency_burst_and_bucket_levels(tmp_path: Any) -> None:
+    """Local limits apply max_concurrent and burst_max (at fail_open_fraction), free a slot at
+    settle, and a second outage starts from the levels the first left, not from full."""
+    server = RedisServer(tmp_path / "r")
+    server.start()
+    p = tenant_policy(
+        server.url,
+        "{requests_per_s: 0.01, request_burst: 8, tokens_per_min: 6000, max_concurrent: 4,"
+        " burst_max: 6, burst_window_s: 30}",
+    )
+    lim, client = await make_limiter(p)
+    t = p.tenants["t1"]
+    server.stop()
+    try:
+        # fraction 0.5: 2 concurrent, 3 per burst window, 4 in the request bucket.
+        assert (await take(lim, t, "a", 1, 60)).mode == "local"
+        await take(lim, t, "b", 1, 60)
+        with pytest.raises(Throttled) as ei:
+            await take(lim, t, "c", 1, 60)
+        assert ei.value.reason == "concurrency"
+        await lim.settle(t, "a", 1)  # frees a's slot (the Redis part goes to the backlog)
+        await take(lim, t, "c", 1, 60)
+        await lim.settle(t, "b", 1)
+        with pytest.raises(Throttled) as ei:
+            await take(lim, t, "d", 1, 60)
+        assert ei.value.reason == "burst"  # 3 in the 30 s window
+        # Redis back, then away again: the request bucket keeps its level (1 of 4 left).
+        server.start()
+        lim._down_until = 0.0
+        await lim.settle(t, "c", 1)
+        assert (await take(lim, t, "r1", 1, 60)).mode == "redis"
+        server.stop()
+        lim._down_until = 0.0
+        lim._local._recent.clear()  # the burst window is not what this part checks
+        await lim.settle(t, "r1", 1)
+        assert (await take(lim, t, "e", 1, 60)).mode == "local"
+        with pytest.raises(Throttled) as ei:
+            await take(lim, t, "f", 1, 60)
+        assert ei.value.reason == "requests_per_s"
+    finally:
+        await client.aclose()
+        server.stop()

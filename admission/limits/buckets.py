@@ -23,7 +23,7 @@ from admission.errors import AdmissionError, BackendUnavailable, RequestTooLarge
 from admission.limits.local import LocalLimits
 from admission.metrics import Metrics
 from admission.policy import FailureMode, Limits, Policy, Tenant
-from admission.store import REDIS_DOWN, Call, Store, keys
+from admission.store import REDIS_DOWN, Call, PoolBusy, Store, keys
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +107,11 @@ class Limiter:
                 calls.append(also)
             try:
                 out = await self.store.scripts.run(*calls)
+            except PoolBusy:
+                # Nothing was sent (no connection): nothing to give back, and no outage.
+                self.metrics.redis_errors.labels("pool_busy").inc()
+                return Acquired("redis", None, BackendUnavailable(
+                    "admission busy: retry shortly", code="admission_busy", retry_after=1))  # fmt: skip
             except REDIS_DOWN as exc:
                 self._failed("acquire", exc)
                 # It may have run anyway: give back whatever it reserved (a request admitted
@@ -121,7 +126,7 @@ class Limiter:
                 if int(res[0]) == 1:
                     return Acquired("redis", extra)
                 return Acquired("redis", extra, _denial(_s(res[1]), res, tokens))
-        return self._acquire_local(tenant, tokens)
+        return self._acquire_local(tenant, ticket, tokens, lease_ttl_s)
 
     async def settle(
         self, tenant: Tenant | None, ticket: str, actual_tokens: int, also: Call | None = None
@@ -130,6 +135,7 @@ class Limiter:
 
         `also` (the node lease release) rides in the same round trip. With Redis unreachable
         both go to the backlog (0 is returned)."""
+        self._local.release(ticket)
         calls = []
         if tenant is not None:
             calls.append(self.settle_call(tenant, ticket, actual_tokens))
@@ -142,6 +148,9 @@ class Limiter:
             return 0
         try:
             out = await self.store.scripts.run(*calls)
+        except PoolBusy:
+            self.backlog.add(*calls)  # owed, delivered by the backlog; Redis is not down
+            return 0
         except REDIS_DOWN as exc:
             self._failed("settle", exc)
             self.backlog.add(*calls)
@@ -178,12 +187,14 @@ class Limiter:
         self.metrics.redis_fallback.set(1)
 
     def _recovered(self) -> None:
-        if self._local:
+        # The local buckets are kept, not refilled: a Redis that flaps must not hand out a
+        # fresh local burst at each episode. Time refills them, as it does in Redis.
+        if self._local.active:
             log.warning("redis reachable again: limits enforced in Redis")
-            self._local.clear()
+            self._local.active = False
         self.metrics.redis_fallback.set(0)
 
-    def _acquire_local(self, tenant: Tenant, tokens: int) -> Acquired:
+    def _acquire_local(self, tenant: Tenant, ticket: str, tokens: int, ttl_s: float) -> Acquired:
         settings = self.policy().redis
         if settings.failure_mode == FailureMode.CLOSED:
             return Acquired(
@@ -193,7 +204,9 @@ class Limiter:
                 ),
             )
         try:
-            self._local.acquire(tenant.id, tenant.limits, tokens, settings.fail_open_fraction)
+            self._local.acquire(
+                tenant.id, tenant.limits, tokens, settings.fail_open_fraction, ticket, ttl_s
+            )
         except (Throttled, RequestTooLarge) as exc:
             return Acquired("local", denied=exc)
         return Acquired("local")

@@ -1,11 +1,15 @@
-"""Fail-open limits: in-process token buckets used while Redis cannot answer.
+"""Fail-open limits: in-process limits used while Redis cannot answer.
 
-Each sidecar grants itself `fail_open_fraction` of every rate, so N sidecars cannot jointly
-exceed a tenant's limit by much while the shared buckets are out of reach.
+Each sidecar grants itself `fail_open_fraction` of every limit (rates, bursts, the burst guard
+and the concurrency cap), so N sidecars cannot jointly exceed a tenant's limits by much while
+the shared state is out of reach. The buckets outlive an outage: a Redis that flaps gets no
+fresh burst per episode (time refills them, as in Redis).
 """
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from collections.abc import Callable
 
 from admission.errors import RequestTooLarge, Throttled
@@ -30,34 +34,72 @@ class LocalBucket:
         return 0.0 if cost <= self.level else (cost - self.level) / self.rate_per_s
 
 
+def _share(limit: int, fraction: float) -> int:
+    return max(1, math.floor(limit * fraction))
+
+
 class LocalLimits:
-    """Every tenant's local buckets; `clear()` when Redis is back."""
+    """Every tenant's local limits. `active` says whether any request was decided locally
+    since Redis was last reachable (for the recovery log line)."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
+        self.active = False
         self._b: dict[tuple[str, str], LocalBucket] = {}
+        self._recent: dict[str, deque[float]] = {}  # admission times, for the burst guard
+        # tenant → {ticket: expiry}: the tickets admitted locally. A release may reach another
+        # sidecar; the expiry (the lease TTL, as in Redis) bounds how long a slot stays taken.
+        self._inflight: dict[str, dict[str, float]] = {}
+        self._owner: dict[str, str] = {}  # ticket → tenant
 
-    def __bool__(self) -> bool:
-        return bool(self._b)
-
-    def clear(self) -> None:
-        self._b.clear()
-
-    def acquire(self, tenant: str, lim: Limits, tokens: int, fraction: float) -> None:
-        """Debit one request and `tokens`, all-or-nothing; raise Throttled / RequestTooLarge."""
+    def acquire(
+        self,
+        tenant: str,
+        lim: Limits,
+        tokens: int,
+        fraction: float,
+        ticket: str = "",
+        ttl_s: float = 600.0,
+    ) -> None:
+        """Debit one request and `tokens`, all-or-nothing; raise Throttled / RequestTooLarge.
+        A ticket admitted here holds a local concurrency slot until `release(ticket)`."""
+        self.active = True
         if tokens > lim.token_burst:
             raise RequestTooLarge("tokens_per_min", tokens, lim.token_burst)
         rq = self._bucket(tenant, "rq", lim.request_burst * fraction, lim.requests_per_s * fraction)
         tk = self._bucket(
             tenant, "tk", lim.token_burst * fraction, lim.tokens_per_min * fraction / 60
         )
-        # Check both before debiting either: all-or-nothing, as in Redis.
+        # Check everything before debiting anything: all-or-nothing, as in Redis.
         if (wait := rq.wait_s(1)) > 0:
             raise Throttled("requests_per_s", wait)
         if (wait := tk.wait_s(tokens)) > 0:
             raise Throttled("tokens_per_min", wait)
+        now = self.clock()
+        recent = self._recent.setdefault(tenant, deque())
+        if lim.burst_max > 0:
+            while recent and recent[0] <= now - lim.burst_window_s:
+                recent.popleft()
+            if len(recent) >= _share(lim.burst_max, fraction):
+                raise Throttled("burst", recent[0] + lim.burst_window_s - now)
+        inflight = self._inflight.setdefault(tenant, {})
+        for t in [t for t, exp in inflight.items() if exp <= now]:
+            self.release(t)
+        if lim.max_concurrent > 0 and len(inflight) >= _share(lim.max_concurrent, fraction):
+            raise Throttled("concurrency", 1.0)
         rq.level -= 1
         tk.level -= tokens
+        if lim.burst_max > 0:
+            recent.append(now)
+        if ticket:
+            inflight[ticket] = now + ttl_s
+            self._owner[ticket] = tenant
+
+    def release(self, ticket: str) -> None:
+        """Free the local concurrency slot of `ticket` (no-op for tickets admitted in Redis)."""
+        tenant = self._owner.pop(ticket, None)
+        if tenant is not None:
+            self._inflight[tenant].pop(ticket, None)
 
     def _bucket(self, tenant: str, kind: str, cap: float, rate: float) -> LocalBucket:
         b = self._b.get((tenant, kind))

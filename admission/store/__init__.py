@@ -9,7 +9,7 @@ from typing import Any
 from admission.metrics import Metrics
 from admission.policy import RedisSettings
 from admission.store.backlog import Backlog
-from admission.store.connection import REDIS_DOWN, StoreDown, connect, is_down
+from admission.store.connection import REDIS_DOWN, PoolBusy, StoreDown, connect, is_down
 from admission.store.scripts import Call, Scripts
 
 
@@ -35,4 +35,7 @@ class Store:
         await self.redis.aclose()
 
 
-__all__ = ["REDIS_DOWN", "Backlog", "Call", "Scripts", "Store", "StoreDown", "connect", "is_down"]
+__all__ = [
+    "REDIS_DOWN", "Backlog", "Call", "PoolBusy", "Scripts", "Store", "StoreDown", "connect",
+    "is_down",
+]  # fmt: skip

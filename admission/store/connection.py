@@ -48,6 +48,24 @@ def raise_if_down(results: list[Any]) -> None:
             raise StoreDown(str(r)) from r
 
 
+class PoolBusy(rex.ConnectionError):
+    """Every connection of this process's pool stayed in use for `pool_wait_ms`: this process
+    is overloaded, while Redis may be fine. Still a ConnectionError (anything that does not ask
+    is safe treating it as "down"), but the limiter answers it 503 `admission_busy` instead of
+    switching the process to its failure mode."""
+
+
+class _Pool(aioredis.BlockingConnectionPool):
+    async def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await super().get_connection(*args, **kwargs)  # type: ignore[no-untyped-call]
+        except rex.ConnectionError as exc:
+            # redis-py's own words for "waited `timeout` for a free connection".
+            if str(exc).startswith("No connection available"):
+                raise PoolBusy(str(exc)) from exc
+            raise
+
+
 def connect(settings: RedisSettings) -> Any:
     """A redis-py asyncio client with short timeouts and a *blocking* pool.
 
@@ -62,7 +80,7 @@ def connect(settings: RedisSettings) -> Any:
             socket_connect_timeout=settings.connect_timeout_ms / 1000,
             max_connections=settings.pool_size,
         )
-    pool = aioredis.BlockingConnectionPool.from_url(
+    pool = _Pool.from_url(
         settings.url,
         max_connections=settings.pool_size,
         timeout=settings.pool_wait_ms / 1000,

@@ -27,8 +27,7 @@ function _M.run()
   identify.strip_internal_headers()
   local tid, tenant = identify.tenant()
   if not tid then
-    return respond.error(401, tenant == "missing_api_key" and "missing_api_key" or "invalid_api_key",
-                         "missing or unknown API key")
+    return respond.unidentified(tenant)
   end
   local t = edge_table.get()
   local chat = ngx_var.uri == "/v1/chat/completions"

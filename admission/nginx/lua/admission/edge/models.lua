@@ -11,7 +11,7 @@ function _M.serve()
   identify.strip_internal_headers()
   local tid, tenant = identify.tenant()
   if not tid then
-    return respond.error(401, tenant, "missing or unknown API key")
+    return respond.unidentified(tenant)
   end
   local data = {}
   for i, m in ipairs(tenant.models or {}) do

@@ -25,6 +25,17 @@ function _M.error(status, code, message, retry_after)
   return ngx_exit(status)
 end
 
+-- A request identify.tenant() could not attribute. Without an edge table (the sidecars have not
+-- written one yet, or it is unreadable) no key can be checked: that is our outage, not the
+-- client's bad key, so 503 with Retry-After rather than 401.
+function _M.unidentified(reason)
+  if reason == "edge_table_missing" then
+    return _M.error(503, "admission_unavailable", "tenant table not loaded yet", 1)
+  end
+  return _M.error(401, reason == "missing_api_key" and "missing_api_key" or "invalid_api_key",
+                  "missing or unknown API key")
+end
+
 -- Pass a sidecar error answer through unchanged (it is already in OpenAI's shape).
 function _M.passthrough(res)
   ngx.status = res.status
