@@ -26,7 +26,7 @@ from admission.metrics import Metrics
 from admission.policy import Policy, Tenant
 from admission.reload import PolicyHolder, write_edge_table
 from admission.scheduling import Dispatcher
-from admission.scheduling.leases import parse_ticket
+from admission.scheduling.leases import REQUEST_ID, parse_ticket
 from admission.store import Store
 
 log = logging.getLogger(__name__)
@@ -136,9 +136,12 @@ async def admit(request: web.Request) -> web.Response:
         # skewed or forged value can neither jump the queue by more than the class deadline
         # nor make a request younger than now.
         waited_s = min(max(0.0, time.time() - arrived), policy.classes[cls].deadline_s)
+    rid = body.get("request_id")
+    if rid is not None and not (isinstance(rid, str) and REQUEST_ID.fullmatch(rid)):
+        raise BadRequest("request_id must be 8 to 64 characters of [A-Za-z0-9_-]")
     outcome, reason = "error", "internal"
     try:
-        adm = await dispatcher.admit(tenant, cls, model, prompt, max_tokens, waited_s)
+        adm = await dispatcher.admit(tenant, cls, model, prompt, max_tokens, waited_s, rid)
         outcome, reason = "admitted", "degraded" if request.app[LIMITER].degraded else "ok"
         return web.json_response(
             {

@@ -4,7 +4,7 @@ Speaks /v1/completions and /v1/chat/completions (JSON and SSE, with the final us
 stream_options.include_usage), /v1/models, /health, /version and /metrics with vLLM's names.
 Extra, for tests and the node agent: GET /sim/device (the simulated GPU: NVML-like used/total
 bytes, with the KV pool pre-allocated like vLLM does) and POST /sim/fault (leak, hang, errors,
-crash). Run: `admission emulator --port 8101 --profile a100-40gb-llama3-8b`.
+drop: close connections unanswered, crash). Run: `admission emulator --port 8101 --profile a100-40gb-llama3-8b`.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ class Engine:
         self.leak_bytes = 0
         self.hang = False
         self.error_rate = 0.0
+        self.drop = False
         r = self.registry = CollectorRegistry()
         lab = {"engine": "0", "model_name": self.model}
         names = list(lab)
@@ -204,6 +205,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise web.HTTPBadRequest(
             text=_err("invalid JSON"), content_type="application/json"
         ) from None
+    if engine.drop:  # dies mid-request, as a crashing engine does: no answer at all
+        assert request.transport is not None
+        request.transport.abort()
+        raise web.HTTPInternalServerError()
     if engine.error_rate and random.random() < engine.error_rate:
         raise web.HTTPInternalServerError(
             text=_err("injected error", 500), content_type="application/json"
@@ -340,11 +345,12 @@ async def fault(request: web.Request) -> web.Response:
     e.leak_bytes = int(body.get("leak_bytes", e.leak_bytes))
     e.hang = bool(body.get("hang", e.hang))
     e.error_rate = float(body.get("error_rate", e.error_rate))
+    e.drop = bool(body.get("drop", e.drop))
     if body.get("crash"):
         os._exit(1)
     e.wake.set()
     return web.json_response(
-        {"leak_bytes": e.leak_bytes, "hang": e.hang, "error_rate": e.error_rate}
+        {"leak_bytes": e.leak_bytes, "hang": e.hang, "error_rate": e.error_rate, "drop": e.drop}
     )
 
 

@@ -85,22 +85,36 @@ async def test_fail_closed_round_trip_that_ran_leaves_no_lease(
     await client.aclose()
 
 
-async def test_readonly_redis_is_unavailable_not_a_crash(
-    redis: Any, redis_server: RedisServer
+@pytest.mark.parametrize(
+    "error",
+    [
+        # As redis-py 8 parses them: its own classes, the prefix stripped from the message.
+        rex.ReadOnlyError("You can't write against a read only replica."),
+        rex.OutOfMemoryError("command not allowed when used memory > 'maxmemory'."),
+        rex.TryAgainError("Multiple keys request during rehashing of slot"),
+        rex.ClusterDownError("The cluster is down"),
+        # Unparsed reply errors keep their prefix.
+        rex.ResponseError("READONLY You can't write against a read only replica."),
+        rex.ResponseError("BUSY Redis is busy running a script."),
+    ],
+    ids=lambda e: type(e).__name__ + ":" + str(e)[:8],
+)
+async def test_redis_refusing_writes_is_unavailable_not_a_crash(
+    redis: Any, redis_server: RedisServer, error: Exception
 ) -> None:
-    # A replica promoted / failover in progress answers READONLY: the same failure path as a
-    # dead connection (here fail-closed: 503), never an unhandled ResponseError.
+    # A replica promoted / failover in progress (READONLY), maxmemory (OOM), a resharding
+    # cluster: the same failure path as a dead connection (here fail-closed: 503), never an
+    # unhandled ResponseError (which answered 500 until redis-py's classes were recognised).
     p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000}", "closed")
     d, client = make(p)
 
-    d.store.scripts._batch = lambda calls: _readonly(calls)  # type: ignore[method-assign]
+    async def refuse(calls: tuple[Call, ...]) -> list[Any]:
+        return [error] * len(calls)
+
+    d.store.scripts._batch = refuse  # type: ignore[method-assign]
     with pytest.raises(BackendUnavailable):
         await d.admit(p.tenants["t1"], "realtime", "m", 10, 50 - 10)
     await client.aclose()
-
-
-async def _readonly(calls: tuple[Call, ...]) -> list[Any]:
-    return [rex.ResponseError("READONLY You can't write against a read only replica.")] * len(calls)
 
 
 async def test_aging_moves_the_queue_not_the_engine_priority(

@@ -270,6 +270,34 @@ def test_queued_client_disconnect_frees_its_slot(stack: Stack) -> None:
         time.sleep(0.5)
 
 
+def test_engine_dying_before_it_answers_gets_json_not_an_html_page(stack: Stack) -> None:
+    """Every node closes the connection unanswered: NGINX's own 502 page becomes the edge's
+    OpenAI-shaped JSON (with Retry-After), and the lease still comes back."""
+
+    def fault(drop: bool) -> None:
+        for port in stack.node_ports:
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/sim/fault", method="POST",
+                                         data=json.dumps({"drop": drop}).encode())  # fmt: skip
+            urllib.request.urlopen(req, timeout=5).close()
+
+    fault(True)
+    try:
+        status, headers, body = raw(stack, chat())
+    finally:
+        fault(False)
+    assert status == 502, body[:200]
+    assert headers["Content-Type"] == "application/json" and headers["Retry-After"] == "1"
+    err = json.loads(body)["error"]
+    assert err["code"] == "engine_unavailable" and err["type"] == "server_error"
+    for _ in range(50):
+        nodes = json.load(urllib.request.urlopen(f"{stack.sidecar_url}/nodes", timeout=5))["nodes"]
+        if all(n["inflight"] == 0 for n in nodes):
+            break
+        time.sleep(0.1)
+    assert all(n["inflight"] == 0 for n in nodes), nodes
+    assert raw(stack, chat())[0] == 200
+
+
 def test_dead_node_requests_go_to_fallback(stack: Stack, tmp_path: Path) -> None:
     # Kill node-0's process: until the agent marks it down, admitted requests naming it fall
     # back to node-1 on connect failure; after, they are routed to node-1 directly.

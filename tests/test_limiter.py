@@ -241,6 +241,29 @@ async def test_concurrency_limit_and_release(redis: Any, redis_server: RedisServ
     await client.aclose()
 
 
+async def test_the_same_request_asked_twice_is_charged_once(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    """A request re-asked at another sidecar (its first died while it waited) comes with the
+    same request id: one charge, one concurrency slot, and its one release frees both."""
+    p = tenant_policy(
+        redis_server.url,
+        "{requests_per_s: 100, tokens_per_min: 6000, token_burst: 100, max_concurrent: 2}",
+    )
+    lim, client = await make_limiter(p)
+    t = p.tenants["t1"]
+    await take(lim, t, "same", 60, 60)
+    await take(lim, t, "same", 60, 60)  # 120 > 100 tokens if it were charged twice
+    cc = keys.tenant_keys("t1", "same")[3]
+    assert await redis.zcard(cc) == 1
+    await take(lim, t, "other", 30, 60)  # the second slot is still free
+    await lim.settle(t, "same", 60)
+    await lim.settle(t, "other", 30)
+    assert await redis.zcard(cc) == 0
+    assert not await redis.exists(keys.tenant_keys("t1", "same")[4])
+    await client.aclose()
+
+
 async def test_lowering_capacity_clamps_level(redis: Any, redis_server: RedisServer) -> None:
     p = tenant_policy(
         redis_server.url, "{requests_per_s: 1, request_burst: 10, tokens_per_min: 6000}"
@@ -289,7 +312,7 @@ async def test_noscript_retry_runs_only_the_calls_that_failed(
 
 def _worker_code(url: str, n: int) -> str:
     return textwrap.dedent(f"""
-        import asyncio, sys
+        import asyncio, os, sys
         sys.path.insert(0, {str(ROOT)!r})
         from admission.errors import Throttled
         from admission.limits import Limiter
@@ -303,7 +326,7 @@ def _worker_code(url: str, n: int) -> str:
             lim = Limiter(Store.over(client, Metrics()), lambda: p, Metrics())
             async def one(i):
                 try:
-                    await take(lim, p.tenants["t1"], f"{{i}}", 1, 60)
+                    await take(lim, p.tenants["t1"], f"{{i}}-{{os.getpid()}}", 1, 60)
                     return 1
                 except Throttled:
                     return 0

@@ -91,18 +91,19 @@ class Dispatcher:
         prompt_tokens: int,
         max_tokens: int,
         waited_s: float = 0.0,
+        rid: str | None = None,
     ) -> Admission:
         """Charge the tenant's limits and get a node, now or from the queue.
 
         Raises Throttled / RequestTooLarge (limits), QueueFull, QueueTimeout,
         BackendUnavailable (fail-closed); in every case nothing stays taken. `waited_s`: how
         long the request already waited elsewhere (re-asked after its sidecar died): it keeps
-        that much of its deadline spent and that much aging credit.
+        that deadline spent and aging credit; its `rid` is charged once (idempotent acquire).
         """
         policy = self.policy()
         ttl_s = policy.queue.lease_ttl_s
         cost = prompt_tokens + max_tokens
-        rid = leases.new_request_id()
+        rid = rid or leases.new_request_id()
         nodes = self._fast_path(model, cls, prompt_tokens, cost)
         lease = ticket = None
         if nodes:

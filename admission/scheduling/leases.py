@@ -6,6 +6,7 @@ A ticket is `<request id>:<node>:<tenant>`, so any sidecar process can take the 
 
 from __future__ import annotations
 
+import re
 import secrets
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,10 @@ from admission.policy import Node
 from admission.store import Call, keys
 
 U = 1_000_000  # µs per second: lease TTLs are in Redis TIME units
+
+
+# A request id: ours (16 hex digits) or the edge's (NGINX's $request_id, 32 hex digits).
+REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
 
 
 def new_request_id() -> str:
@@ -27,7 +32,7 @@ def make_ticket(rid: str, node: str, tenant: str) -> str:
 def parse_ticket(ticket: str) -> tuple[str, str, str]:
     """(request id, node, tenant) of a ticket; ValueError if it is not one of ours."""
     parts = ticket.split(":", 2)
-    if len(parts) != 3 or not all(parts) or len(parts[0]) != 16:
+    if len(parts) != 3 or not all(parts) or not REQUEST_ID.fullmatch(parts[0]):
         raise ValueError("malformed ticket")
     return parts[0], parts[1], parts[2]
 

@@ -32,9 +32,19 @@ REDIS_DOWN: tuple[type[BaseException], ...] = (
 _UNAVAILABLE = ("READONLY", "OOM", "CLUSTERDOWN", "TRYAGAIN", "MASTERDOWN", "LOADING", "BUSY ")
 
 
+# redis-py parses the commonest of those into classes and strips the prefix from the message
+# ("READONLY You can't write…" arrives as ReadOnlyError("You can't write…")): both are checked.
+_UNAVAILABLE_CLASSES = (
+    rex.ReadOnlyError,
+    rex.OutOfMemoryError,
+    rex.TryAgainError,
+    rex.ClusterDownError,  # MASTERDOWN too
+)
+
+
 def is_down(result: Any) -> bool:
     """True for a result or exception that means Redis cannot serve us now."""
-    if isinstance(result, REDIS_DOWN):
+    if isinstance(result, REDIS_DOWN + _UNAVAILABLE_CLASSES):
         return True
     return isinstance(result, rex.ResponseError) and str(result).startswith(_UNAVAILABLE)
 

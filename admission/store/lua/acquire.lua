@@ -19,6 +19,19 @@ local tok_cap, tok_rate, tok_cost = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumb
 local window, burst_max = tonumber(ARGV[7]), tonumber(ARGV[8])
 local max_cc, lease_ttl, ticket = tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11]
 
+-- The same request asked again (its first sidecar died while it waited in the queue, and the
+-- edge re-asked another with the same request id): it is charged already. Keep what it holds
+-- alive instead of charging it twice; its one release settles it.
+if redis.call('EXISTS', KEYS[5]) == 1 then
+  local lease_ms = math.ceil(lease_ttl / 1000)
+  redis.call('PEXPIRE', KEYS[5], lease_ms)
+  if max_cc > 0 and redis.call('ZSCORE', KEYS[4], ticket) then
+    redis.call('ZADD', KEYS[4], now + lease_ttl, ticket)
+    redis.call('PEXPIRE', KEYS[4], lease_ms)
+  end
+  return {1, -1, -1}
+end
+
 if tok_cost > tok_cap then return {0, 'tokens_exceed_capacity', 0, tok_cap} end
 if req_cost > req_cap then return {0, 'requests_exceed_capacity', 0, req_cap} end
 

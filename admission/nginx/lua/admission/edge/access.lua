@@ -47,10 +47,12 @@ function _M.run()
   -- A client that goes away while queued aborts the subrequest, which frees its queue slot.
   ngx.on_abort(function() ngx.exit(499) end)
   -- arrived_at: when NGINX got the request, so that a request re-asked at another sidecar
-  -- (its first one died while it waited) keeps its deadline and its aging credit.
+  -- (its first one died while it waited) keeps its deadline and its aging credit, and
+  -- request_id: NGINX's own (128 random bits): a re-ask is the same request, charged once.
   local d, res, err = admit.ask({ tenant = tid, class = class, model = f.model,
                                   prompt_tokens = f.prompt_tokens, max_tokens = f.charged_output,
-                                  stream = f.stream, arrived_at = ngx.req.start_time() })
+                                  stream = f.stream, arrived_at = ngx.req.start_time(),
+                                  request_id = ngx_var.request_id })
   if not d then
     if res then
       return respond.passthrough(res)

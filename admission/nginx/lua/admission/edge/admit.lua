@@ -36,14 +36,20 @@ local function once(body)
 end
 
 -- Returns decision table (200), or nil, res (a sidecar answer to pass on), or nil, nil, err
--- when no sidecar answered within RETRY_FOR_S.
+-- when no sidecar answered within RETRY_FOR_S of the first failure. The window starts at the
+-- failure, not at the ask: a request that waited 8 s in a sidecar's queue when that sidecar died
+-- is still re-asked (with its arrival time, so it keeps its turn).
 function _M.ask(req)
   local body = cjson.encode(req)
-  local deadline = ngx_now() + RETRY_FOR_S
+  local deadline
   local delay = 0.01
   while true do
     local d, res, err = once(body)
-    if d or res or ngx_now() >= deadline then
+    if d or res then
+      return d, res, err
+    end
+    deadline = deadline or ngx_now() + RETRY_FOR_S
+    if ngx_now() >= deadline then
       return d, res, err
     end
     ngx_sleep(delay)
