@@ -45,8 +45,9 @@ RELEASE_KEYS = {"ticket", "status", "usage", "node_failed"}
 MAX_TOKENS_LIMIT = 10_000_000
 MAX_RELEASE_BATCH = 256
 # Statuses that mean no engine worked on the request: no upstream answered (0), NGINX could
-# not connect (502), or the engine refused it (503).
-NOTHING_RAN = (0, 502, 503)
+# not connect (502), or the engine refused it (4xx: the request did not validate, 429/503: its
+# queue was full). Not 499 (the client left; the engine may have generated meanwhile).
+NOTHING_RAN = (0, 400, 404, 413, 422, 429, 502, 503)
 
 
 class NotFound(AdmissionError):

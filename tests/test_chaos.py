@@ -22,7 +22,6 @@ import json
 import os
 import random
 import signal
-import socket
 import threading
 import time
 import urllib.request
@@ -36,7 +35,7 @@ import aiohttp
 import pytest
 import redis
 
-from admission.store import keys
+from devstack.inspect import log_findings, sidecar_health, unix_get, wait_unbooked
 from devstack.stack import DEFAULT_POLICY, Stack
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
@@ -179,42 +178,6 @@ def redis_client(stack: Stack) -> redis.Redis:
     return redis.Redis.from_url(stack.redis_url, socket_timeout=2)
 
 
-def leftovers(stack: Stack) -> dict[str, Any]:
-    """Everything still booked in Redis: leases, concurrency slots, reservations, ledger KV."""
-    r = redis_client(stack)
-    out: dict[str, Any] = {}
-    try:
-        for raw in r.scan_iter(f"{keys.PREFIX}:*", count=1000):
-            k = raw.decode()
-            if k.endswith((":leases", ":cc")):
-                if n := r.zcard(k):
-                    out[k] = n
-            elif ":res:" in k:
-                out[k] = r.hgetall(k)
-            elif k.endswith(":ledger"):
-                h = {f.decode(): v.decode() for f, v in r.hgetall(k).items()}
-                booked = {f: v for f, v in h.items() if f.startswith("k:")}
-                if booked or float(h.get("kv", 0)) > 0:
-                    out[k] = {"kv": h.get("kv"), **booked}
-    finally:
-        r.close()
-    return out
-
-
-def sidecar_health(stack: Stack) -> list[tuple[int, str]]:
-    """Every sidecar's /healthz over its unix socket (the admin port reaches only one)."""
-
-    async def main() -> list[tuple[int, str]]:
-        out = []
-        for sock in sorted(stack.sock_dir.glob("sidecar-*.sock")):
-            conn = aiohttp.UnixConnector(path=str(sock))
-            async with aiohttp.ClientSession(connector=conn) as s, s.get("http://s/healthz") as r:
-                out.append((r.status, (await r.json())["status"]))
-        return out
-
-    return asyncio.run(main())
-
-
 def settle_and_check(stack: Stack, answers: list[Answer], allow: set[str], label: str,
                      fault_at: float) -> None:  # fmt: skip
     kinds = Counter(a.kind for a in answers)
@@ -224,38 +187,20 @@ def settle_and_check(stack: Stack, answers: list[Answer], allow: set[str], label
     failed = [a.start for a in answers if a.kind in ("unavailable", "cut", "undefined")
               and a.start >= fault_at - 2]  # fmt: skip
     recovery = max(failed) - fault_at if failed else 0.0
-    left: dict[str, Any] = {}
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        left = leftovers(stack)
-        if not left:
-            break
-        time.sleep(0.5)
-    health = sidecar_health(stack)
+    assert stack.redis_url is not None
+    left = wait_unbooked(stack.redis_url)
+    health = sidecar_health(stack.sock_dir)
     # No unhandled exception in any sidecar: a 500 would be retried by the edge and so stay
     # invisible to clients, but it is a bug (the logs are appended to over the module).
-    crashes = {log.name: log.read_text().count("Traceback")
-               for log in stack.run_dir.glob("sidecar-*.log")}  # fmt: skip
+    findings = log_findings(stack.run_dir, set(KEYS))
     codes = Counter(a.detail for a in answers if a.kind in ("refused", "unavailable"))
     print(f"\nCHAOS {label}: {len(answers)} requests, {dict(kinds)}; codes {dict(codes)}; "
           f"recovery {max(recovery, 0.0):.1f} s; left in Redis {len(left)}")  # fmt: skip
     assert not bad, bad[:10]
     assert kinds["ok"] > len(answers) // 3, kinds
     assert not left, left
-    assert not any(crashes.values()), crashes
+    assert not findings, findings
     assert len(health) == 2 and all(h == (200, "ok") for h in health), health
-
-
-def unix_get(sock: Path, path: str) -> Any:
-    """GET over a sidecar's unix socket (HTTP/1.0, the body as JSON)."""
-    with socket.socket(socket.AF_UNIX) as c:
-        c.settimeout(5)
-        c.connect(str(sock))
-        c.sendall(f"GET {path} HTTP/1.0\r\nHost: s\r\n\r\n".encode())
-        data = b""
-        while chunk := c.recv(65536):
-            data += chunk
-    return json.loads(data.split(b"\r\n\r\n", 1)[1])
 
 
 def redis_errors(stack: Stack) -> float:
@@ -310,7 +255,7 @@ def test_sidecar_killed_with_requests_queued(stack: Stack) -> None:
     queued_at_kill: list[int] = []
 
     def kill() -> None:
-        queued_at_kill.append(unix_get(stack.sock_dir / "sidecar-1.sock", "/healthz")["queued"])
+        queued_at_kill.append(unix_get(stack.sock_dir / "sidecar-1.sock", "/healthz")[1]["queued"])
         os.kill(old, signal.SIGKILL)
 
     def undrain() -> None:

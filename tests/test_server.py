@@ -87,13 +87,15 @@ async def test_admit_and_release_refunds(sidecar: Any, redis: Any) -> None:
 
 @pytest.mark.parametrize(
     ("status", "refunded"),
-    [(0, 100), (502, 100), (503, 100), (500, 0), (504, 0), (200, 0)],
-)
+    [(0, 100), (502, 100), (503, 100), (400, 100), (422, 100), (429, 100), (500, 0), (504, 0),
+     (499, 0), (200, 0)],
+)  # fmt: skip
 async def test_release_without_usage_refunds_only_what_no_engine_ran(
     sidecar: Any, status: int, refunded: int
 ) -> None:
-    # No upstream, connect refused, engine shed it: nothing ran, full refund. A 500 or a 504
-    # (the proxy timed out a long generation) may have generated up to the cap: kept.
+    # No upstream, connect refused, the engine refused it (invalid, or its queue full): nothing
+    # ran, full refund. A 500, a 504 (the proxy timed out a long generation) or a 499 (the
+    # client left mid-generation) may have generated up to the cap: kept.
     client, _h, _p = sidecar
     adm = await (await client.post("/admit", json=admit_body())).json()
     r = await client.post("/release", json={"ticket": adm["ticket"], "status": status})

@@ -61,6 +61,21 @@ def redact(url: str) -> str:
     return re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1***@", url)
 
 
+def shown(v: Any) -> str:
+    """A value for an error message, never a secret: containers and strings that may hold a
+    key (`plain:`) or a URL password are named, not printed."""
+    if isinstance(v, dict):
+        return "a mapping"
+    if isinstance(v, list):
+        return "a list"
+    if isinstance(v, str):
+        return "a string" if "plain:" in v or "@" in v or len(v) > 40 else repr(v)
+    return f"{type(v).__name__} {v!r}"
+
+
+_PLAIN = re.compile(r"plain:[^\s'\",\]}]*")
+
+
 class Checker:
     def __init__(self, lines: dict[str, int]) -> None:
         self.lines = lines
@@ -69,7 +84,8 @@ class Checker:
     def err(self, path: str, message: str) -> None:
         line = self.lines.get(path)
         where = f" (line {line})" if line else ""
-        self.problems.append(f"{path or '<root>'}{where}: {message}")
+        # The last guard: whatever a message quotes (a key name included), no demo key leaves.
+        self.problems.append(_PLAIN.sub("plain:***", f"{path or '<root>'}{where}: {message}"))
 
     def mapping(
         self, value: Any, path: str, allowed: set[str] | None, required: Iterable[str] = ()
@@ -105,7 +121,7 @@ class Checker:
         v = m[key]
         p = _join(path, key)
         if isinstance(v, bool) or not isinstance(v, int | float):
-            self.err(p, f"must be a number, got {type(v).__name__} {v!r}")
+            self.err(p, f"must be a number, got {shown(v)}")
             return fallback
         if lo is not None and (v <= lo if lo_open else v < lo):
             self.err(p, f"must be {'>' if lo_open else '>='} {lo}, got {v}")
@@ -130,7 +146,7 @@ class Checker:
         v = m[key]
         p = _join(path, key)
         if isinstance(v, bool) or not isinstance(v, int):
-            self.err(p, f"must be an integer, got {type(v).__name__} {v!r}")
+            self.err(p, f"must be an integer, got {shown(v)}")
             return default
         if lo is not None and v < lo:
             self.err(p, f"must be >= {lo}, got {v}")
@@ -145,7 +161,7 @@ class Checker:
         v = m[key]
         p = _join(path, key)
         if not isinstance(v, str) or not v:
-            self.err(p, f"must be a non-empty string, got {v!r}")
+            self.err(p, f"must be a non-empty string, got {shown(v)}")
             return default
         if prefixes and not v.startswith(prefixes):
             self.err(p, f"must start with one of {', '.join(prefixes)}, got {redact(v)!r}")
@@ -160,13 +176,13 @@ class Checker:
             return kind(v)
         except ValueError:
             options = ", ".join(e.value for e in kind)
-            self.err(_join(path, key), f"must be one of {options}, got {v!r}")
+            self.err(_join(path, key), f"must be one of {options}, got {shown(v)}")
             return default
 
     def boolean(self, m: dict[Any, Any], key: str, path: str, default: bool) -> bool:
         v = m.get(key, default)
         if not isinstance(v, bool):
-            self.err(_join(path, key), f"must be true or false, got {v!r}")
+            self.err(_join(path, key), f"must be true or false, got {shown(v)}")
             return default
         return v
 

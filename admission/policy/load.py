@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from admission.errors import PolicyError
-from admission.policy.checks import Checker, duplicate_keys, line_map
+from admission.policy.checks import Checker, duplicate_keys, line_map, shown
 from admission.policy.model import (
     AdmitUntil,
     ClassPolicy,
@@ -82,7 +82,7 @@ def _build(c: Checker, data: Any) -> Policy | None:
     if top is None:
         return None
     if top.get("version", 1) != 1:
-        c.err("version", f"must be 1, got {top.get('version')!r}")
+        c.err("version", f"must be 1, got {shown(top.get('version'))}")
     redis = _redis(c, top.get("redis", {}))
     queue = _queue(c, top.get("queue", {}))
     wm = _watermarks(c, top.get("watermarks", {}))

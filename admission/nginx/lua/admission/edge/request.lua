@@ -118,8 +118,10 @@ function _M.read(chat, chars_per_token, default_max_tokens)
       chars = chars + #(cjson.encode(body.tools) or "")
     end
   else
-    if body.prompt == nil or body.prompt == cjson.null then
-      return nil, 400, "invalid_request", "prompt is required"
+    local pr = body.prompt
+    if type(pr) ~= "string" and (type(pr) ~= "table" or (#pr == 0 and next(pr) ~= nil)) then
+      return nil, 400, "invalid_request",
+        "prompt must be a string, an array of strings or an array of token ids"
     end
     local list = prompts(body.prompt)
     count = #list

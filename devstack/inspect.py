@@ -1,0 +1,82 @@
+"""What a running stack still holds: used by the chaos suite and the fuzzer to check that
+nothing stays booked once traffic stops (the keys themselves, not their TTLs)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from admission.store import keys
+
+
+def booked(redis_url: str) -> dict[str, Any]:
+    """Everything still booked in Redis: node leases, concurrency slots, reservations, ledger KV."""
+    r = redis.Redis.from_url(redis_url, socket_timeout=2, decode_responses=True)
+    out: dict[str, Any] = {}
+    try:
+        for k in r.scan_iter(f"{keys.PREFIX}:*", count=1000):
+            if k.endswith((":leases", ":cc")):
+                if n := r.zcard(k):
+                    out[k] = n
+            elif ":res:" in k:
+                out[k] = r.hgetall(k)
+            elif k.endswith(":ledger"):
+                h: dict[str, str] = r.hgetall(k)  # type: ignore[assignment]  # decoded
+                held = {f: v for f, v in h.items() if f.startswith("k:")}
+                if held or float(h.get("kv", 0)) > 0:
+                    out[k] = {"kv": h.get("kv"), **held}
+    finally:
+        r.close()
+    return out
+
+
+def wait_unbooked(redis_url: str, timeout_s: float = 30.0) -> dict[str, Any]:
+    """Poll `booked` until it is empty (releases are delivered asynchronously); what is left."""
+    deadline = time.monotonic() + timeout_s
+    left = booked(redis_url)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.5)
+        left = booked(redis_url)
+    return left
+
+
+def unix_get(sock: Path, path: str) -> tuple[int, Any]:
+    """GET over a sidecar's unix socket: (status, the JSON body)."""
+    with socket.socket(socket.AF_UNIX) as c:
+        c.settimeout(5)
+        c.connect(str(sock))
+        c.sendall(f"GET {path} HTTP/1.0\r\nHost: s\r\n\r\n".encode())
+        data = b""
+        while chunk := c.recv(65536):
+            data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    return int(head.split()[1]), json.loads(body)
+
+
+def sidecar_health(sock_dir: Path) -> list[tuple[int, str]]:
+    """Every sidecar's /healthz (status code, status) over its unix socket."""
+    out = []
+    for sock in sorted(sock_dir.glob("sidecar-*.sock")):
+        code, body = unix_get(sock, "/healthz")
+        out.append((code, body["status"]))
+    return out
+
+
+def log_findings(run_dir: Path, secrets: set[str]) -> list[str]:
+    """Tracebacks in the Python processes' logs, Lua errors in NGINX's, and any of `secrets`
+    (API keys) anywhere."""
+    found = []
+    for log in sorted(run_dir.glob("*.log")):
+        text = log.read_text(errors="replace")
+        if log.name.startswith(("sidecar-", "agent")) and "Traceback" in text:
+            found.append(f"{log.name}: traceback")
+        if log.name.startswith("nginx") and ("runtime error" in text or "thread aborted" in text):
+            found.append(f"{log.name}: Lua error")
+        if any(len(k) >= 8 and k in text for k in secrets):
+            found.append(f"{log.name}: an API key appears in the log")
+    return found

@@ -1,0 +1,78 @@
+"""Short runs of the fuzzer (loadtest/fuzz.py): hypothesis-drawn requests through the real
+edge, and mutated policies through the loader. The long run (≥ 100,000 cases of each) is
+`python -m loadtest.fuzz --edge-cases 100000 --policy-cases 100000` (docs/reliability.md)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from devstack.stack import DEFAULT_POLICY, Stack
+from loadtest.fuzz import (
+    DEMO_KEYS,
+    FUZZ_KEY,
+    FUZZ_TENANT,
+    Case,
+    _after,
+    check,
+    fuzz_edge,
+    fuzz_policy,
+)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(DEFAULT_POLICY, tmp_path_factory.mktemp("fuzz"), nodes=2, sidecars=2,
+              policy_overrides={"tenants": FUZZ_TENANT})  # fmt: skip
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+
+
+def test_edge_answers_every_drawn_request_with_a_defined_answer(stack: Stack) -> None:
+    tally = fuzz_edge(stack.url, 1500, batch=32)
+    assert tally.cases == 1500
+    assert not tally.failures, tally.failures[:10]
+    # The draw reaches every layer: engines answered, the edge and the sidecar refused.
+    assert tally.statuses[200] > 100 and tally.statuses[400] > 100 and tally.statuses[401] > 20
+    assert not _after(stack, tally.secrets_sent)
+
+
+def test_the_checker_catches_what_it_must() -> None:
+    """The fuzzer's own oracle can fail: undefined answers are reported."""
+    case = Case("/v1/chat/completions", b"{}", {"Authorization": f"Bearer {FUZZ_KEY}"})
+    assert check(case, 200, b"")[1] is None
+    assert check(case, 400, b'{"error": {"code": "invalid_json"}}') == ("invalid_json", None)
+    assert check(case, 503, b'{"error": {"code": "admission_unavailable"}}')[1] is None
+    assert check(case, 500, b"<html>500 Internal Server Error</html>")[1]  # not JSON
+    assert check(case, 500, b'{"error": {"code": "internal"}}')[1]  # an undocumented 5xx
+    leak = b'{"error": {"code": "invalid_api_key", "message": "' + FUZZ_KEY.encode() + b'"}}'
+    assert "echoed" in (check(case, 401, leak)[1] or "")
+
+
+def test_log_check_finds_keys_and_tracebacks(tmp_path: Path) -> None:
+    from devstack.inspect import log_findings
+
+    (tmp_path / "sidecar-0.log").write_text("Traceback (most recent call last):\n")
+    (tmp_path / "nginx-error.log").write_text(f"client sent Bearer {DEMO_KEYS[0]}\n")
+    found = log_findings(tmp_path, set(DEMO_KEYS))
+    assert "sidecar-0.log: traceback" in found
+    assert "nginx-error.log: an API key appears in the log" in found
+
+
+def test_policy_loader_survives_mutations() -> None:
+    logging.disable(logging.WARNING)  # each valid mutation warns about its demo keys
+    try:
+        tally = fuzz_policy(1500)
+    finally:
+        logging.disable(logging.NOTSET)
+    assert tally.valid + tally.invalid == 1500
+    assert tally.invalid > 100  # the mutations do break the file
+    assert not tally.failures, tally.failures[:10]
