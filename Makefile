@@ -1,5 +1,5 @@
 # The two commands of the quickstart. Everything else is reached through them.
-.PHONY: demo test lint bench
+.PHONY: demo test lint bench chaos fuzz
 
 demo:
 	bash scripts/setup.sh
@@ -18,3 +18,9 @@ lint:
 
 bench:
 	.venv/bin/python -m loadtest.bench_admit
+
+chaos:
+	.venv/bin/pytest -m chaos -s -q
+
+fuzz:
+	.venv/bin/python -m loadtest.fuzz --edge-cases 100000 --policy-cases 100000

@@ -85,6 +85,13 @@ class Metrics:
             ["result"],
             registry=r,
         )
+        self.limit_factor = Gauge(
+            "admission_limit_factor",
+            "Factor on the refill rates of classes below the most urgent one, per model: < 1 "
+            "while every node of the model has been held for watermarks.tighten_after_s.",
+            ["model"],
+            registry=r,
+        )
         self.policy_loaded = Gauge(
             "admission_policy_loaded_timestamp_seconds",
             "When the running policy was loaded.",

@@ -8,6 +8,7 @@ line and counted in `admission_policy_reloads_total{result="invalid"}`.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -23,6 +24,14 @@ from admission.policy import Policy, load_policy
 log = logging.getLogger(__name__)
 
 
+def _digest(path: Path) -> str:
+    """The policy version shown on the status page: SHA-256 of the file, 12 hex digits."""
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
+    except OSError:
+        return "unknown"
+
+
 class PolicyHolder:
     """The running policy, swapped atomically; listeners run after each successful swap."""
 
@@ -31,7 +40,8 @@ class PolicyHolder:
         self.current = policy
         self.metrics = metrics
         self.listeners: list[Callable[[Policy], None]] = []
-        metrics.policy_loaded.set(time.time())
+        self.version, self.loaded_at = _digest(path), time.time()
+        metrics.policy_loaded.set(self.loaded_at)
 
     def __call__(self) -> Policy:
         return self.current
@@ -58,7 +68,8 @@ class PolicyHolder:
                 self.metrics.policy_reloads.labels("listener_error").inc()
                 log.exception("policy listener %r failed; the others have the new policy", listener)
         self.metrics.policy_reloads.labels("ok").inc()
-        self.metrics.policy_loaded.set(time.time())
+        self.version, self.loaded_at = _digest(self.path), time.time()
+        self.metrics.policy_loaded.set(self.loaded_at)
         log.info("policy %s reloaded", self.path)
         return True
 

@@ -19,6 +19,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from admission import status
 from admission.access import Access, Forbidden, Unauthorized
 from admission.errors import AdmissionError, BadRequest, QueueTimeout, Throttled
 from admission.limits import Limiter
@@ -38,6 +39,7 @@ DISPATCH_TASK = web.AppKey("dispatch_task", asyncio.Task[None])
 LIMITER = web.AppKey("limiter", Limiter)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 ACCESS = web.AppKey("access", Access)
+RECENT = web.AppKey("recent", status.Recent)
 
 ADMIT_KEYS = {"tenant", "class", "model", "prompt_tokens", "max_tokens", "stream", "request_id",
               "arrived_at"}  # fmt: skip
@@ -169,6 +171,8 @@ async def admit(request: web.Request) -> web.Response:
         raise
     finally:
         metrics.decisions.labels(tenant.id, cls, outcome, reason).inc()
+        request.app[RECENT].decided(tenant.id, cls, outcome, reason,
+                                    adm.queued_s if outcome == "admitted" else 0.0)  # fmt: skip
         metrics.decision_seconds.labels(cls).observe(time.perf_counter() - started)
 
 
@@ -254,7 +258,7 @@ async def healthz(request: web.Request) -> web.Response:
             "status": "ok" if ok else "dispatcher_stopped",
             "redis": "degraded" if limiter.degraded else "ok",
             "queued": len(dispatcher.queue),
-            "nodes": {v["node"]: v["state"] for v in dispatcher.snapshot()},
+            "nodes": {v["node"]: v["state"] for v in dispatcher.nodes.snapshot()},
         },
         status=status,
     )
@@ -265,8 +269,19 @@ async def metrics_view(request: web.Request) -> web.Response:
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+async def status_page(_request: web.Request) -> web.Response:
+    return web.Response(text=status.page(), content_type="text/html")
+
+
+async def status_view(request: web.Request) -> web.Response:
+    app = request.app
+    holder = app[POLICY]
+    return web.json_response(status.snapshot(app[DISPATCHER], app[RECENT], holder.version,
+                                             holder.loaded_at, app[LIMITER].degraded))  # fmt: skip
+
+
 async def nodes_view(request: web.Request) -> web.Response:
-    return web.json_response({"nodes": request.app[DISPATCHER].snapshot()})
+    return web.json_response({"nodes": request.app[DISPATCHER].nodes.snapshot()})
 
 
 async def node_admin(request: web.Request) -> web.Response:
@@ -293,6 +308,7 @@ def build_app(
     passes the production trust model (admission.access)."""
     app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024)
     app[ACCESS] = access or Access(edge_over_tcp=True)
+    app[RECENT] = status.Recent()
     app[POLICY] = holder
     app[METRICS] = metrics or holder.metrics
 
@@ -336,6 +352,8 @@ def build_app(
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics_view)
     app.router.add_get("/nodes", nodes_view)
+    app.router.add_get("/status", status_page)
+    app.router.add_get("/status.json", status_view)
     app.router.add_post("/nodes/{node}/{action}", node_admin)
     return app
 

@@ -21,9 +21,11 @@ command -v nginx >/dev/null || need_apt+=(nginx-light)
 [ -e /usr/share/nginx/modules-available/mod-http-lua.conf ] || need_apt+=(libnginx-mod-http-lua)
 [ -e /usr/lib/x86_64-linux-gnu/lua/5.1/cjson.so ] || [ -e /usr/lib/aarch64-linux-gnu/lua/5.1/cjson.so ] \
   || need_apt+=(lua-cjson)
-# The test suite checks the shipped systemd units (systemd-analyze) and alert rules (promtool).
+# The test suite checks the shipped systemd units (systemd-analyze) and alert rules (promtool),
 [ "$want_vllm" = 1 ] && ! command -v systemd-analyze >/dev/null && need_apt+=(systemd)
 [ "$want_vllm" = 1 ] && ! command -v promtool >/dev/null && need_apt+=(prometheus)
+# ... and renders the status page in a real headless browser.
+[ "$want_vllm" = 1 ] && ! command -v chromium >/dev/null && need_apt+=(chromium fonts-liberation)
 if [ ${#need_apt[@]} -gt 0 ]; then
   echo "setup: installing ${need_apt[*]}"
   export DEBIAN_FRONTEND=noninteractive

@@ -181,3 +181,51 @@ async def test_shadow_tenant_is_counted_not_refused(redis: Any, redis_server: Re
     with pytest.raises(Throttled):  # the same tenant without shadow: refused
         await d.admit(p.tenants["t1"], "realtime", "m", 10, 0)
     await client.aclose()
+
+
+async def test_memory_aware_limits_tighten_lower_classes_while_a_model_stays_held(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    """Every node of the model held for tighten_after_s: the refill of classes below the most
+    urgent one slows by tighten_factor (realtime keeps its rate); a node that opens again
+    relaxes it. Visible as admission_limit_factor{model}."""
+    p = make_policy(
+        redis_server.url,
+        BASE_POLICY.replace("stale_after_s: 2}", "stale_after_s: 2, tighten_after_s: 0.3, "
+                            "tighten_factor: 0.05}"),
+    )  # fmt: skip
+    now = [100.0]
+    client = connect(p.redis)
+    st = Store.over(client, Metrics())
+    metrics = Metrics()
+    d = Dispatcher(st, Limiter(st, lambda: p, metrics), lambda: p, metrics, clock=lambda: now[0])
+    nt = d.nodes
+    view = nt.views["n1"]
+    view.state = Status.HOLD
+    nt._pressure(now[0])
+    assert nt.limit_factor("m", "batch") == 1.0  # held, but not for long yet
+    now[0] += 0.5
+    nt._pressure(now[0])
+    assert nt.limit_factor("m", "batch") == 0.05
+    assert nt.limit_factor("m", "realtime") == 1.0
+    nt._gauge()
+    assert metrics.limit_factor.labels("m")._value.get() == 0.05
+    assert nt.pressure_snapshot()[0]["factor"] == 0.05
+
+    # acme: 10 req/s, burst 10. Empty the request bucket, then wait 0.3 s of real time:
+    # realtime refills 3 requests; batch, at 0.05 × the rate, not one.
+    tenant = p.tenants["acme"]
+    lim = d.limiter
+    for i in range(10):
+        assert (await lim.acquire(tenant, f"r{i}", 1, 60)).denied is None
+    await asyncio.sleep(0.3)
+    with pytest.raises(Throttled) as ei:  # through admit: it applies the factor by class
+        await d.admit(tenant, "batch", "m", 0, 1)
+    assert ei.value.reason == "requests_per_s"
+    real = await lim.acquire(tenant, "r10", 1, 60, scale=nt.limit_factor("m", "realtime"))
+    assert real.denied is None
+
+    view.state = Status.OPEN  # memory recovered
+    nt._pressure(now[0])
+    assert nt.limit_factor("m", "batch") == 1.0 and nt.pressure_snapshot() == []
+    await client.aclose()

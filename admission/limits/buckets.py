@@ -41,12 +41,13 @@ class Rates:
     tok_rate_u: int
 
     @classmethod
-    def of(cls, lim: Limits) -> Rates:
+    def of(cls, lim: Limits, scale: float = 1.0) -> Rates:
+        """`scale` < 1 slows the refill (memory-aware limits); capacities stay."""
         return cls(
             req_cap_u=lim.request_burst * U,
-            req_rate_u=max(1, round(lim.requests_per_s * U)),
+            req_rate_u=max(1, round(lim.requests_per_s * scale * U)),
             tok_cap_u=lim.token_burst * U,
-            tok_rate_u=max(1, round(lim.tokens_per_min * U / 60)),
+            tok_rate_u=max(1, round(lim.tokens_per_min * scale * U / 60)),
         )
 
 
@@ -88,14 +89,21 @@ class Limiter:
         return self.clock() < self._down_until
 
     async def acquire(
-        self, tenant: Tenant, ticket: str, tokens: int, lease_ttl_s: float, also: Call | None = None
+        self,
+        tenant: Tenant,
+        ticket: str,
+        tokens: int,
+        lease_ttl_s: float,
+        also: Call | None = None,
+        scale: float = 1.0,
     ) -> Acquired:
         """Debit one request and `tokens` LLM tokens, all-or-nothing, with `also` in the same
         round trip. Denials (Throttled, RequestTooLarge, BackendUnavailable under fail-closed)
-        come back in `Acquired.denied`, so that the caller can undo `also` first."""
+        come back in `Acquired.denied`, so that the caller can undo `also` first. `scale`
+        multiplies the refill rates (memory-aware limits)."""
         lim = tenant.limits
         if not self.degraded:
-            r = Rates.of(lim)
+            r = Rates.of(lim, scale)
             args = [
                 r.req_cap_u, r.req_rate_u, U,
                 r.tok_cap_u, r.tok_rate_u, tokens * U,

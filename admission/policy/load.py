@@ -152,6 +152,10 @@ def _watermarks(c: Checker, raw: Any) -> Watermarks:
         stale_after_s=c.number(
             m, "stale_after_s", "watermarks", d.stale_after_s, lo=0, lo_open=True
         ),
+        tighten_after_s=c.number(m, "tighten_after_s", "watermarks", d.tighten_after_s, lo=0),
+        tighten_factor=c.number(
+            m, "tighten_factor", "watermarks", d.tighten_factor, lo=0, hi=1, lo_open=True
+        ),
     )
     if w.hold >= w.drain:
         c.err("watermarks.hold", f"must be below drain ({w.drain}), got {w.hold}")

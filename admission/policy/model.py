@@ -81,6 +81,11 @@ class Watermarks:
     drain: float = 0.85  # at or above: no new requests at all; in-flight finish
     reopen: float = 0.75  # hysteresis: a held/drained node opens again below this
     stale_after_s: float = 3.0  # a node state older than this means the node is down
+    # Memory-aware limits: when every live node of a model has been held (at or above `hold`)
+    # for `tighten_after_s`, the token-bucket rates of classes below the most urgent one are
+    # multiplied by `tighten_factor` until a node of the model opens again. 1.0 = off.
+    tighten_after_s: float = 30.0
+    tighten_factor: float = 1.0
 
 
 @dataclass(frozen=True)

