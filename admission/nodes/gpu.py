@@ -24,7 +24,7 @@ class GpuMemory:
 
 
 class GpuReader(Protocol):
-    async def read(self, indices: tuple[int, ...]) -> GpuMemory | None: ...
+    async def read(self, indices: tuple[int | str, ...]) -> GpuMemory | None: ...
 
     def close(self) -> None: ...
 
@@ -48,18 +48,23 @@ class NvmlReader:
     def device_count(self) -> int:
         return int(self._nvml.nvmlDeviceGetCount()) if self.available else 0
 
-    def read_sync(self, indices: tuple[int, ...]) -> GpuMemory | None:
+    def read_sync(self, indices: tuple[int | str, ...]) -> GpuMemory | None:
         if not self.available:
             return None
         used = total = 0
         for i in indices:
-            h = self._nvml.nvmlDeviceGetHandleByIndex(i)
+            # An index, or a UUID: "GPU-…" for a whole card, "MIG-…" for a MIG instance (its
+            # memory info is the instance's own).
+            if isinstance(i, str):
+                h = self._nvml.nvmlDeviceGetHandleByUUID(i)
+            else:
+                h = self._nvml.nvmlDeviceGetHandleByIndex(i)
             info = self._nvml.nvmlDeviceGetMemoryInfo(h)
             used += int(info.used)
             total += int(info.total)
         return GpuMemory(used, total)
 
-    async def read(self, indices: tuple[int, ...]) -> GpuMemory | None:
+    async def read(self, indices: tuple[int | str, ...]) -> GpuMemory | None:
         # nvmlDeviceGetMemoryInfo is a sub-millisecond ioctl: cheaper inline than a thread hop.
         return self.read_sync(indices)
 
@@ -76,7 +81,7 @@ class SimulatedGpuReader:
         self.session = session
         self.device_url = device_url
 
-    async def read(self, indices: tuple[int, ...]) -> GpuMemory | None:
+    async def read(self, indices: tuple[int | str, ...]) -> GpuMemory | None:
         async with self.session.get(self.device_url) as resp:
             resp.raise_for_status()
             body = await resp.json()

@@ -29,6 +29,7 @@ from admission.policy.model import (
     Watermarks,
     digest_key,
 )
+from admission.policy.pools import parse_pools
 from admission.policy.removed import removed as _removed
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def parse_policy(text: str, source: str = "<policy>") -> Policy:
 
 
 _TOP = {"version", "redis", "queue", "watermarks", "edge", "tiers", "classes", "tenants", "nodes",
-        "shadow"}  # fmt: skip
+        "shadow", "pools"}  # fmt: skip
 
 
 def _build(c: Checker, data: Any) -> Policy | None:
@@ -92,6 +93,7 @@ def _build(c: Checker, data: Any) -> Policy | None:
     shadow = c.boolean(top, "shadow", "", False)  # every tenant's limits in shadow mode
     tenants = _tenants(c, top.get("tenants"), tiers, classes, shadow)
     nodes = _nodes(c, top.get("nodes"))
+    pools, tenant_pool = parse_pools(c, top.get("pools"), tenants, nodes)
     key_index: dict[str, str] = {}
     for t in tenants.values():
         for i, d in enumerate(t.key_digests):
@@ -105,7 +107,7 @@ def _build(c: Checker, data: Any) -> Policy | None:
                 c.err(f"tenants.{t.id}.models[{i}]", f"no node serves model {m!r}")
     if c.problems:
         return None
-    return Policy(redis, queue, wm, edge, classes, tenants, nodes, key_index)
+    return Policy(redis, queue, wm, edge, classes, tenants, nodes, key_index, pools, tenant_pool)
 
 
 def _redis(c: Checker, raw: Any) -> RedisSettings:
@@ -343,6 +345,7 @@ _NODE_KEYS = {
     "kv_pool_bytes",
     "gpus",
     "device_url",
+    "pool",
 }
 
 
@@ -369,8 +372,10 @@ def _nodes(c: Checker, raw: Any) -> dict[str, Node]:
         if not models:
             c.err(f"{p}.models", "must list at least one model")
         gpus = b.get("gpus", [0])
-        if not isinstance(gpus, list) or not all(isinstance(g, int) and g >= 0 for g in gpus):
-            c.err(f"{p}.gpus", "must be a list of NVML device indices (integers >= 0)")
+        if not isinstance(gpus, list) or not all(_gpu_ref(g) for g in gpus):
+            c.err(
+                f"{p}.gpus", "must be a list of NVML device indices (>= 0) or UUIDs (GPU-…, MIG-…)"
+            )
             gpus = [0]
         kv = b.get("kv_pool_bytes")
         out[str(nid)] = Node(
@@ -382,5 +387,11 @@ def _nodes(c: Checker, raw: Any) -> dict[str, Node]:
             kv_pool_bytes=c.integer(b, "kv_pool_bytes", p, 0, lo=1) if kv is not None else None,
             gpus=tuple(gpus),
             device_url=c.string(b, "device_url", p, "") or None,
+            pool=c.string(b, "pool", p, "") or None,
         )
     return out
+
+
+def _gpu_ref(g: Any) -> bool:
+    return (isinstance(g, int) and not isinstance(g, bool) and g >= 0) or (
+        isinstance(g, str) and g.startswith(("GPU-", "MIG-")))  # fmt: skip

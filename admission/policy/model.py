@@ -148,8 +148,21 @@ class Node:
     memory_source: MemorySource = MemorySource.EFFECTIVE
     max_inflight: int = 64
     kv_pool_bytes: int | None = None  # overrides what vLLM's cache_config_info reports
-    gpus: tuple[int, ...] = (0,)  # NVML indices the node's vLLM uses (tensor parallel: several)
+    # NVML devices the node's vLLM uses (tensor parallel: several): indices, or UUIDs ("GPU-…",
+    # "MIG-…": a MIG instance is a node of its own).
+    gpus: tuple[int | str, ...] = (0,)
     device_url: str | None = None  # emulator only: simulated GPU read instead of NVML
+    pool: str | None = None  # a tenant pool's node (pools.py); None: shared by every tenant
+
+
+@dataclass(frozen=True)
+class Pool:
+    """Nodes some tenants own (policy/pools.py)."""
+
+    name: str
+    tenants: tuple[str, ...]
+    lend: bool = True  # idle capacity serves others while no owner waits
+    spill: bool = True  # owners may use shared nodes when their pool is full
 
 
 @dataclass(frozen=True)
@@ -172,6 +185,8 @@ class Policy:
     tenants: dict[str, Tenant]
     nodes: dict[str, Node]
     key_index: dict[str, str] = field(default_factory=dict)  # sha256 digest → tenant id
+    pools: dict[str, Pool] = field(default_factory=dict)
+    tenant_pool: dict[str, str] = field(default_factory=dict)  # tenant id → the pool it owns
 
     def class_above(self, name: str) -> str:
         """The next more urgent class (aging), or `name` itself at the top."""

@@ -32,7 +32,7 @@ from admission.scheduling import leases
 from admission.scheduling.leases import Ask
 from admission.scheduling.nodetable import NodeTable
 from admission.scheduling.queue import FairQueue, Item
-from admission.scheduling.routing import NodeView, eta_s, fallbacks
+from admission.scheduling.routing import NodeView, eta_s
 from admission.store import REDIS_DOWN, Store
 
 log = logging.getLogger(__name__)
@@ -104,7 +104,7 @@ class Dispatcher:
         ttl_s = policy.queue.lease_ttl_s
         cost = prompt_tokens + max_tokens
         rid = rid or leases.new_request_id()
-        nodes = self._fast_path(model, cls, prompt_tokens, cost)
+        nodes = self._fast_path(model, cls, prompt_tokens, cost, tenant.id)
         lease = ticket = None
         if nodes:
             ticket = leases.make_ticket(rid, nodes[0][0].node.id, tenant.id)
@@ -165,14 +165,14 @@ class Dispatcher:
 
     # -- the queue ---------------------------------------------------------------------------
     def _fast_path(
-        self, model: str, cls: str, prompt: int, kv: int
+        self, model: str, cls: str, prompt: int, kv: int, tenant: str
     ) -> list[tuple[NodeView, Ask]] | None:
         """Nodes to admit onto directly, when no request of this class or a more urgent one
         waits (so no one who would go first is overtaken): under overload, realtime keeps
         its fast path while batch queues."""
-        if self.queue.waiting_at_or_above(cls) == 0:
-            return self.nodes.eligible(model, cls, prompt, kv) or None
-        return None
+        if self.queue.waiting_at_or_above(cls):
+            return None
+        return self.nodes.eligible(model, cls, prompt, kv, tenant, self.queue.tenant_depth) or None
 
     async def submit(self, item: Item) -> Admission:
         """Queue `item` and wait for a node (or QueueFull now, or QueueTimeout at its deadline).
@@ -181,7 +181,7 @@ class Dispatcher:
         releases its lease if it was admitted in the meantime.
         """
         if nodes := self._fast_path(
-            item.model, item.requested_cls or item.cls, item.prompt, item.cost
+            item.model, item.requested_cls or item.cls, item.prompt, item.cost, item.tenant
         ):
             # Nobody is waiting, so admitting directly overtakes no one and saves the hop
             # through the dispatcher task.
@@ -256,7 +256,8 @@ class Dispatcher:
             # Memory and prefill rules follow the class a request asked for: aging moves it up
             # the queue, but does not let a long batch request use what is kept for realtime.
             # The nodes found for the item popped are kept: routing runs once per decision.
-            found[:] = self.nodes.eligible(it.model, it.requested_cls or it.cls, it.prompt, it.cost)
+            found[:] = self.nodes.eligible(it.model, it.requested_cls or it.cls, it.prompt, it.cost,
+                                           it.tenant, self.queue.tenant_depth)  # fmt: skip
             return bool(found)
 
         while True:
@@ -353,7 +354,7 @@ class Dispatcher:
             ticket=ticket,
             node=chosen.node.id,
             url=chosen.node.url,
-            fallbacks=fallbacks([v for v, _a in nodes], self.views, item.model),
+            fallbacks=self.nodes.fallbacks([v for v, _a in nodes], item.model, item.tenant),
             priority=self._engine_priority(item),
             cls=item.cls,
             queued_s=now - item.enqueued_at,

@@ -14,7 +14,7 @@ from admission.metrics import Metrics
 from admission.nodes.state import NodeState, Status
 from admission.policy import FailureMode, Policy
 from admission.scheduling.leases import Ask
-from admission.scheduling.routing import NodeView, eligible
+from admission.scheduling.routing import NodeView, eligible, fallbacks, pool_rank
 from admission.store import REDIS_DOWN, keys
 
 log = logging.getLogger(__name__)
@@ -48,11 +48,22 @@ class NodeTable:
         return self.views.get(node)
 
     def eligible(
-        self, model: str, cls: str | None, prompt: int, kv: int
-    ) -> list[tuple[NodeView, Ask]]:
-        return eligible(
-            list(self.views.values()), self.policy(), model, cls, prompt, kv, self.clock()
+        self, model: str, cls: str | None, prompt: int, kv: int, tenant: str | None = None,
+        waiting: Callable[[str], int] = lambda _t: 0,
+    ) -> list[tuple[NodeView, Ask]]:  # fmt: skip
+        """Nodes for this request, best first. `waiting(tenant)`: how many of a tenant's requests
+        wait in the queue; a pool whose owners wait is not lent (they take it back)."""
+        policy = self.policy()
+        blocked = frozenset(
+            pool for t, pool in policy.tenant_pool.items() if t != tenant and waiting(t)
         )
+        return eligible(list(self.views.values()), policy, model, cls, prompt, kv, self.clock(),
+                        tenant, blocked)  # fmt: skip
+
+    def fallbacks(self, nodes: list[NodeView], model: str, tenant: str) -> list[tuple[str, str]]:
+        policy = self.policy()
+        return fallbacks(nodes, list(self.views.values()), model,
+                         lambda n: pool_rank(policy, tenant, n) is not None)  # fmt: skip
 
     def serves(self, model: str) -> bool:
         return any(model in n.models for n in self.policy().nodes.values())

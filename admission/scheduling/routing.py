@@ -19,6 +19,7 @@ Two limits, both from the node's own figures (no per-engine constant):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,21 +152,41 @@ def fits(v: NodeView, ask: Ask, policy: Policy, cls: str | None, now: float) -> 
                 and pending + ask.prompt_tokens > ask.prefill_budget)  # fmt: skip
 
 
+def pool_rank(
+    policy: Policy, tenant: str | None, node: Node, blocked: frozenset[str] = frozenset()
+) -> int | None:
+    """Where a node stands for a tenant's request: 0 its own pool, 1 shared, 2 another pool's
+    idle capacity on loan; None: not for this tenant now (a pool that does not lend, or whose
+    owners wait — they take it back by admission order —, or shared nodes for owners whose pool
+    does not spill)."""
+    own = policy.tenant_pool.get(tenant) if tenant else None
+    if node.pool is None:
+        return 1 if own is None or policy.pools[own].spill else None
+    if node.pool == own:
+        return 0
+    lender = policy.pools.get(node.pool)
+    return 2 if lender is not None and lender.lend and node.pool not in blocked else None
+
+
 def eligible(
     views: list[NodeView], policy: Policy, model: str, cls: str | None, prompt: int, kv: int,
-    now: float,
+    now: float, tenant: str | None = None, blocked: frozenset[str] = frozenset(),
 ) -> list[tuple[NodeView, Ask]]:  # fmt: skip
-    """Nodes serving `model` that would take this request now, with their asks: the one whose
-    booked prefill clears soonest first (then the least projected memory)."""
+    """Nodes serving `model` that would take this request now, with their asks: the tenant's
+    own pool first, then shared nodes, then idle pools on loan (`pool_rank`); within each, the
+    one whose booked prefill clears soonest first (then the least projected memory)."""
     ok = []
     for v in views:
         if model not in v.node.models:
             continue
+        rank = pool_rank(policy, tenant, v.node, blocked) if policy.pools else 1
+        if rank is None:
+            continue
         ask = ask_for(v, policy, cls, prompt, kv)
         if fits(v, ask, policy, cls, now):
-            ok.append((v, ask))
-    ok.sort(key=lambda va: (va[0].wait_s(now), va[0].projected(), va[0].node.id))
-    return ok
+            ok.append((rank, v, ask))
+    ok.sort(key=lambda rva: (rva[0], rva[1].wait_s(now), rva[1].projected(), rva[1].node.id))
+    return [(v, ask) for _rank, v, ask in ok]
 
 
 def eta_s(views: list[NodeView], model: str, prompt: int, now: float) -> float:
@@ -179,16 +200,19 @@ def eta_s(views: list[NodeView], model: str, prompt: int, now: float) -> float:
     return min(etas, default=0.0)
 
 
-def fallbacks(nodes: list[NodeView], views: list[NodeView], model: str) -> list[tuple[str, str]]:
+def fallbacks(
+    nodes: list[NodeView], views: list[NodeView], model: str,
+    usable: Callable[[Node], bool] = lambda _n: True,
+) -> list[tuple[str, str]]:  # fmt: skip
     """(node id, url) of where the edge goes when the chosen node refuses the connection: the
-    next eligible nodes, then any other live node serving the model. A node that refuses
-    connections has served nothing, so a held node beats a 502."""
+    next eligible nodes, then any other live node serving the model (that the tenant may use:
+    `usable`). A node that refuses connections has served nothing, so a held node beats a 502."""
     out = list(nodes[1 : 1 + MAX_FALLBACKS])
     if len(out) < MAX_FALLBACKS:
         taken = {v.node.id for v in nodes}
         live = sorted(
             (v for v in views if v.node.id not in taken and model in v.node.models
-             and v.state in (Status.OPEN, Status.HOLD)),
+             and v.state in (Status.OPEN, Status.HOLD) and usable(v.node)),
             key=lambda v: v.projected(),
         )  # fmt: skip
         out += live[: MAX_FALLBACKS - len(out)]

@@ -1,0 +1,49 @@
+"""Tenant node pools: `pools:` in policies.yaml.
+
+A pool is a set of nodes (`nodes.<id>.pool`) that some tenants own (`pools.<name>.tenants`, or
+every tenant of `pools.<name>.tiers`): a MIG slice or a whole GPU as a tenant's guaranteed
+baseline. The owners' requests go to their pool's nodes first. `lend` (default true): while no
+owner waits, other tenants' requests may use the pool's idle capacity, and owners take it back
+by admission order (the next free slot goes to a waiting owner; running work is never killed).
+`spill` (default true): when their pool is full, owners' requests may also use shared nodes;
+false keeps them queued for their pool.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from admission.policy.checks import Checker
+from admission.policy.model import Node, Pool, Tenant
+
+
+def parse_pools(
+    c: Checker, raw: Any, tenants: dict[str, Tenant], nodes: dict[str, Node]
+) -> tuple[dict[str, Pool], dict[str, str]]:
+    """(pools by name, owning pool by tenant id)."""
+    m = c.mapping(raw, "pools", None) if raw is not None else {}
+    pools: dict[str, Pool] = {}
+    owner: dict[str, str] = {}
+    for name, body in (m or {}).items():
+        p = f"pools.{name}"
+        b = c.mapping(body, p, {"tenants", "tiers", "lend", "spill"}) or {}
+        named = c.string_list(b, "tenants", p, [])
+        tiers = c.string_list(b, "tiers", p, [])
+        for t in named:
+            if t not in tenants:
+                c.err(f"{p}.tenants", f"no tenant {t!r}")
+        members = set(named) | {t.id for t in tenants.values() if t.tier in tiers}
+        if not members:
+            c.err(p, "no tenant owns this pool (tenants or tiers)")
+        for t in sorted(members):
+            if t in owner:
+                c.err(p, f"tenant {t} is already in pool {owner[t]}")
+            owner[t] = str(name)
+        if not any(n.pool == name for n in nodes.values()):
+            c.err(p, "no node is in this pool (nodes.<id>.pool)")
+        pools[str(name)] = Pool(str(name), tuple(sorted(members)), lend=c.boolean(b, "lend", p, True),
+                                spill=c.boolean(b, "spill", p, True))  # fmt: skip
+    for n in nodes.values():
+        if n.pool is not None and n.pool not in pools:
+            c.err(f"nodes.{n.id}.pool", f"no pool {n.pool!r} under pools")
+    return pools, owner
