@@ -155,3 +155,32 @@ async def test_no_lending_and_no_spill(redis: Any, redis_server: RedisServer) ->
                                     return_exceptions=True)  # fmt: skip
     assert all(isinstance(o, QueueTimeout) for o in outcomes), outcomes
     await client.aclose()
+
+
+def test_lent_work_runs_behind_the_owners_inside_the_engine() -> None:
+    """On a pool's node, a borrower's request carries a vLLM priority below every class of the
+    owners: vLLM schedules the owners' requests first and preempts borrowed work for them."""
+    from admission.scheduling.routing import engine_priority
+
+    p = pools_policy()
+    mine, shared = p.nodes["mine"], p.nodes["shared"]
+    assert engine_priority(p, "realtime", "realtime", "vip", mine) == 0
+    assert engine_priority(p, "realtime", "realtime", "other", shared) == 0
+    assert engine_priority(p, "realtime", "realtime", "other", mine) == 1  # lent: behind
+
+
+def test_borrowers_are_held_at_hold_on_a_lent_node_owners_may_go_to_drain() -> None:
+    """An urgent class (admit_until: drain) may use the hold→drain band of a node, except on a
+    pool's node it borrows: that band, and the prefill room, stay the owners'."""
+    from admission.scheduling.routing import NodeView, eligible
+
+    text = POLICY.replace("deadline_s: 3}", "deadline_s: 3, admit_until: drain}")
+    p = parse_policy(text.replace("REDIS_URL", "redis://h:1/0").replace("LEND", "true")
+                     .replace("SPILL", "true"))  # fmt: skip
+    views = [NodeView(n) for n in p.nodes.values()]
+    for v in views:
+        v.state, v.memory = Status.HOLD, 0.82
+    owner = eligible(views, p, "m", "realtime", 10, 10, 0.0, "vip")
+    borrower = eligible(views, p, "m", "realtime", 10, 10, 0.0, "other")
+    assert [v.node.id for v, _ask in owner] == ["mine", "shared"]  # own pool first
+    assert [v.node.id for v, _ask in borrower] == ["shared"]

@@ -32,7 +32,7 @@ from admission.scheduling import leases
 from admission.scheduling.leases import Ask
 from admission.scheduling.nodetable import NodeTable
 from admission.scheduling.queue import FairQueue, Item
-from admission.scheduling.routing import NodeView, eta_s
+from admission.scheduling.routing import NodeView, engine_priority, eta_s
 from admission.store import REDIS_DOWN, Store
 
 log = logging.getLogger(__name__)
@@ -355,19 +355,12 @@ class Dispatcher:
             node=chosen.node.id,
             url=chosen.node.url,
             fallbacks=self.nodes.fallbacks([v for v, _a in nodes], item.model, item.tenant),
-            priority=self._engine_priority(item),
+            priority=engine_priority(
+                self.policy(), item.requested_cls, item.cls, item.tenant, chosen.node
+            ),
             cls=item.cls,
             queued_s=now - item.enqueued_at,
         )
-
-    def _engine_priority(self, item: Item) -> int:
-        """vLLM's `priority` (lower runs earlier): the less urgent of the class asked for and the
-        class it is in now. Aging moves a request up the *queue* only: a promoted batch request
-        must not compete with realtime inside the engine; a long request demoted by
-        `long_request_tokens` runs at the lower class there too."""
-        classes = self.policy().classes
-        prios = [c.priority for n in (item.requested_cls, item.cls) if (c := classes.get(n))]
-        return max(prios, default=0)
 
     async def _give_back(self, ticket: str) -> None:
         _rid, node, _tenant = leases.parse_ticket(ticket)

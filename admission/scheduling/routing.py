@@ -126,19 +126,24 @@ def target_tpot_s(policy: Policy) -> float | None:
     return None
 
 
-def ask_for(v: NodeView, policy: Policy, cls: str | None, prompt: int, kv: int) -> Ask:
-    """The lease request for a node: this request's ledger entry and its class's limits there."""
+def ask_for(
+    v: NodeView, policy: Policy, cls: str | None, prompt: int, kv: int, lent: bool = False
+) -> Ask:
+    """The lease request for a node: this request's ledger entry and its class's limits there.
+    `lent`: the node is another tenant's pool's, on loan: never urgent there."""
     wm = policy.watermarks
-    hurry = urgent(policy, cls)
+    hurry = urgent(policy, cls) and not lent
     limit = wm.drain if hurry else wm.hold
     kv_limit = int((limit - v.base_memory) / v.per_token) if v.per_token > 0 else -1
     budget = 0 if hurry or v.prefill_rate <= 0 else int(v.prefill_rate * target_ttft_s(policy))
     return Ask(prompt, kv, v.prefill_rate, budget, max(0, kv_limit) if kv_limit >= 0 else -1)
 
 
-def fits(v: NodeView, ask: Ask, policy: Policy, cls: str | None, now: float) -> bool:
+def fits(
+    v: NodeView, ask: Ask, policy: Policy, cls: str | None, now: float, lent: bool = False
+) -> bool:
     """Whether the node, as this sidecar sees it, would grant `ask` (the ledger decides)."""
-    hurry = urgent(policy, cls)
+    hurry = urgent(policy, cls) and not lent
     states = (Status.OPEN, Status.HOLD) if hurry else (Status.OPEN,)
     if v.state not in states or v.inflight >= v.node.max_inflight:
         return False
@@ -168,6 +173,23 @@ def pool_rank(
     return 2 if lender is not None and lender.lend and node.pool not in blocked else None
 
 
+def engine_priority(
+    policy: Policy, requested_cls: str | None, cls: str, tenant: str, node: Node
+) -> int:
+    """vLLM's `priority` (lower runs earlier): the less urgent of the class asked for and the
+    class it is in now. Aging moves a request up the *queue* only: a promoted batch request
+    must not compete with realtime inside the engine; a long request demoted by
+    `long_request_tokens` runs at the lower class there too. On a pool's node lent to another
+    tenant, behind every class of the owners: they take their capacity back inside the engine
+    at once (vLLM schedules them first and preempts, it does not kill)."""
+    classes = policy.classes
+    asked = [n for n in (requested_cls, cls) if n is not None]
+    prio = max((c.priority for n in asked if (c := classes.get(n))), default=0)
+    if node.pool is not None and policy.tenant_pool.get(tenant) != node.pool:
+        prio += 1 + max(c.priority for c in classes.values())
+    return prio
+
+
 def eligible(
     views: list[NodeView], policy: Policy, model: str, cls: str | None, prompt: int, kv: int,
     now: float, tenant: str | None = None, blocked: frozenset[str] = frozenset(),
@@ -182,8 +204,10 @@ def eligible(
         rank = pool_rank(policy, tenant, v.node, blocked) if policy.pools else 1
         if rank is None:
             continue
-        ask = ask_for(v, policy, cls, prompt, kv)
-        if fits(v, ask, policy, cls, now):
+        # Borrowed capacity is held to the hold watermark and the prefill budget even for an
+        # urgent class: the band above hold and the prefill room stay the owners'.
+        ask = ask_for(v, policy, cls, prompt, kv, lent=rank == 2)
+        if fits(v, ask, policy, cls, now, lent=rank == 2):
             ok.append((rank, v, ask))
     ok.sort(key=lambda rva: (rva[0], rva[1].wait_s(now), rva[1].projected(), rva[1].node.id))
     return [(v, ask) for _rank, v, ask in ok]
