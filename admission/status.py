@@ -2,7 +2,7 @@
 
 Read-only, on the admin port (loopback by default). What an SRE looks at first: queue depth per
 class and tenant and how long requests waited, node states with measured and projected memory,
-memory-aware limits in force, the last refusals, and the policy version in force. The page is
+memory-aware limits in force, the last 500 refusals grouped by tenant, class and reason, and the policy version in force. The page is
 one static HTML file (package data) that polls `/status.json` every second.
 """
 
@@ -29,7 +29,7 @@ class Refusal:
 class Recent:
     """Bounded recent history the page shows: refusals and queue waits."""
 
-    def __init__(self, refusals: int = 50, waits: int = 4096) -> None:
+    def __init__(self, refusals: int = 500, waits: int = 4096) -> None:
         self.refusals: deque[Refusal] = deque(maxlen=refusals)
         self.waits: deque[tuple[float, str, float]] = deque(maxlen=waits)
 
@@ -89,17 +89,20 @@ def snapshot(
         "waits": recent.wait_percentiles(now),
         "nodes": dispatcher.nodes.snapshot(),
         "pressure": dispatcher.nodes.pressure_snapshot(),
-        "refusals": [
-            {
-                "at": r.at,
-                "tenant": r.tenant,
-                "class": r.cls,
-                "outcome": r.outcome,
-                "reason": r.reason,
-            }
-            for r in reversed(recent.refusals)
-        ],
+        "refusals": _grouped(recent.refusals),
     }
+
+
+def _grouped(refusals: deque[Refusal]) -> list[dict[str, Any]]:
+    """The recent refusals by (tenant, class, reason): how many, and the last one's time;
+    most recent first."""
+    groups: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for r in refusals:
+        g = groups.setdefault((r.tenant, r.cls, r.reason), {"tenant": r.tenant, "class": r.cls,
+                              "reason": r.reason, "count": 0, "last_at": 0.0})  # fmt: skip
+        g["count"] += 1
+        g["last_at"] = max(g["last_at"], r.at)
+    return sorted(groups.values(), key=lambda g: -g["last_at"])
 
 
 def page() -> str:

@@ -86,6 +86,7 @@ async def check_page(client: Any, holder: PolicyHolder, tmp_path: Path) -> None:
             break
         await asyncio.sleep(0.05)
     assert data["queue"]["total"] == 5 and data["refusals"][0]["reason"] == "requests_per_s"
+    assert data["refusals"][0]["count"] == 1
 
     url = str(client.make_url("/status"))
     dom = (await chromium("--dump-dom", url)).decode()
@@ -100,7 +101,7 @@ async def check_page(client: Any, holder: PolicyHolder, tmp_path: Path) -> None:
     assert "batch acme 1" in text
     assert re.search(r"n1 open .*42\.0 %", text)  # node, state, measured memory
     assert "4 / 4" in text  # in flight / cap
-    assert "small realtime requests_per_s" in text  # the refusal
+    assert "small realtime requests_per_s 1" in text  # the refusal, counted
     assert "never" not in text and "stale" not in text  # it did fetch, and recently
 
     shot = tmp_path / "status.png"
