@@ -34,6 +34,7 @@ def exported() -> set[str]:
     m.late_refused.labels("batch").inc()
     m.redis_errors.labels("acquire").inc()
     m.policy_reloads.labels("ok").inc()
+    m.limit_factor.labels("m").set(1)
     m.settled_tokens.labels("t", "refund").inc()
     m.queue_depth.labels("realtime").set(1)
     m.node_state.labels("n", "open").set(1)
@@ -49,7 +50,8 @@ def metric_names(expr: str) -> set[str]:
     expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
     expr = re.sub(r"\[[^\]]*\]", "", expr)  # ranges
     words = set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", expr))
-    labels = {"cls", "reason", "node", "state", "instance", "op", "result", "direction", "outcome"}
+    labels = {"cls", "reason", "node", "state", "instance", "op", "result", "direction", "outcome",
+              "model"}  # fmt: skip
     return {w for w in words if w not in FUNCS and w not in labels}
 
 

@@ -184,3 +184,18 @@ def test_borrowers_are_held_at_hold_on_a_lent_node_owners_may_go_to_drain() -> N
     borrower = eligible(views, p, "m", "realtime", 10, 10, 0.0, "other")
     assert [v.node.id for v, _ask in owner] == ["mine", "shared"]  # own pool first
     assert [v.node.id for v, _ask in borrower] == ["shared"]
+
+
+def test_check_diff_names_pool_changes() -> None:
+    from admission.policy.diff import describe
+
+    lending, closed = pools_policy(lend=True), pools_policy(lend=False)
+    assert "pool vip-gpus: lend: True → False" in describe(lending, closed)
+    base = parse_policy(
+        POLICY.replace("pools:\n  vip-gpus: {tiers: [platinum], lend: LEND, spill: SPILL}\n", "")
+        .replace(" pool: vip-gpus,", "").replace("REDIS_URL", "redis://h:1/0")
+    )  # fmt: skip
+    assert describe(base, lending) == [
+        "node mine: pool: None → 'vip-gpus'",
+        "pool vip-gpus added: owned by vip, lends idle capacity",
+    ]

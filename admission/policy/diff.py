@@ -74,4 +74,12 @@ def describe(old: Policy, new: Policy) -> list[str]:
         out.append(f"node {nid} removed: it gets no new requests")
     for nid in sorted(set(old.nodes) & set(new.nodes)):
         out += _fields(f"node {nid}:", old.nodes[nid], new.nodes[nid], ("id",))
+    for name in sorted(set(new.pools) - set(old.pools)):
+        pool = new.pools[name]
+        out.append(f"pool {name} added: owned by {', '.join(pool.tenants)}"
+                   f"{', lends idle capacity' if pool.lend else ', never lent'}")  # fmt: skip
+    for name in sorted(set(old.pools) - set(new.pools)):
+        out.append(f"pool {name} removed: its nodes are shared by every tenant")
+    for name in sorted(set(old.pools) & set(new.pools)):
+        out += _fields(f"pool {name}:", old.pools[name], new.pools[name], ("name",))
     return out
