@@ -169,6 +169,34 @@ def cmd_node(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_batch_worker(args: argparse.Namespace) -> int:
+    from admission.batch.store import connect_batch
+    from admission.batch.worker import Worker
+    from admission.reload import PolicyHolder
+
+    policy = load_policy(args.policy)
+    _use_uvloop()
+
+    async def main() -> None:
+        holder = PolicyHolder(Path(args.policy), policy, Metrics())
+        redis = connect_batch(policy.redis.url)
+        watcher = asyncio.create_task(holder.watch())
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await Worker(redis, holder, args.edge_socket, args.concurrency, args.claim_idle_s).run(
+                stop
+            )
+        finally:
+            watcher.cancel()
+            await redis.aclose()
+
+    asyncio.run(main())
+    return 0
+
+
 def cmd_example_policy(_args: argparse.Namespace) -> int:
     sys.stdout.write(resources.files("admission").joinpath("policies.yaml").read_text())
     return 0
@@ -235,6 +263,15 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--sidecar", default="http://127.0.0.1:9001")
     n.add_argument("--token-file", help="admin token (default: $ADMISSION_ADMIN_TOKEN)")
     n.set_defaults(fn=cmd_node)
+
+    w = sub.add_parser("batch-worker", help="run OpenAI batch lines through the edge")
+    w.add_argument("--policy", default="policies.yaml")
+    w.add_argument("--edge-socket", required=True,
+                   help="the edge's internal unix socket (the server with the trusted tenant)")  # fmt: skip
+    w.add_argument("--concurrency", type=int, default=16, help="lines in flight")
+    w.add_argument("--claim-idle-s", type=float, default=30.0,
+                   help="take over a silent worker's lines after this long")  # fmt: skip
+    w.set_defaults(fn=cmd_batch_worker)
 
     e = sub.add_parser("example-policy", help="print the policies.yaml shipped with the package")
     e.set_defaults(fn=cmd_example_policy)

@@ -21,6 +21,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from admission import status
 from admission.access import Access, Forbidden, Unauthorized
+from admission.batch.api import BatchApi
+from admission.batch.store import BatchStore, connect_batch
 from admission.errors import AdmissionError, BadRequest, QueueTimeout, Throttled
 from admission.limits import Limiter
 from admission.metrics import Metrics
@@ -309,11 +311,13 @@ def build_app(
     app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024)
     app[ACCESS] = access or Access(edge_over_tcp=True)
     app[RECENT] = status.Recent()
+    batches = BatchApi(holder, app[ACCESS])
     app[POLICY] = holder
     app[METRICS] = metrics or holder.metrics
 
     async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
         st = app[STORE] = Store.open(holder.current.redis, app[METRICS])
+        batches.store = BatchStore(connect_batch(holder.current.redis.url))
         app[LIMITER] = Limiter(st, holder, app[METRICS])
         backlog = asyncio.create_task(st.backlog.run(), name="redis-backlog")
         backlog.add_done_callback(_log_death)
@@ -327,6 +331,7 @@ def build_app(
             if len(st.backlog):
                 log.warning("stopping with %d releases Redis did not take", len(st.backlog))
         await st.close()
+        await batches.store.redis.aclose()
 
     async def watcher_ctx(app: web.Application) -> AsyncIterator[None]:
         if edge_table is not None:
@@ -354,6 +359,7 @@ def build_app(
     app.router.add_get("/nodes", nodes_view)
     app.router.add_get("/status", status_page)
     app.router.add_get("/status.json", status_view)
+    batches.add_routes(app)
     app.router.add_post("/nodes/{node}/{action}", node_admin)
     return app
 

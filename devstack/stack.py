@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from admission.policy import load_policy
+from admission.policy import Policy, load_policy
 from devstack.nodes import NodeSet
 from devstack.procs import (
     Restarter,
@@ -64,12 +64,16 @@ class Stack:
         external_nodes: dict[str, Any] | None = None,
         extra_nginx_http: str = "",
         node_max_inflight: int = 256,
+        batch_workers: int = 1,
+        batch_claim_idle_s: float = 30.0,
     ) -> None:
         self.policy_path = policy_path
         self.run_dir = run_dir
         self.engine = engine
         self.n_nodes = nodes
         self.port = port or free_port()
+        self.batch_workers = batch_workers
+        self.batch_claim_idle_s = batch_claim_idle_s
         self.n_sidecars = sidecars
         self.profile = profile
         self.redis_url = redis_url
@@ -146,13 +150,15 @@ class Stack:
         # NGINX workers run unprivileged and must reach the sockets and the edge table, which
         # the run directory's parents may not allow (pytest's tmp dirs are 0700).
         self.sock_dir = Path(tempfile.mkdtemp(prefix="admission-"))
+        self.internal_socket = self.sock_dir / "edge-internal.sock"
         self.sock_dir.chmod(0o755)
         shutil.copytree(NGINX_DIR / "lua", self.sock_dir / "lua")  # the checkout may be 0700 too
         raw = yaml.safe_load(self.policy_path.read_text())
         if self.redis_url is None:
             rport = free_port()
             p = self._spawn("redis", ["redis-server", "--port", str(rport), "--bind", "127.0.0.1",
-                                      "--save", "", "--appendonly", "no", "--dir", str(self.run_dir)])  # fmt: skip
+                                      "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
+                                      "--dir", str(self.run_dir)])  # fmt: skip
             self.redis_url = f"redis://127.0.0.1:{rport}/0"
             wait_for(lambda: port_open(rport), 10, "redis", p)
         raw.setdefault("redis", {})["url"] = self.redis_url
@@ -182,11 +188,15 @@ class Stack:
                          "--admin-token-file", str(self.admin_token_file)]  # fmt: skip
             p = self._spawn(f"sidecar-{i}", args)
             wait_for(sock.exists, 30, f"sidecar {i}", p)
-        self._write_nginx(policy.edge.max_body_bytes, sockets, edge_table)
+        self._write_nginx(policy, sockets, edge_table)
         p = self._spawn(
             "nginx", ["nginx", "-c", str(self.run_dir / "nginx.conf"), "-p", str(self.run_dir)]
         )
         wait_for(lambda: http_ok(f"{self.url}/healthz"), 30, "nginx", p)
+        for i in range(self.batch_workers):  # OpenAI batches, through the internal socket
+            self._spawn(f"batch-worker-{i}", [py, "-m", "admission.cli", "batch-worker", "--policy",
+                        str(self.runtime_policy), "--edge-socket", str(self.internal_socket),
+                        "--claim-idle-s", str(self.batch_claim_idle_s)])  # fmt: skip
         for _ in range(100):  # nodes become open once the agent has sampled them
             with urllib.request.urlopen(f"{self.sidecar_url}/healthz", timeout=2) as r:
                 states = json.load(r)["nodes"]
@@ -199,14 +209,17 @@ class Stack:
                              num_gpu_blocks=self.num_gpu_blocks)  # fmt: skip
         return self.nodes.policy_nodes(max_inflight=self.node_max_inflight)
 
-    def _write_nginx(self, max_body: int, sockets: list[Path], edge_table: Path) -> None:
+    def _write_nginx(self, policy: Policy, sockets: list[Path], edge_table: Path) -> None:
         subs = {
             "@@RUN_DIR@@": str(self.run_dir),
+            "@@TEMP_DIR@@": str(self.sock_dir / "tmp"),
             "@@LUA_DIR@@": str(self.sock_dir / "lua"),
             "@@EDGE_TABLE@@": str(edge_table),
             "@@SIDECAR_SOCKET_LIST@@": ", ".join(f'"{s}"' for s in sockets),
             "@@SIDECAR_SERVERS@@": "\n".join(f"    server unix:{s} max_fails=0;" for s in sockets),
-            "@@MAX_BODY@@": str(max_body),
+            "@@MAX_BODY@@": str(policy.edge.max_body_bytes),
+            "@@MAX_FILE_BODY@@": str(policy.batch.max_file_bytes + 65536),
+            "@@INTERNAL_SOCKET@@": str(self.internal_socket),
             "@@PORT@@": str(self.port),
             "@@WORKERS@@": "2",
             "@@EXTRA_HTTP@@": self.extra_nginx_http,
@@ -218,7 +231,7 @@ class Stack:
                 text = text.replace(k, v)
             (self.run_dir / name.replace(".template", "")).write_text(text)
         for d in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
-            (self.run_dir / d).mkdir(exist_ok=True)
+            (self.sock_dir / "tmp" / d).mkdir(parents=True, exist_ok=True)
 
     def stop(self) -> None:
         """Stop in reverse start order (NGINX first, Redis last), each within 10 s."""

@@ -3,6 +3,7 @@
 from admission.policy.load import load_policy, parse_policy
 from admission.policy.model import (
     AdmitUntil,
+    BatchSettings,
     ClassPolicy,
     EdgeSettings,
     FailureMode,
@@ -21,6 +22,7 @@ from admission.policy.model import (
 
 __all__ = [
     "AdmitUntil",
+    "BatchSettings",
     "ClassPolicy",
     "EdgeSettings",
     "FailureMode",

@@ -29,7 +29,7 @@ from admission.policy.model import (
     Watermarks,
     digest_key,
 )
-from admission.policy.pools import parse_pools
+from admission.policy.pools import parse_batch, parse_pools
 from admission.policy.removed import removed as _removed
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def parse_policy(text: str, source: str = "<policy>") -> Policy:
 
 
 _TOP = {"version", "redis", "queue", "watermarks", "edge", "tiers", "classes", "tenants", "nodes",
-        "shadow", "pools"}  # fmt: skip
+        "shadow", "pools", "batch"}  # fmt: skip
 
 
 def _build(c: Checker, data: Any) -> Policy | None:
@@ -94,6 +94,7 @@ def _build(c: Checker, data: Any) -> Policy | None:
     tenants = _tenants(c, top.get("tenants"), tiers, classes, shadow)
     nodes = _nodes(c, top.get("nodes"))
     pools, tenant_pool = parse_pools(c, top.get("pools"), tenants, nodes)
+    batch = parse_batch(c, top.get("batch", {}), classes)
     key_index: dict[str, str] = {}
     for t in tenants.values():
         for i, d in enumerate(t.key_digests):
@@ -107,7 +108,8 @@ def _build(c: Checker, data: Any) -> Policy | None:
                 c.err(f"tenants.{t.id}.models[{i}]", f"no node serves model {m!r}")
     if c.problems:
         return None
-    return Policy(redis, queue, wm, edge, classes, tenants, nodes, key_index, pools, tenant_pool)
+    return Policy(redis, queue, wm, edge, classes, tenants, nodes, key_index, pools, tenant_pool,
+                  batch)  # fmt: skip
 
 
 def _redis(c: Checker, raw: Any) -> RedisSettings:
@@ -337,16 +339,8 @@ def _limits(c: Checker, raw: Any, p: str) -> Limits:
     return lim
 
 
-_NODE_KEYS = {
-    "url",
-    "models",
-    "memory_source",
-    "max_inflight",
-    "kv_pool_bytes",
-    "gpus",
-    "device_url",
-    "pool",
-}
+_NODE_KEYS = {"url", "models", "memory_source", "max_inflight", "kv_pool_bytes", "gpus",
+              "device_url", "pool"}  # fmt: skip
 
 
 def _nodes(c: Checker, raw: Any) -> dict[str, Node]:

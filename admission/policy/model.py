@@ -166,6 +166,17 @@ class Pool:
 
 
 @dataclass(frozen=True)
+class BatchSettings:
+    """The OpenAI Batch API (admission/batch): bounds, and the class its lines run at."""
+
+    max_file_bytes: int = 50 << 20  # an uploaded JSONL file; larger: 413
+    max_lines: int = 50_000  # lines (requests) per batch
+    max_open_per_tenant: int = 10  # batches not yet finished, per tenant; more: 429
+    line_class: str = "offline"  # the class lines run at (the tenant's least urgent if not allowed)
+    max_attempts: int = 8  # retryable refusals (429, 503, 5xx) before a line fails
+
+
+@dataclass(frozen=True)
 class EdgeSettings:
     max_body_bytes: int = 1_048_576
     sidecar_failure_mode: FailureMode = (
@@ -187,6 +198,7 @@ class Policy:
     key_index: dict[str, str] = field(default_factory=dict)  # sha256 digest → tenant id
     pools: dict[str, Pool] = field(default_factory=dict)
     tenant_pool: dict[str, str] = field(default_factory=dict)  # tenant id → the pool it owns
+    batch: BatchSettings = field(default_factory=BatchSettings)
 
     def class_above(self, name: str) -> str:
         """The next more urgent class (aging), or `name` itself at the top."""

@@ -1,4 +1,4 @@
-"""Tenant node pools: `pools:` in policies.yaml.
+"""Tenant node pools (`pools:` in policies.yaml), and the Batch API's settings (`batch:`).
 
 A pool is a set of nodes (`nodes.<id>.pool`) that some tenants own (`pools.<name>.tenants`, or
 every tenant of `pools.<name>.tiers`): a MIG slice or a whole GPU as a tenant's guaranteed
@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from admission.policy.checks import Checker
-from admission.policy.model import Node, Pool, Tenant
+from admission.policy.model import BatchSettings, Node, Pool, Tenant
 
 
 def parse_pools(
@@ -47,3 +47,21 @@ def parse_pools(
         if n.pool is not None and n.pool not in pools:
             c.err(f"nodes.{n.id}.pool", f"no pool {n.pool!r} under pools")
     return pools, owner
+
+
+def parse_batch(c: Checker, raw: Any, classes: dict[str, Any]) -> BatchSettings:
+    """`batch:`: the OpenAI Batch API's bounds and the class its lines run at."""
+    m = c.mapping(raw, "batch", set(BatchSettings.__dataclass_fields__)) or {}
+    d = BatchSettings()
+    b = BatchSettings(
+        max_file_bytes=c.integer(m, "max_file_bytes", "batch", d.max_file_bytes, lo=1024),
+        max_lines=c.integer(m, "max_lines", "batch", d.max_lines, lo=1),
+        max_open_per_tenant=c.integer(
+            m, "max_open_per_tenant", "batch", d.max_open_per_tenant, lo=1
+        ),
+        line_class=c.string(m, "line_class", "batch", d.line_class),
+        max_attempts=c.integer(m, "max_attempts", "batch", d.max_attempts, lo=1),
+    )
+    if classes and b.line_class not in classes:
+        c.err("batch.line_class", f"no class {b.line_class!r}")
+    return b

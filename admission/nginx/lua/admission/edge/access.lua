@@ -24,8 +24,16 @@ end
 local fail_open_rr = 0
 
 function _M.run()
+  -- On the internal server (`set $admission_trusted_tenant 1`, a unix socket for the batch
+  -- worker) the tenant is named by header; everywhere else by the API key.
+  local trusted = ngx_var.admission_trusted_tenant == "1" and ngx_var.http_x_admission_batch_tenant
   identify.strip_internal_headers()
-  local tid, tenant = identify.tenant()
+  local tid, tenant
+  if trusted then
+    tid, tenant = identify.by_id(trusted)
+  else
+    tid, tenant = identify.tenant()
+  end
   if not tid then
     return respond.unidentified(tenant)
   end
@@ -78,6 +86,18 @@ function _M.run()
   ctx.peers = peers
   request.rewrite(f, d.priority)
   ngx.req.set_header("X-Admission-Class", d.class)
+end
+
+-- /v1/files and /v1/batches: authenticate like every call, then hand the request to a sidecar
+-- with the tenant named (the key itself goes no further).
+function _M.forward_tenant()
+  identify.strip_internal_headers()
+  local tid, tenant = identify.tenant()
+  if not tid then
+    return respond.unidentified(tenant)
+  end
+  ngx.req.set_header("X-Admission-Tenant", tid)
+  ngx.req.clear_header("Authorization")
 end
 
 return _M

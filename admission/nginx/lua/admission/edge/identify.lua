@@ -71,6 +71,20 @@ function _M.tenant()
   return tid, t.tenants[tid]
 end
 
+-- The tenant named by id (the batch worker, on the edge's internal socket): tenant_id, entry
+-- or nil, reason.
+function _M.by_id(tid)
+  local t = edge_table.get()
+  if not t then
+    return nil, "edge_table_missing"
+  end
+  local entry = t.tenants[tid]
+  if not entry then
+    return nil, "invalid_api_key"
+  end
+  return tid, entry
+end
+
 _M._sha256_hex = sha256_hex
 local _ = str_byte
 return _M

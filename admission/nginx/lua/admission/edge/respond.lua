@@ -30,83 +30,9 @@ end
 -- client's bad key, so 503 with Retry-After rather than 401.
 function _M.unidentified(reason)
   if reason == "edge_table_missing" then
-    -- NGINX's own 502/503/504 pages (every node failed to connect, or a node died or timed out before
--- its first byte) become OpenAI-shaped JSON, like every other answer the edge gives. An
--- engine's own 5xx (it sent a Content-Type) passes through unchanged.
-local ENGINE_ERRORS = {
-  [502] = { "engine_unavailable", "the inference node failed before answering; retry" },
-  [503] = { "engine_unavailable", "the inference node refused the request; retry" },
-  [504] = { "engine_timeout", "the inference node did not answer in time" },
-}
-
-function _M.header_filter()
-  local e = ENGINE_ERRORS[ngx.status]
-  if not e or ngx.var.upstream_http_content_type then
-    return
+    return _M.error(503, "admission_unavailable", "tenant table not loaded yet", 1)
   end
-  local ctype = ngx.header["Content-Type"]
-  if ctype and ctype:find("application/json", 1, true) then
-    return -- ours (respond.error) or already JSON
-  end
-  ngx.ctx.own_error = cjson.encode({ error = { message = e[2], type = "server_error",
-                                                code = e[1] } }) .. "\n"
-  ngx.header["Content-Type"] = "application/json"
-  ngx.header["Content-Length"] = nil
-  ngx.header["Retry-After"] = "1"
-end
-
--- true when the body was replaced (the other body filters then have nothing to see).
-function _M.body_filter()
-  local ctx = ngx.ctx
-  local own = ctx.own_error
-  if not own then
-    return false
-  end
-  ngx.arg[1] = own
-  ctx.own_error = ""
-  return true
-end
-
-return _M.error(503, "admission_unavailable", "tenant table not loaded yet", 1)
-  end
-  -- NGINX's own 502/503/504 pages (every node failed to connect, or a node died or timed out before
--- its first byte) become OpenAI-shaped JSON, like every other answer the edge gives. An
--- engine's own 5xx (it sent a Content-Type) passes through unchanged.
-local ENGINE_ERRORS = {
-  [502] = { "engine_unavailable", "the inference node failed before answering; retry" },
-  [503] = { "engine_unavailable", "the inference node refused the request; retry" },
-  [504] = { "engine_timeout", "the inference node did not answer in time" },
-}
-
-function _M.header_filter()
-  local e = ENGINE_ERRORS[ngx.status]
-  if not e or ngx.var.upstream_http_content_type then
-    return
-  end
-  local ctype = ngx.header["Content-Type"]
-  if ctype and ctype:find("application/json", 1, true) then
-    return -- ours (respond.error) or already JSON
-  end
-  ngx.ctx.own_error = cjson.encode({ error = { message = e[2], type = "server_error",
-                                                code = e[1] } }) .. "\n"
-  ngx.header["Content-Type"] = "application/json"
-  ngx.header["Content-Length"] = nil
-  ngx.header["Retry-After"] = "1"
-end
-
--- true when the body was replaced (the other body filters then have nothing to see).
-function _M.body_filter()
-  local ctx = ngx.ctx
-  local own = ctx.own_error
-  if not own then
-    return false
-  end
-  ngx.arg[1] = own
-  ctx.own_error = ""
-  return true
-end
-
-return _M.error(401, reason == "missing_api_key" and "missing_api_key" or "invalid_api_key",
+  return _M.error(401, reason == "missing_api_key" and "missing_api_key" or "invalid_api_key",
                   "missing or unknown API key")
 end
 
@@ -122,10 +48,11 @@ function _M.passthrough(res)
   return ngx_exit(res.status)
 end
 
--- NGINX's own 502/503/504 pages (every node failed to connect, or a node died or timed out before
--- its first byte) become OpenAI-shaped JSON, like every other answer the edge gives. An
--- engine's own 5xx (it sent a Content-Type) passes through unchanged.
+-- NGINX's own 413 and 502/503/504 pages (a body too large; every node failed to connect, or a
+-- node died or timed out before its first byte) become OpenAI-shaped JSON, like every other
+-- answer the edge gives. An engine's own 5xx (it sent a Content-Type) passes through unchanged.
 local ENGINE_ERRORS = {
+  [413] = { "body_too_large", "request body too large" },
   [502] = { "engine_unavailable", "the inference node failed before answering; retry" },
   [503] = { "engine_unavailable", "the inference node refused the request; retry" },
   [504] = { "engine_timeout", "the inference node did not answer in time" },
@@ -140,11 +67,13 @@ function _M.header_filter()
   if ctype and ctype:find("application/json", 1, true) then
     return -- ours (respond.error) or already JSON
   end
-  ngx.ctx.own_error = cjson.encode({ error = { message = e[2], type = "server_error",
-                                                code = e[1] } }) .. "\n"
+  ngx.ctx.own_error = cjson.encode({ error = { message = e[2], code = e[1],
+    type = ngx.status == 413 and "invalid_request_error" or "server_error" } }) .. "\n"
   ngx.header["Content-Type"] = "application/json"
   ngx.header["Content-Length"] = nil
-  ngx.header["Retry-After"] = "1"
+  if ngx.status ~= 413 then
+    ngx.header["Retry-After"] = "1"
+  end
 end
 
 -- true when the body was replaced (the other body filters then have nothing to see).

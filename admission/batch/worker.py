@@ -1,0 +1,239 @@
+"""`admission batch-worker`: runs the lines of OpenAI batches through the edge.
+
+Each worker is a consumer of the `workers` group on the line stream. A line goes through the
+edge's internal unix socket, where the tenant is named by `X-Admission-Batch-Tenant` instead of
+an API key, at the tenant's batch class (`batch.line_class`, or its least urgent class): its
+limits, weights and the node watermarks apply, so batch work fills idle capacity and yields to
+realtime. Retryable refusals (429, 502/503/504, no answer) are retried with the Retry-After or
+a backoff, up to `batch.max_attempts`; other answers are final.
+
+Exactly once: a line's answer is recorded with HSETNX by custom_id, then the stream entry is
+acknowledged. A worker that dies leaves its entries pending; after `CLAIM_IDLE_S` without its
+heartbeat another worker claims them (XAUTOCLAIM), finds any answer already recorded and only
+acknowledges, or runs the line. The worker recording a batch's last answer finalizes it (output
+and error files with ids derived from the batch id, so a finalize cut short is redone by the
+next sweep and writes the same files).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import secrets
+import socket
+import time
+from typing import Any
+
+import aiohttp
+
+from admission.batch.store import GROUP, OPEN, STREAM, TERMINAL, BatchStore, results_key
+from admission.batch.store import text as _s
+from admission.policy import Policy
+
+log = logging.getLogger(__name__)
+
+CLAIM_IDLE_S = 30.0  # an entry pending this long without its worker's heartbeat is taken over
+SWEEP_S = 5.0  # heartbeat, reclaim and finalize sweep period
+RETRYABLE = (0, 429, 500, 502, 503, 504)
+
+
+class Worker:
+    def __init__(
+        self, redis: Any, policy: Any, edge_socket: str, concurrency: int = 16,
+        claim_idle_s: float = CLAIM_IDLE_S,
+    ) -> None:  # fmt: skip
+        self.redis = redis
+        self.policy = policy  # callable → Policy
+        self.store = BatchStore(redis)
+        self.edge_socket = edge_socket
+        self.concurrency = concurrency
+        self.claim_idle_s = claim_idle_s
+        self.name = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.inflight: dict[str, asyncio.Task[None]] = {}  # stream entry id → its task
+        self._lines: dict[str, tuple[str, list[dict[str, Any]]]] = {}  # batch → (tenant, lines)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.store.ensure_group()
+        conn = aiohttp.UnixConnector(path=self.edge_socket, limit=0)
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=1200)
+        async with aiohttp.ClientSession(connector=conn, timeout=timeout) as self.http:
+            next_sweep = 0.0
+            while not stop.is_set():
+                try:
+                    if time.monotonic() >= next_sweep:
+                        await self.sweep()
+                        next_sweep = time.monotonic() + SWEEP_S
+                    await self.take(block_ms=500)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # Redis away, a malformed entry...: log, wait, go on
+                    log.warning("batch worker step failed: %r", exc)
+                    await asyncio.sleep(1.0)
+            for t in self.inflight.values():
+                t.cancel()
+            await asyncio.gather(*self.inflight.values(), return_exceptions=True)
+
+    async def take(self, block_ms: int) -> None:
+        free = self.concurrency - len(self.inflight)
+        if free <= 0:
+            await asyncio.sleep(block_ms / 1000)
+            return
+        got = await self.redis.xreadgroup(GROUP, self.name, {STREAM: ">"}, count=free,
+                                          block=block_ms)  # fmt: skip
+        for _stream, entries in got or []:
+            for eid, fields in entries:
+                self._start(_s(eid), fields)
+
+    def _start(self, eid: str, fields: dict[Any, Any]) -> None:
+        if eid in self.inflight:
+            return
+        f = {_s(k): _s(v) for k, v in fields.items()}
+        task = asyncio.create_task(self.line(eid, f.get("b", ""), int(f.get("i", -1))))
+        self.inflight[eid] = task
+
+        def done(_t: asyncio.Task[None], e: str = eid) -> None:
+            self.inflight.pop(e, None)
+
+        task.add_done_callback(done)
+
+    async def sweep(self) -> None:
+        """Heartbeat our entries, take over a dead worker's, finalize finished batches."""
+        if self.inflight:
+            await self.redis.xclaim(STREAM, GROUP, self.name, 0, list(self.inflight), justid=True)
+        free = self.concurrency - len(self.inflight)
+        if free > 0:
+            res = await self.redis.xautoclaim(STREAM, GROUP, self.name, int(self.claim_idle_s * 1000),
+                                              start_id="0-0", count=free)  # fmt: skip
+            for eid, fields in res[1]:
+                if fields:
+                    log.info("batch line %s taken over from a silent worker", _s(eid))
+                    self._start(_s(eid), fields)
+        for bid in [_s(b) for b in await self.redis.smembers(OPEN)]:
+            b = await self.store.get(bid)
+            if b is None:
+                await self.redis.srem(OPEN, bid)
+            elif int(b.get("completed", 0)) + int(b.get("failed", 0)) >= int(b.get("total", 0)):
+                await self.finalize(bid)
+
+    async def line(self, eid: str, bid: str, idx: int) -> None:
+        b = await self.store.get(bid)
+        if b is None or idx < 0:
+            await self._ack(eid)
+            return
+        tenant, lines = await self._input(bid, b)
+        req = lines[idx]
+        cid = req["custom_id"]
+        if await self.redis.hexists(results_key(bid), cid):  # answered before a crash
+            await self._ack(eid)
+            return
+        status = b.get("status")
+        if status in ("cancelling", "cancelled") or status in TERMINAL:
+            answer, ok = _error_line(cid, "batch_cancelled", "the batch was cancelled"), False
+        elif time.time() > int(b.get("expires_at", 0) or 0):
+            answer, ok = _error_line(cid, "batch_expired", "the batch's 24 h window ended"), False
+        else:
+            answer, ok = await self.send(tenant, req)
+        _recorded, done, total = await self.store.record(bid, cid, answer, ok)
+        await self._ack(eid)
+        if done >= total:
+            await self.finalize(bid)
+
+    async def send(self, tenant: str, req: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+        """Run one request through the edge, retrying what may succeed later."""
+        policy: Policy = self.policy()
+        cls = _line_class(policy, tenant)
+        headers = {"Content-Type": "application/json", "X-Admission-Batch-Tenant": tenant}
+        if cls:
+            headers["X-Request-Class"] = cls
+        status, body, delay = 0, b"", 0.5
+        for _attempt in range(policy.batch.max_attempts):
+            try:
+                async with self.http.post(f"http://edge{req['url']}", json=req["body"],
+                                          headers=headers) as r:  # fmt: skip
+                    status, body = r.status, await r.read()
+                    retry_after = r.headers.get("Retry-After")
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                status, body, retry_after = 0, str(exc).encode(), None
+            if status not in RETRYABLE:
+                break
+            wait = float(retry_after) if retry_after and retry_after.isdigit() else delay
+            await asyncio.sleep(min(wait, 30.0))
+            delay = min(delay * 2, 30.0)
+        rid = "batch_req_" + secrets.token_hex(12)
+        try:
+            doc: Any = json.loads(body) if body else None
+        except ValueError:
+            doc = {"raw": body[:2000].decode(errors="replace")}
+        if status == 200:
+            return {"id": rid, "custom_id": req["custom_id"],
+                    "response": {"status_code": 200, "request_id": rid, "body": doc},
+                    "error": None}, True  # fmt: skip
+        err = (doc or {}).get("error") if isinstance(doc, dict) else None
+        code = (err or {}).get("code") if isinstance(err, dict) else None
+        return {"id": rid, "custom_id": req["custom_id"],
+                "response": {"status_code": status, "request_id": rid, "body": doc} if status else None,
+                "error": {"code": code or ("no_answer" if not status else f"http_{status}"),
+                          "message": (err or {}).get("message", "") if isinstance(err, dict) else ""}}, False  # fmt: skip
+
+    async def finalize(self, bid: str) -> None:
+        """Write the output and error files (input order) and close the batch; idempotent."""
+        b = await self.store.get(bid)
+        if b is None or b.get("status") in TERMINAL:
+            return
+        final = "cancelled" if b.get("cancelling_at") else "completed"
+        await self.store.set_status(bid, "finalizing", only_if=("in_progress", "cancelling",
+                                                                "finalizing"))  # fmt: skip
+        _tenant, lines = await self._input(bid, b)
+        answers = await self.store.answers(bid)
+        out: list[str] = []
+        errs: list[str] = []
+        for ln in lines:
+            a = answers.get(ln["custom_id"])
+            if a is None:
+                return  # not every line answered yet (a sweep raced a recording): later
+            (out if json.loads(a).get("error") is None else errs).append(a)
+        fields: dict[str, Any] = {}
+        if out:
+            fields["output_file_id"] = f"file-{bid}-output"
+            await self.store.put_file(fields["output_file_id"], b["tenant"], f"{bid}_output.jsonl",
+                                      "batch_output", ("\n".join(out) + "\n").encode())  # fmt: skip
+        if errs:
+            fields["error_file_id"] = f"file-{bid}-errors"
+            await self.store.put_file(fields["error_file_id"], b["tenant"], f"{bid}_errors.jsonl",
+                                      "batch_output", ("\n".join(errs) + "\n").encode())  # fmt: skip
+        if fields:
+            await self.store.set_fields(bid, **fields)
+        if await self.store.set_status(bid, final, only_if=("finalizing",)):
+            log.info("batch %s %s: %d answered, %d failed", bid, final, len(out), len(errs))
+        self._lines.pop(bid, None)
+
+    async def _input(self, bid: str, b: dict[str, str]) -> tuple[str, list[dict[str, Any]]]:
+        if bid not in self._lines:
+            data = await self.store.file_bytes(b["input_file_id"]) or b""
+            lines = [json.loads(x) for x in data.decode().splitlines() if x.strip()]
+            self._lines[bid] = (b["tenant"], lines)
+        return self._lines[bid]
+
+    async def _ack(self, eid: str) -> None:
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.xack(STREAM, GROUP, eid)
+        pipe.xdel(STREAM, eid)
+        await pipe.execute()
+
+
+def _line_class(policy: Policy, tenant: str) -> str | None:
+    """`batch.line_class` if the tenant may use it, else its least urgent class."""
+    t = policy.tenants.get(tenant)
+    if t is None:
+        return None
+    if policy.batch.line_class in t.classes:
+        return policy.batch.line_class
+    allowed = [c for c in policy.classes if c in t.classes]
+    return allowed[-1] if allowed else None
+
+
+def _error_line(cid: str, code: str, message: str) -> dict[str, Any]:
+    return {"id": "batch_req_" + secrets.token_hex(12), "custom_id": cid, "response": None,
+            "error": {"code": code, "message": message}}  # fmt: skip
