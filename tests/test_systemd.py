@@ -21,14 +21,18 @@ def test_rendered_units_verify_cleanly(tmp_path: Path) -> None:
         capture_output=True, text=True, check=True,
     ).stdout.split()  # fmt: skip
     names = sorted(Path(p).name for p in out)
-    assert names == ["admission-agent.service", "admission-sidecar@.service"]
+    assert names == ["admission-agent.service", "admission-batch-worker@.service",
+                     "admission-sidecar@.service"]  # fmt: skip
     text = (tmp_path / "admission-sidecar@.service").read_text()
     assert "@@" not in text and "Restart=always" in text and "NoNewPrivileges=yes" in text
     # A template is verified through an instance of it.
     shutil.copy(tmp_path / "admission-sidecar@.service", tmp_path / "admission-sidecar@0.service")
+    shutil.copy(tmp_path / "admission-batch-worker@.service",
+                tmp_path / "admission-batch-worker@0.service")  # fmt: skip
     units = [
         str(tmp_path / "admission-agent.service"),
         str(tmp_path / "admission-sidecar@0.service"),
+        str(tmp_path / "admission-batch-worker@0.service"),
     ]
     r = subprocess.run(["systemd-analyze", "verify", *units], capture_output=True, text=True)
     assert r.returncode == 0 and r.stderr.strip() == "" and r.stdout.strip() == "", r.stderr
