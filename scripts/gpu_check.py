@@ -6,6 +6,7 @@ Reads the card through admission.gpu.NvmlReader (pynvml), then allocates memory 
 steps until NVML "used" crosses the drain watermark, printing at each step the reading, the
 fraction (memory_source nvml) and the state the watermark state machine gives; then frees it
 and shows the node reopen below the reopen level. Exits non-zero if a transition is missing.
+Also reads the card by its UUID (how a policy names a MIG instance) and checks it is the same.
 No torch? `pip install torch` (any CUDA build) on the GPU host first.
 """
 
@@ -43,6 +44,13 @@ def main() -> int:
     print(
         f"device {a.device}: used {mem.used_bytes / 2**30:.2f} GiB of {mem.total_bytes / 2**30:.2f} GiB"
     )
+    # The same card addressed by UUID ("GPU-…"), as a policy names a MIG instance ("MIG-…"):
+    # the reader must give the same reading either way.
+    uuid = reader._nvml.nvmlDeviceGetUUID(reader._nvml.nvmlDeviceGetHandleByIndex(a.device))
+    uuid = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+    by_uuid = reader.read_sync((uuid,))
+    assert by_uuid is not None and by_uuid.total_bytes == mem.total_bytes, (uuid, by_uuid)
+    print(f"by UUID {uuid}: total {by_uuid.total_bytes / 2**30:.2f} GiB (same card)")
     state, seen = DOWN, []
     blocks = []
     step = max(1 << 28, mem.total_bytes // 50)  # ~2% of the card per step

@@ -199,3 +199,26 @@ def test_check_diff_names_pool_changes() -> None:
         "node mine: pool: None → 'vip-gpus'",
         "pool vip-gpus added: owned by vip, lends idle capacity",
     ]
+
+
+def test_nvml_reader_addresses_devices_by_index_or_uuid() -> None:
+    """A MIG instance is named by UUID in the policy; the reader asks NVML by UUID for those
+    and by index for the others (pynvml's calls, faked: this machine has no GPU;
+    scripts/gpu_check.py runs the same on a real card)."""
+    from types import SimpleNamespace
+
+    from admission.nodes.gpu import NvmlReader
+
+    calls: list[tuple[str, Any]] = []
+    mem = {"h0": (10, 80), "hmig": (3, 10)}
+    fake = SimpleNamespace(
+        nvmlDeviceGetHandleByIndex=lambda i: calls.append(("index", i)) or "h0",
+        nvmlDeviceGetHandleByUUID=lambda u: calls.append(("uuid", u)) or "hmig",
+        nvmlDeviceGetMemoryInfo=lambda h: SimpleNamespace(used=mem[h][0], total=mem[h][1]),
+    )
+    r = NvmlReader()
+    r._nvml, r.available = fake, True
+    got = r.read_sync((0, "MIG-4f5c2e1a-0000-0000-0000-000000000001"))
+    assert got is not None and (got.used_bytes, got.total_bytes) == (13, 90)
+    assert calls == [("index", 0), ("uuid", "MIG-4f5c2e1a-0000-0000-0000-000000000001")]
+    r.available = False  # nothing to shut down: it never initialised NVML here
