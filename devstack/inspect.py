@@ -77,6 +77,8 @@ def log_findings(run_dir: Path, secrets: set[str]) -> list[str]:
             found.append(f"{log.name}: traceback")
         if log.name.startswith("nginx") and ("runtime error" in text or "thread aborted" in text):
             found.append(f"{log.name}: Lua error")
+        if log.name.startswith("nginx") and "using uninitialized" in text:
+            found.append(f"{log.name}: a variable read before it is set (a warning per request)")
         if any(len(k) >= 8 and k in text for k in secrets):
             found.append(f"{log.name}: an API key appears in the log")
     return found

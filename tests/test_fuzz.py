@@ -76,3 +76,12 @@ def test_policy_loader_survives_mutations() -> None:
     assert tally.valid + tally.invalid == 1500
     assert tally.invalid > 100  # the mutations do break the file
     assert not tally.failures, tally.failures[:10]
+
+
+def test_log_check_finds_per_request_nginx_warnings(tmp_path: Path) -> None:
+    from devstack.inspect import log_findings
+
+    (tmp_path / "nginx-error.log").write_text('[warn] using uninitialized "x" variable\n')
+    assert log_findings(tmp_path, set()) == [
+        "nginx-error.log: a variable read before it is set (a warning per request)"
+    ]

@@ -24,9 +24,10 @@ end
 local fail_open_rr = 0
 
 function _M.run()
-  -- On the internal server (`set $admission_trusted_tenant 1`, a unix socket for the batch
-  -- worker) the tenant is named by header; everywhere else by the API key.
-  local trusted = ngx_var.admission_trusted_tenant == "1" and ngx_var.http_x_admission_batch_tenant
+  -- On the internal server (`server_name admission-internal`, a unix socket for the batch
+  -- workers) the tenant is named by header; everywhere else by the API key.
+  local trusted = ngx_var.server_name == "admission-internal"
+    and ngx_var.http_x_admission_batch_tenant
   identify.strip_internal_headers()
   local tid, tenant
   if trusted then
