@@ -4,7 +4,7 @@ Speaks /v1/completions and /v1/chat/completions (JSON and SSE, with the final us
 stream_options.include_usage), /v1/models, /health, /version and /metrics with vLLM's names.
 Extra, for tests and the node agent: GET /sim/device (the simulated GPU: NVML-like used/total
 bytes, with the KV pool pre-allocated like vLLM does) and POST /sim/fault (leak, hang, errors,
-drop: close connections unanswered, crash). Run: `admission emulator --port 8101 --profile a100-40gb-llama3-8b`.
+drop: close connections unanswered, crash). Run: `python -m engine --port 8101`.
 """
 
 from __future__ import annotations
@@ -205,8 +205,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise web.HTTPBadRequest(
             text=_err("invalid JSON"), content_type="application/json"
         ) from None
-    if engine.drop:  # dies mid-request, as a crashing engine does: no answer at all
-        assert request.transport is not None
+    if engine.drop and request.transport is not None:  # dies mid-request: no answer at all
         request.transport.abort()
         raise web.HTTPInternalServerError()
     if engine.error_rate and random.random() < engine.error_rate:
@@ -301,14 +300,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         opts = body.get("stream_options") or {}
         if opts.get("include_usage"):
             usage.update(completion_tokens=sent, total_tokens=prompt + sent)
-            d = {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": engine.model,
-                "choices": [],
-                "usage": usage,
-            }
+            d = {"id": rid, "object": obj, "created": created, "model": engine.model,
+                 "choices": [], "usage": usage}  # fmt: skip
             await resp.write(b"data: " + json.dumps(d).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         return resp
@@ -349,9 +342,8 @@ async def fault(request: web.Request) -> web.Response:
     if body.get("crash"):
         os._exit(1)
     e.wake.set()
-    return web.json_response(
-        {"leak_bytes": e.leak_bytes, "hang": e.hang, "error_rate": e.error_rate, "drop": e.drop}
-    )
+    return web.json_response({"leak_bytes": e.leak_bytes, "hang": e.hang,
+                              "error_rate": e.error_rate, "drop": e.drop})  # fmt: skip
 
 
 def build_app(engine: Engine) -> web.Application:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
 import textwrap
@@ -496,12 +497,22 @@ def test_tenant_is_frozen(policy: Policy) -> None:
 
 
 async def test_pool_exhaustion_is_busy_not_an_outage(redis_server: RedisServer) -> None:
-    """Every pooled connection in use is this process's overload: 503 admission_busy, and the
-    sidecar stays on Redis (no flip to fail-open that would skip every shared limit)."""
+    """Every pooled connection in use is this process's overload: the admission waits in line
+    for a connection; past `busy_wait_s`, 503 admission_busy, and the sidecar stays on Redis
+    (no flip to fail-open that would skip every shared limit)."""
     p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 600000}",
                       redis_extra=", pool_size: 1, pool_wait_ms: 50")  # fmt: skip
     lim, client = await make_limiter(p)
     held = await client.connection_pool.get_connection()
+    # A short overload: the admission waits in line for the connection, then goes through.
+    lim.busy_wait_s = 3.0
+    release = asyncio.get_running_loop().call_later(
+        0.3, lambda: asyncio.ensure_future(client.connection_pool.release(held))
+    )
+    assert (await take(lim, p.tenants["t1"], "busy-0", 1, 60)).mode == "redis"
+    release.cancel()
+    held = await client.connection_pool.get_connection()
+    lim.busy_wait_s = 0.3  # a long one: refused after the wait, still on Redis
     try:
         acq = await lim.acquire(p.tenants["t1"], "busy-1", 1, 60)
         assert isinstance(acq.denied, BackendUnavailable)

@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 U = 1_000_000  # micro-units per request or token: integer arithmetic in the scripts
 RETRY_AFTER_FAILURE_S = 1.0
+BUSY_WAIT_S = 15.0  # how long an admission waits in line for a pooled Redis connection
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class Limiter:
         self.clock = clock
         self._down_until = 0.0
         self._local = LocalLimits(clock)
+        self.busy_wait_s = BUSY_WAIT_S
 
     @property
     def backlog(self) -> store.Backlog:
@@ -113,19 +115,10 @@ class Limiter:
             calls = [Call("acquire", keys.tenant_keys(tenant.id, ticket), args)]
             if also is not None:
                 calls.append(also)
-            try:
-                out = await self.store.scripts.run(*calls)
-            except PoolBusy:
-                # Nothing was sent (no connection): nothing to give back, and no outage.
-                self.metrics.redis_errors.labels("pool_busy").inc()
-                return Acquired("redis", None, BackendUnavailable(
-                    "admission busy: retry shortly", code="admission_busy", retry_after=1))  # fmt: skip
-            except REDIS_DOWN as exc:
-                self._failed("acquire", exc)
-                # It may have run anyway: give back whatever it reserved (a request admitted
-                # locally below is then free of charge in Redis; its release is a no-op).
-                self.backlog.add(self.settle_call(tenant, ticket, 0))
-            else:
+            out = await self._run_waiting(calls, tenant, ticket)
+            if isinstance(out, AdmissionError):
+                return Acquired("redis", None, out)
+            if out is not None:
                 self._recovered()
                 res = out[0]
                 if isinstance(res, Exception):
@@ -135,6 +128,29 @@ class Limiter:
                     return Acquired("redis", extra)
                 return Acquired("redis", extra, _denial(_s(res[1]), res, tokens))
         return self._acquire_local(tenant, ticket, tokens, lease_ttl_s)
+
+    async def _run_waiting(
+        self, calls: list[Call], tenant: Tenant, ticket: str
+    ) -> list[Any] | AdmissionError | None:
+        """Run the acquire round trip. Every pooled connection in use is this process's
+        overload, not an outage: nothing was sent, so nothing to give back; wait in line for a
+        connection again (each try waits `pool_wait_ms`) for up to `busy_wait_s`, then refuse
+        (503 admission_busy). None: Redis is unavailable (the failure mode applies)."""
+        busy_until = self.clock() + self.busy_wait_s
+        while True:
+            try:
+                return list(await self.store.scripts.run(*calls))
+            except PoolBusy:
+                self.metrics.redis_errors.labels("pool_busy").inc()
+                if self.clock() >= busy_until:
+                    return BackendUnavailable("admission busy: retry shortly",
+                                              code="admission_busy", retry_after=1)  # fmt: skip
+            except REDIS_DOWN as exc:
+                self._failed("acquire", exc)
+                # It may have run anyway: give back whatever it reserved (a request admitted
+                # locally then is free of charge in Redis; its release is a no-op).
+                self.backlog.add(self.settle_call(tenant, ticket, 0))
+                return None
 
     async def settle(
         self, tenant: Tenant | None, ticket: str, actual_tokens: int, also: Call | None = None

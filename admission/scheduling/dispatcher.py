@@ -33,7 +33,7 @@ from admission.scheduling.leases import Ask
 from admission.scheduling.nodetable import NodeTable
 from admission.scheduling.queue import FairQueue, Item
 from admission.scheduling.routing import NodeView, engine_priority, eta_s
-from admission.store import REDIS_DOWN, Store
+from admission.store import REDIS_DOWN, PoolBusy, Store
 
 log = logging.getLogger(__name__)
 
@@ -319,6 +319,8 @@ class Dispatcher:
             res = (await self.store.scripts.run(
                 leases.take(node.node, ticket, self.policy().queue.lease_ttl_s, ask)
             ))[0]  # fmt: skip
+        except PoolBusy:
+            return None  # our own pool is full: the item goes back to the head of its lane
         except REDIS_DOWN as exc:
             self.metrics.redis_errors.labels("lease").inc()
             if self.policy().redis.failure_mode == FailureMode.CLOSED:
