@@ -66,6 +66,7 @@ class Stack:
         node_max_inflight: int = 256,
         batch_workers: int = 1,
         batch_claim_idle_s: float = 30.0,
+        batch_concurrency: int = 16,
     ) -> None:
         self.policy_path = policy_path
         self.run_dir = run_dir
@@ -74,6 +75,7 @@ class Stack:
         self.port = port or free_port()
         self.batch_workers = batch_workers
         self.batch_claim_idle_s = batch_claim_idle_s
+        self.batch_concurrency = batch_concurrency
         self.n_sidecars = sidecars
         self.profile = profile
         self.redis_url = redis_url
@@ -196,7 +198,8 @@ class Stack:
         for i in range(self.batch_workers):  # OpenAI batches, through the internal socket
             self._spawn(f"batch-worker-{i}", [py, "-m", "admission.cli", "batch-worker", "--policy",
                         str(self.runtime_policy), "--edge-socket", str(self.internal_socket),
-                        "--claim-idle-s", str(self.batch_claim_idle_s)])  # fmt: skip
+                        "--claim-idle-s", str(self.batch_claim_idle_s),
+                        "--concurrency", str(self.batch_concurrency)])  # fmt: skip
         for _ in range(100):  # nodes become open once the agent has sampled them
             with urllib.request.urlopen(f"{self.sidecar_url}/healthz", timeout=2) as r:
                 states = json.load(r)["nodes"]

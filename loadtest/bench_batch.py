@@ -53,7 +53,8 @@ def supervise(stack: Stack, halt: threading.Event) -> None:
 
 
 def run(name: str, a: argparse.Namespace, reqs: list[Any], work: Path) -> dict[str, Any]:
-    stack = Stack(DEFAULT_POLICY, work / name, nodes=a.nodes, sidecars=2, batch_claim_idle_s=5)
+    stack = Stack(DEFAULT_POLICY, work / name, nodes=a.nodes, sidecars=2, batch_claim_idle_s=5,
+                  batch_concurrency=a.concurrency)  # fmt: skip
     halt = threading.Event()
     sup = threading.Thread(target=supervise, args=(stack, halt), daemon=True)
     out: dict[str, Any] = {}
@@ -110,6 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--load", type=float, default=0.6, help="realtime, × the cluster's capacity")
     ap.add_argument("--lines", type=int, default=1000)
     ap.add_argument("--kills", default="batch-worker-0,sidecar-1,redis")
+    ap.add_argument(
+        "--concurrency", type=int, default=16, help="the batch worker's lines in flight"
+    )
     a = ap.parse_args(argv)
     logging.getLogger("admission.policy").setLevel(logging.ERROR)
     rate = capacity("a100-40gb-llama3-8b", kinds=(CHAT,)) * a.nodes * a.load
@@ -123,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("alone", "with-batch"):
         print(f"running {name} ...", flush=True)
         rows[name] = run(name, a, reqs, work)
-    print("\n| run | realtime sent | TTFT ≤ target | TTFT p50 / p99 ms | lost | batch |\n"
-          "|---|---:|---:|---|---:|---|")  # fmt: skip
+    print("\n| run | realtime sent | TTFT ≤ target | TTFT p50 / p99 ms | generator late p99 ms | lost "
+          "| batch |\n|---|---:|---:|---|---:|---:|---|")  # fmt: skip
     for name, r in rows.items():
         recs = r["realtime"].records
         ttft = [x.ttft_s * 1000 for x in recs if x.ok and x.ttft_s is not None]
@@ -133,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{b['seconds']:.0f} s") if b else "—"  # fmt: skip
         print(f"| {name} | {len(recs)} | {report.attainment(recs, target) * 100:.1f} % | "
               f"{report.percentile(ttft, 50):.0f} / {report.percentile(ttft, 99):.0f} | "
+              f"{report.percentile([x.late_s * 1000 for x in recs], 99):.0f} | "
               f"{sum(1 for x in recs if x.lost)} | {bcol} |")  # fmt: skip
     return 0
 
