@@ -19,17 +19,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from admission.errors import AdmissionError
-
-
-class Forbidden(AdmissionError):
-    status = 403
-    error_type = "permission_error"
-
-
-class Unauthorized(AdmissionError):
-    status = 401
-    error_type = "authentication_error"
+from admission.errors import Forbidden, Unauthorized
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,28 @@ class BadRequest(AdmissionError):
         super().__init__(message, code=code)
 
 
+class Unauthorized(AdmissionError):
+    status = 401
+    error_type = "authentication_error"
+
+
+class Forbidden(AdmissionError):
+    status = 403
+    error_type = "permission_error"
+
+
+class NotFound(AdmissionError):
+    status = 404
+    error_type = "invalid_request_error"
+
+
+class PayloadTooLarge(AdmissionError):
+    """A body over a configured byte bound (a Batch API file)."""
+
+    status = 413
+    error_type = "invalid_request_error"
+
+
 class RequestTooLarge(AdmissionError):
     """The request costs more than a bucket can ever hold: retrying cannot succeed."""
 

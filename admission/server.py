@@ -20,10 +20,18 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from admission import status
-from admission.access import Access, Forbidden, Unauthorized
+from admission.access import Access
 from admission.batch.api import BatchApi
 from admission.batch.store import BatchStore, connect_batch
-from admission.errors import AdmissionError, BadRequest, QueueTimeout, Throttled
+from admission.errors import (
+    AdmissionError,
+    BadRequest,
+    Forbidden,
+    NotFound,
+    QueueTimeout,
+    Throttled,
+    Unauthorized,
+)
 from admission.limits import Limiter
 from admission.metrics import Metrics
 from admission.policy import Policy, Tenant
@@ -52,11 +60,6 @@ MAX_RELEASE_BATCH = 256
 # not connect (502), or the engine refused it (4xx: the request did not validate, 429/503: its
 # queue was full). Not 499 (the client left; the engine may have generated meanwhile).
 NOTHING_RAN = (0, 400, 404, 413, 422, 429, 502, 503)
-
-
-class NotFound(AdmissionError):
-    status = 404
-    error_type = "invalid_request_error"
 
 
 def error_response(exc: AdmissionError) -> web.Response:

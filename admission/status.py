@@ -8,6 +8,7 @@ one static HTML file (package data) that polls `/status.json` every second.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -105,5 +106,6 @@ def _grouped(refusals: deque[Refusal]) -> list[dict[str, Any]]:
     return sorted(groups.values(), key=lambda g: -g["last_at"])
 
 
+@functools.cache
 def page() -> str:
     return resources.files("admission").joinpath("status.html").read_text()

@@ -9,6 +9,7 @@ nginx/*.conf. Everything runs in a run directory; Ctrl-C or SIGTERM stops every 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -16,8 +17,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -235,6 +238,27 @@ class Stack:
             (self.run_dir / name.replace(".template", "")).write_text(text)
         for d in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
             (self.sock_dir / "tmp" / d).mkdir(parents=True, exist_ok=True)
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[Stack]:
+        """Started, and supervised from a background thread as `admission up` does (dead
+        children restarted with backoff) until the block ends; then stopped."""
+        halt = threading.Event()
+
+        def supervise() -> None:
+            while not halt.wait(0.2):
+                self.supervise()
+
+        thread = threading.Thread(target=supervise, daemon=True)
+        try:
+            self.start()
+            thread.start()
+            yield self
+        finally:
+            halt.set()
+            if thread.is_alive():
+                thread.join(5)
+            self.stop()
 
     def stop(self) -> None:
         """Stop in reverse start order (NGINX first, Redis last), each within 10 s."""

@@ -47,20 +47,11 @@ def batch_file(n: int) -> bytes:
     )  # fmt: skip
 
 
-def supervise(stack: Stack, halt: threading.Event) -> None:
-    while not halt.wait(0.2):
-        stack.supervise()
-
-
 def run(name: str, a: argparse.Namespace, reqs: list[Any], work: Path) -> dict[str, Any]:
     stack = Stack(DEFAULT_POLICY, work / name, nodes=a.nodes, sidecars=2, batch_claim_idle_s=5,
                   batch_concurrency=a.concurrency)  # fmt: skip
-    halt = threading.Event()
-    sup = threading.Thread(target=supervise, args=(stack, halt), daemon=True)
     out: dict[str, Any] = {}
-    try:
-        stack.start()
-        sup.start()
+    with stack.running():
         c = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=KEYS["nightly-etl"], max_retries=3)
         bid, t0 = None, time.monotonic()
         if name == "with-batch":
@@ -96,9 +87,6 @@ def run(name: str, a: argparse.Namespace, reqs: list[Any], work: Path) -> dict[s
             out["batch"] = {"status": b.status, "answered": len(ids), "distinct": len(set(ids)),
                             "ok": sum(1 for x in lines if x["error"] is None),
                             "seconds": time.monotonic() - t0}  # fmt: skip
-    finally:
-        halt.set()
-        stack.stop()
     return out
 
 

@@ -15,7 +15,6 @@ import openai
 import pytest
 
 from devstack.stack import DEFAULT_POLICY, Stack
-from tests.test_chaos import Supervisor
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -25,15 +24,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s = Stack(DEFAULT_POLICY, tmp_path_factory.mktemp("batch"), nodes=2, sidecars=2,
               batch_claim_idle_s=3.0,
               policy_overrides={"batch": {"max_file_bytes": 400_000, "max_open_per_tenant": 3}})  # fmt: skip
-    sup = Supervisor(s)
-    try:
-        s.start()
-        sup.start()
+    with s.running():
         yield s
-    finally:
-        sup.halt.set()
-        sup.join(5)
-        s.stop()
 
 
 def client(stack: Stack, key: str = "sk-demo-etl") -> openai.OpenAI:

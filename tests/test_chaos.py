@@ -22,7 +22,6 @@ import json
 import os
 import random
 import signal
-import threading
 import time
 import urllib.request
 from collections import Counter
@@ -58,32 +57,12 @@ class Answer:
     detail: str = ""
 
 
-class Supervisor(threading.Thread):
-    """Polls Stack.supervise() as `admission up` does: dead children are restarted."""
-
-    def __init__(self, stack: Stack) -> None:
-        super().__init__(daemon=True)
-        self.stack = stack
-        self.halt = threading.Event()
-        self.events: list[str] = []
-
-    def run(self) -> None:
-        while not self.halt.wait(0.2):
-            self.events += self.stack.supervise()
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(DEFAULT_POLICY, tmp_path_factory.mktemp("chaos"), nodes=2, sidecars=2)
-    sup = Supervisor(s)
-    try:
-        s.start()
-        sup.start()
+    with Stack(
+        DEFAULT_POLICY, tmp_path_factory.mktemp("chaos"), nodes=2, sidecars=2
+    ).running() as s:
         yield s
-    finally:
-        sup.halt.set()
-        sup.join(5)
-        s.stop()
 
 
 def body(rng: random.Random, stream: bool) -> dict[str, Any]:

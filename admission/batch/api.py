@@ -22,27 +22,9 @@ from aiohttp import BodyPartReader, web
 
 from admission.access import Access
 from admission.batch.store import TERMINAL, BatchStore, batch_object, file_object
-from admission.errors import AdmissionError, BadRequest
+from admission.errors import BadRequest, NotFound, PayloadTooLarge, Throttled
 
 URLS = ("/v1/chat/completions", "/v1/completions")
-
-
-class NotFound(AdmissionError):
-    status = 404
-    error_type = "invalid_request_error"
-
-
-class TooLarge(AdmissionError):
-    status = 413
-    error_type = "invalid_request_error"
-
-
-class TooMany(AdmissionError):
-    status = 429
-    error_type = "rate_limit_exceeded"
-
-    def retry_after_s(self) -> int | None:
-        return 60
 
 
 def parse_lines(data: bytes, max_lines: int) -> list[dict[str, Any]]:
@@ -120,16 +102,18 @@ class BatchApi:
                 while chunk := await part.read_chunk(1 << 16):
                     buf += chunk
                     if len(buf) > limit:
-                        raise TooLarge(f"file larger than {limit} bytes (batch.max_file_bytes)",
+                        raise PayloadTooLarge(f"file larger than {limit} bytes (batch.max_file_bytes)",
                                        code="file_too_large")  # fmt: skip
                 data = bytes(buf)
         if purpose != "batch":
             raise BadRequest("purpose must be 'batch'", code="invalid_purpose")
         if data is None:
             raise BadRequest("no `file` part", code="invalid_request")
-        parse_lines(data, policy.batch.max_lines)
+        lines = parse_lines(data, policy.batch.max_lines)
         fid = "file-" + secrets.token_hex(12)
-        obj = await self.store.put_file(fid, tid, name, "batch", data)
+        # What a batch needs to know of its input (checked here, once): no re-read at create.
+        urls = ",".join(sorted({ln["url"] for ln in lines}))
+        obj = await self.store.put_file(fid, tid, name, "batch", data, lines=len(lines), urls=urls)
         return web.json_response(obj)
 
     async def get_file(self, request: web.Request) -> web.Response:
@@ -161,15 +145,18 @@ class BatchApi:
         meta = await st.file_meta(fid) if isinstance(fid, str) else None
         if meta is None or meta.get("tenant") != tid or meta.get("purpose") != "batch":
             raise NotFound(f"no input file {fid!r}", code="not_found")
-        data = await st.file_bytes(str(fid)) or b""
-        lines = parse_lines(data, policy.batch.max_lines)
-        if any(ln["url"] != endpoint for ln in lines):
+        n_lines = int(meta.get("lines", 0))
+        if meta.get("urls") != endpoint:
             raise BadRequest(
                 "every line's url must be the batch's endpoint", code="invalid_request"
             )
+        if n_lines > policy.batch.max_lines:  # the bound was lowered since the upload
+            raise BadRequest(f"more than {policy.batch.max_lines} lines (batch.max_lines)",
+                             code="too_many_lines")  # fmt: skip
         if await st.open_count(tid) >= policy.batch.max_open_per_tenant:
-            raise TooMany(f"{policy.batch.max_open_per_tenant} batches already open "
-                          "(batch.max_open_per_tenant)", code="too_many_open_batches")  # fmt: skip
+            raise Throttled("too_many_open_batches", 60.0,
+                            f"{policy.batch.max_open_per_tenant} batches already open "
+                            "(batch.max_open_per_tenant)")  # fmt: skip
         metadata = body.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             raise BadRequest("metadata must be an object", code="invalid_request")
@@ -178,9 +165,9 @@ class BatchApi:
         fields = {"tenant": tid, "status": "in_progress", "endpoint": endpoint, "input_file_id": fid,
                   "completion_window": "24h", "created_at": now, "in_progress_at": now,
                   "expires_at": now + 24 * 3600, "metadata": json.dumps(metadata or {})}  # fmt: skip
-        await st.create(bid, tid, fields, len(lines))
+        await st.create(bid, tid, fields, n_lines)
         return web.json_response(batch_object(bid, {k: str(v) for k, v in fields.items()}
-                                              | {"total": str(len(lines))}))  # fmt: skip
+                                              | {"total": str(n_lines)}))  # fmt: skip
 
     async def get_batch(self, request: web.Request) -> web.Response:
         bid, b = await self._own_batch(request)

@@ -2,7 +2,8 @@
 
 Keys (every key of one batch shares the hash tag `{bt:<id>}`, so its scripts run on Redis
 Cluster too):
-- `adm:file:<id>` hash {tenant, filename, bytes, purpose, created_at} and `adm:file:<id>:data`
+- `adm:file:<id>` hash {tenant, filename, bytes, purpose, created_at; an input file's line
+  count and urls, checked once at upload} and `adm:file:<id>:data`
   (the bytes). Output and error files of a batch have ids derived from the batch id, so that
   finalizing twice writes the same files.
 - `adm:{bt:<id>}:batch` hash: the OpenAI batch object's fields, counts and timestamps.
@@ -22,6 +23,8 @@ from __future__ import annotations
 import json
 import time
 from typing import Any
+
+from redis import exceptions as rex
 
 STREAM = "adm:batch:lines"
 GROUP = "workers"
@@ -81,16 +84,17 @@ class BatchStore:
     async def ensure_group(self) -> None:
         try:
             await self.redis.xgroup_create(STREAM, GROUP, id="0", mkstream=True)
-        except Exception as exc:  # BUSYGROUP: it exists
+        except rex.ResponseError as exc:  # BUSYGROUP: another worker made it
             if "BUSYGROUP" not in str(exc):
                 raise
 
     # -- files -----------------------------------------------------------------------------
     async def put_file(
-        self, fid: str, tenant: str, name: str, purpose: str, data: bytes
+        self, fid: str, tenant: str, name: str, purpose: str, data: bytes, **extra: Any
     ) -> dict[str, Any]:
+        """Store a file; `extra` fields (an input file's line count and urls) ride in its meta."""
         meta = {"tenant": tenant, "filename": name, "bytes": len(data), "purpose": purpose,
-                "created_at": int(time.time())}  # fmt: skip
+                "created_at": int(time.time()), **extra}  # fmt: skip
         pipe = self.redis.pipeline(transaction=True)
         pipe.set(file_data(fid), data)
         pipe.hset(file_key(fid), mapping=meta)
@@ -140,9 +144,8 @@ class BatchStore:
                         pipe.srem(OPEN, bid)
                     await pipe.execute()
                     return True
-                except Exception as exc:  # WatchError: someone else changed it; read again
-                    if type(exc).__name__ != "WatchError":
-                        raise
+                except rex.WatchError:  # someone else changed it meanwhile: read again
+                    continue
 
     async def list(self, tenant: str, after: str | None, limit: int) -> list[str]:
         ids = [text(b) for b in await self.redis.zrevrange(tenant_batches(tenant), 0, -1)]

@@ -28,8 +28,7 @@ from typing import Any
 
 import aiohttp
 
-from admission.batch.store import GROUP, OPEN, STREAM, TERMINAL, BatchStore, results_key
-from admission.batch.store import text as _s
+from admission.batch.store import GROUP, OPEN, STREAM, TERMINAL, BatchStore, results_key, text
 from admission.policy import Policy
 
 log = logging.getLogger(__name__)
@@ -84,12 +83,12 @@ class Worker:
                                           block=block_ms)  # fmt: skip
         for _stream, entries in got or []:
             for eid, fields in entries:
-                self._start(_s(eid), fields)
+                self._start(text(eid), fields)
 
     def _start(self, eid: str, fields: dict[Any, Any]) -> None:
         if eid in self.inflight:
             return
-        f = {_s(k): _s(v) for k, v in fields.items()}
+        f = {text(k): text(v) for k, v in fields.items()}
         task = asyncio.create_task(self.line(eid, f.get("b", ""), int(f.get("i", -1))))
         self.inflight[eid] = task
 
@@ -108,9 +107,12 @@ class Worker:
                                               start_id="0-0", count=free)  # fmt: skip
             for eid, fields in res[1]:
                 if fields:
-                    log.info("batch line %s taken over from a silent worker", _s(eid))
-                    self._start(_s(eid), fields)
-        for bid in [_s(b) for b in await self.redis.smembers(OPEN)]:
+                    log.info("batch line %s taken over from a silent worker", text(eid))
+                    self._start(text(eid), fields)
+        open_ids = {text(b) for b in await self.redis.smembers(OPEN)}
+        for bid in set(self._lines) - open_ids:  # finished (finalized by another worker)
+            del self._lines[bid]
+        for bid in open_ids:
             b = await self.store.get(bid)
             if b is None:
                 await self.redis.srem(OPEN, bid)
@@ -129,7 +131,7 @@ class Worker:
             await self._ack(eid)
             return
         status = b.get("status")
-        if status in ("cancelling", "cancelled") or status in TERMINAL:
+        if status == "cancelling" or status in TERMINAL:
             answer, ok = _error_line(cid, "batch_cancelled", "the batch was cancelled"), False
         elif time.time() > int(b.get("expires_at", 0) or 0):
             answer, ok = _error_line(cid, "batch_expired", "the batch's 24 h window ended"), False

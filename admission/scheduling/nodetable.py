@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 EJECT_AFTER = 3  # proxied requests that could not reach a node, within EJECT_S
 EJECT_S = 10.0  # how long it stays out; then its agent's state applies again
+_NONE: frozenset[str] = frozenset()  # no pool blocked (a policy without pools)
 
 
 class NodeTable:
@@ -54,8 +55,10 @@ class NodeTable:
         """Nodes for this request, best first. `waiting(tenant)`: how many of a tenant's requests
         wait in the queue; a pool whose owners wait is not lent (they take it back)."""
         policy = self.policy()
-        blocked = frozenset(
-            pool for t, pool in policy.tenant_pool.items() if t != tenant and waiting(t)
+        blocked = (
+            frozenset(pool for t, pool in policy.tenant_pool.items() if t != tenant and waiting(t))
+            if policy.tenant_pool
+            else _NONE
         )
         return eligible(list(self.views.values()), policy, model, cls, prompt, kv, self.clock(),
                         tenant, blocked)  # fmt: skip
