@@ -21,6 +21,8 @@ command -v nginx >/dev/null || need_apt+=(nginx-light)
 [ -e /usr/share/nginx/modules-available/mod-http-lua.conf ] || need_apt+=(libnginx-mod-http-lua)
 [ -e /usr/lib/x86_64-linux-gnu/lua/5.1/cjson.so ] || [ -e /usr/lib/aarch64-linux-gnu/lua/5.1/cjson.so ] \
   || need_apt+=(lua-cjson)
+# wrk: the closed-loop client of loadtest.bench_throughput (edge throughput against plain NGINX).
+command -v wrk >/dev/null || need_apt+=(wrk)
 # The test suite checks the shipped systemd units (systemd-analyze) and alert rules (promtool),
 [ "$want_vllm" = 1 ] && ! command -v systemd-analyze >/dev/null && need_apt+=(systemd)
 [ "$want_vllm" = 1 ] && ! command -v promtool >/dev/null && need_apt+=(prometheus)

@@ -28,6 +28,7 @@ from typing import Any
 
 import aiohttp
 
+from admission.batch.pace import Pace
 from admission.batch.store import GROUP, OPEN, STREAM, TERMINAL, BatchStore, results_key, text
 from admission.policy import Policy
 
@@ -47,7 +48,7 @@ class Worker:
         self.policy = policy  # callable → Policy
         self.store = BatchStore(redis)
         self.edge_socket = edge_socket
-        self.concurrency = concurrency
+        self.pace = Pace(concurrency)  # lines in flight: up to `concurrency`, as the cluster allows
         self.claim_idle_s = claim_idle_s
         self.name = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.inflight: dict[str, asyncio.Task[None]] = {}  # stream entry id → its task
@@ -75,9 +76,9 @@ class Worker:
             await asyncio.gather(*self.inflight.values(), return_exceptions=True)
 
     async def take(self, block_ms: int) -> None:
-        free = self.concurrency - len(self.inflight)
+        free = self.pace.allowed() - len(self.inflight)
         if free <= 0:
-            await asyncio.sleep(block_ms / 1000)
+            await asyncio.sleep(0.05)
             return
         got = await self.redis.xreadgroup(GROUP, self.name, {STREAM: ">"}, count=free,
                                           block=block_ms)  # fmt: skip
@@ -101,7 +102,7 @@ class Worker:
         """Heartbeat our entries, take over a dead worker's, finalize finished batches."""
         if self.inflight:
             await self.redis.xclaim(STREAM, GROUP, self.name, 0, list(self.inflight), justid=True)
-        free = self.concurrency - len(self.inflight)
+        free = self.pace.allowed() - len(self.inflight)
         if free > 0:
             res = await self.redis.xautoclaim(STREAM, GROUP, self.name, int(self.claim_idle_s * 1000),
                                               start_id="0-0", count=free)  # fmt: skip
@@ -151,6 +152,7 @@ class Worker:
             headers["X-Request-Class"] = cls
         status, body, delay = 0, b"", 0.5
         for _attempt in range(policy.batch.max_attempts):
+            t0 = time.monotonic()
             try:
                 async with self.http.post(f"http://edge{req['url']}", json=req["body"],
                                           headers=headers) as r:  # fmt: skip
@@ -158,6 +160,9 @@ class Worker:
                     retry_after = r.headers.get("Retry-After")
             except (aiohttp.ClientError, TimeoutError) as exc:
                 status, body, retry_after = 0, str(exc).encode(), None
+            took = time.monotonic() - t0
+            if status != 200:
+                self.pace.sample(took, 0, status)
             if status not in RETRYABLE:
                 break
             wait = float(retry_after) if retry_after and retry_after.isdigit() else delay
@@ -169,6 +174,7 @@ class Worker:
         except ValueError:
             doc = {"raw": body[:2000].decode(errors="replace")}
         if status == 200:
+            self.pace.sample(took, _output_tokens(doc), 200)
             return {"id": rid, "custom_id": req["custom_id"],
                     "response": {"status_code": 200, "request_id": rid, "body": doc},
                     "error": None}, True  # fmt: skip
@@ -234,6 +240,13 @@ def _line_class(policy: Policy, tenant: str) -> str | None:
         return policy.batch.line_class
     allowed = [c for c in policy.classes if c in t.classes]
     return allowed[-1] if allowed else None
+
+
+def _output_tokens(doc: Any) -> int:
+    """The completion tokens an answer reports (0 when it does not say)."""
+    usage = doc.get("usage") if isinstance(doc, dict) else None
+    n = usage.get("completion_tokens") if isinstance(usage, dict) else None
+    return n if isinstance(n, int) else 0
 
 
 def _error_line(cid: str, code: str, message: str) -> dict[str, Any]:

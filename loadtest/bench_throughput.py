@@ -1,0 +1,226 @@
+"""Benchmark: the most requests per second through the full edge, next to plain NGINX.
+
+    python -m loadtest.bench_throughput [--seconds 30] [--clients 64,256,1024] [--delay-ms 20]
+
+One stub node that answers every chat after `--delay-ms` (an NGINX with ngx_lua, so that the
+stub is not what saturates), one edge NGINX with two servers — a plain proxy straight to the
+stub, and the full admission edge (Lua identify → one of two sidecars over a unix socket →
+Redis buckets and node lease → proxy → batched release) — and `wrk` as the closed-loop client:
+`--clients` connections, each sending its next request when the last is answered. Both paths
+take turns in the same run, on the same two cores. Also measured: the stack at idle and at
+~20 req/s. For every step: requests/s, p50/p99 latency, answers by kind (any
+`admission_unavailable` while every sidecar is alive is a failure of the edge), and the CPU each
+process used — in cores and in µs per request — read from /proc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from devstack.procs import free_port, stop_process, wait_for
+from devstack.stack import DEFAULT_POLICY, MODULES, Stack
+
+TICK = os.sysconf("SC_CLK_TCK")
+BODY = json.dumps({"model": "stub", "messages": [{"role": "user", "content": "hello"}],
+                   "max_tokens": 16})  # fmt: skip
+STUB_CONF = """daemon off; worker_processes 1; pid {d}/stub.pid; error_log {d}/stub-error.log warn;
+{modules}
+events {{ worker_connections 8192; }}
+http {{
+  access_log off; keepalive_requests 1000000;
+  client_body_temp_path {d}/tmp;
+  server {{
+    listen 127.0.0.1:{port} backlog=4096;
+    location = /v1/chat/completions {{ default_type application/json; content_by_lua_block {{
+      ngx.sleep({delay})
+      ngx.print('{{"id":"chatcmpl-stub","object":"chat.completion","created":0,"model":"stub",'
+        .. '"choices":[{{"index":0,"message":{{"role":"assistant","content":"ok"}},'
+        .. '"finish_reason":"stop"}}],"usage":{{"prompt_tokens":5,"completion_tokens":1,'
+        .. '"total_tokens":6}}}}')
+    }} }}
+    location = /health {{ return 200; }}
+    location = /metrics {{ default_type text/plain;
+      return 200 'vllm:kv_cache_usage_perc{{engine="0",model_name="stub"}} 0.0\\n'; }}
+  }}
+}}
+"""
+# wrk: POST the chat with the demo key; count answers by status and, for refusals, by code.
+WRK_LUA = """wrk.method = "POST"
+wrk.body = [[{body}]]
+wrk.headers["Content-Type"] = "application/json"
+wrk.headers["Authorization"] = "Bearer sk-demo-acme"
+local counts = {{}}
+local gap = {gap}
+function delay() return gap end
+function response(status, headers, body)
+  local k = tostring(status)
+  if status ~= 200 then k = k .. ":" .. (string.match(body or "", '"code":%s*"([^"]*)"') or "-") end
+  counts[k] = (counts[k] or 0) + 1
+end
+function setup(thread) table.insert(threads, thread) end
+threads = {{}}
+function done(summary, latency, requests)
+  local all = {{}}
+  for _, t in ipairs(threads) do
+    for k, v in pairs(t:get("counts")) do all[k] = (all[k] or 0) + v end
+  end
+  local parts = {{}}
+  for k, v in pairs(all) do table.insert(parts, string.format('"%s":%d', k, v)) end
+  io.write("ANSWERS {{" .. table.concat(parts, ",") .. "}}\\n")
+  io.write(string.format("LATENCY %.3f %.3f\\n", latency:percentile(50) / 1000,
+                         latency:percentile(99) / 1000))
+end
+"""
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(x) for x in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def groups(stack: Stack, stub: subprocess.Popen[bytes]) -> dict[str, list[int]]:
+    """The processes to account, by role (NGINX: master and workers)."""
+    procs = dict(stack.procs)
+    out: dict[str, list[int]] = {}
+    for name, p in procs.items():
+        role = re.sub(r"-\d+$", "", name)
+        pids = [p.pid] + (children(p.pid) if name == "nginx" else [])
+        out.setdefault("edge nginx" if name == "nginx" else role, []).extend(pids)
+    out["stub nginx"] = [stub.pid, *children(stub.pid)]
+    return out
+
+
+def measure(
+    url: str, clients: int, seconds: float, script: Path, roles: dict[str, list[int]],
+    threads: int = 2,
+) -> dict[str, object]:  # fmt: skip
+    before = {r: sum(cpu_s(p) for p in ps) for r, ps in roles.items()}
+    t0 = time.monotonic()
+    wrk = subprocess.run(["wrk", "-t", str(min(threads, clients)), "-c", str(clients), "-d",
+                          f"{seconds:g}s", "--timeout", "30s", "-s", str(script), url],
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    wall = time.monotonic() - t0
+    cpu = {r: sum(cpu_s(p) for p in ps) - before[r] for r, ps in roles.items()}
+    out = wrk.stdout
+    answers = json.loads(re.search(r"ANSWERS (\{.*\})", out).group(1))  # type: ignore[union-attr]
+    p50, p99 = (float(x) for x in re.search(r"LATENCY (\S+) (\S+)", out).groups())  # type: ignore[union-attr]
+    n = sum(answers.values())
+    return {"rps": n / wall, "n": n, "p50": p50, "p99": p99, "answers": answers,
+            "cores": {r: c / wall for r, c in cpu.items()},
+            "us_per_req": {r: c / n * 1e6 if n else 0.0 for r, c in cpu.items()}}  # fmt: skip
+
+
+def fmt_answers(a: dict[str, int]) -> str:
+    return ", ".join(f"{v:,} × {k}" for k, v in sorted(a.items(), key=lambda kv: -kv[1]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--seconds", type=float, default=30)
+    ap.add_argument("--clients", default="64,256,1024")
+    ap.add_argument("--delay-ms", type=float, default=20)
+    ap.add_argument("--sidecars", type=int, default=2)
+    a = ap.parse_args(argv)
+    if shutil.which("wrk") is None:
+        print("bench_throughput needs wrk (scripts/setup.sh installs it)")
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
+    (work / "tmp").mkdir()
+    stub_port, direct_port = free_port(), free_port()
+    modules = "\n".join(f"load_module {m};" for m in MODULES if Path(m).exists())
+    (work / "stub.conf").write_text(STUB_CONF.format(d=work, modules=modules, port=stub_port,
+                                                     delay=a.delay_ms / 1000))  # fmt: skip
+    stub = subprocess.Popen(["nginx", "-c", str(work / "stub.conf"), "-p", str(work)],
+                            start_new_session=True)  # fmt: skip
+    wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{stub_port}/health").status == 200,
+             20, "stub")  # fmt: skip
+    direct = f"""
+    upstream bench_direct {{ server 127.0.0.1:{stub_port}; keepalive 1024; }}
+    server {{
+        listen 127.0.0.1:{direct_port} backlog=4096;
+        location / {{ proxy_pass http://bench_direct; proxy_http_version 1.1;
+                     proxy_set_header Connection ""; proxy_buffering off; }}
+    }}"""
+    nodes = {"stub": {"url": f"http://127.0.0.1:{stub_port}", "models": ["stub"], "memory_source": "kv",
+                      "max_inflight": 100000}}  # fmt: skip
+    tenants = {"acme": {"tier": "platinum", "keys": ["plain:sk-demo-acme"], "classes": ["realtime"],
+                        "models": ["stub"],
+                        "limits": {"requests_per_s": 1000000, "request_burst": 1000000,
+                                   "tokens_per_min": 1e12, "token_burst": 1000000000,
+                                   "max_concurrent": 100000}}}  # fmt: skip
+    stack = Stack(DEFAULT_POLICY, work / "stack", external_nodes=nodes, extra_nginx_http=direct,
+                  policy_overrides={"tenants": tenants}, sidecars=a.sidecars)  # fmt: skip
+    closed = work / "closed.lua"
+    closed.write_text(WRK_LUA.format(body=BODY, gap=0))
+    paced = work / "paced.lua"  # 2 connections, each waiting 80 ms after an answer: ~20 req/s
+    paced.write_text(WRK_LUA.format(body=BODY, gap=80))
+    paths = {"plain NGINX": f"http://127.0.0.1:{direct_port}/v1/chat/completions",
+             "full edge": f"{stack.url}/v1/chat/completions"}  # fmt: skip
+    try:
+        stack.start()
+        roles = groups(stack, stub)
+        for url in paths.values():  # warm-up: connections, Lua code cache, sidecar caches
+            measure(url, 32, 2, closed, roles)
+        rows: list[tuple[str, str, dict[str, object]]] = []
+        before = {r: sum(cpu_s(p) for p in ps) for r, ps in roles.items()}
+        time.sleep(10)
+        idle = {r: sum(cpu_s(p) for p in ps) - before[r] for r, ps in roles.items()}
+        print("idle (10 s, no requests), cores: " + ", ".join(
+            f"{r} {c / 10:.3f}" for r, c in idle.items()), flush=True)  # fmt: skip
+        for name, url in paths.items():
+            rows.append((name, "~20 req/s", measure(url, 2, min(a.seconds, 15), paced, roles, 1)))
+        for c in (int(x) for x in a.clients.split(",")):
+            for name, url in paths.items():
+                rows.append((name, f"{c} clients", measure(url, c, a.seconds, closed, roles)))
+                r = rows[-1][2]
+                print(f"  {name}, {c} clients: {r['rps']:,.0f} req/s", flush=True)
+        report(rows)
+        bad = sum(r["answers"].get("503:admission_unavailable", 0)  # type: ignore[union-attr]
+                  for _n, _s, r in rows)  # fmt: skip
+        return 1 if bad else 0
+    finally:
+        stack.stop()
+        stop_process(stub)
+
+
+def report(rows: list[tuple[str, str, dict[str, object]]]) -> None:
+    print("\n| path | load | req/s | ratio to plain | p50 / p99 ms | answers |\n"
+          "|---|---|---:|---:|---|---|")  # fmt: skip
+    plain = {s: r["rps"] for n, s, r in rows if n == "plain NGINX"}
+    for name, step, r in rows:
+        ratio = r["rps"] / plain[step] if plain.get(step) else 0.0  # type: ignore[operator]
+        print(f"| {name} | {step} | {r['rps']:,.0f} | {ratio:.2f} | {r['p50']:.2f} / {r['p99']:.2f} "
+              f"| {fmt_answers(r['answers'])} |")  # type: ignore[arg-type]  # fmt: skip
+    roles = list(rows[0][2]["cores"])  # type: ignore[arg-type]
+    print("\nCPU per request (µs) by process; cores in use in brackets\n")
+    print("| path | load | " + " | ".join(roles) + " |\n|---|---|" + "---:|" * len(roles))
+    for name, step, r in rows:
+        us, cores = r["us_per_req"], r["cores"]
+        print(f"| {name} | {step} | " + " | ".join(
+            f"{us[k]:.0f} ({cores[k]:.2f})" for k in roles) + " |")  # type: ignore[index]  # fmt: skip
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
