@@ -58,7 +58,7 @@ WRK_LUA = """wrk.method = "POST"
 wrk.body = [[{body}]]
 wrk.headers["Content-Type"] = "application/json"
 wrk.headers["Authorization"] = "Bearer sk-demo-acme"
-local counts = {{}}
+counts = {{}}
 local gap = {gap}
 function delay() return gap end
 function response(status, headers, body)
@@ -167,8 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                       "max_inflight": 100000}}  # fmt: skip
     tenants = {"acme": {"tier": "platinum", "keys": ["plain:sk-demo-acme"], "classes": ["realtime"],
                         "models": ["stub"],
-                        "limits": {"requests_per_s": 1000000, "request_burst": 1000000,
-                                   "tokens_per_min": 1e12, "token_burst": 1000000000,
+                        "limits": {"requests_per_s": 100000, "request_burst": 100000,
+                                   "tokens_per_min": 1e9, "token_burst": 100000000,
                                    "max_concurrent": 100000}}}  # fmt: skip
     stack = Stack(DEFAULT_POLICY, work / "stack", external_nodes=nodes, extra_nginx_http=direct,
                   policy_overrides={"tenants": tenants}, sidecars=a.sidecars)  # fmt: skip

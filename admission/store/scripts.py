@@ -2,9 +2,14 @@
 
 A round trip costs the sidecar ~100-170 µs of CPU in redis-py, the largest share of an
 admission, so calls that belong together (acquire + node lease on the fast path; lease
-release + settle) go in one non-transactional pipeline. Each script keeps its own hash tag, so
-on Redis Cluster the pipeline is split by slot and every script stays atomic. NOSCRIPT (after a
-restart or SCRIPT FLUSH) loads the scripts again and retries once.
+release + settle) go in one non-transactional pipeline — and so do the calls of every admission
+and release that arrive while a round trip is out: one round trip is in flight at a time, and
+whatever queued meanwhile leaves together in the next (up to `MAX_BATCH` calls). At low load
+that is one round trip per admission, as before; under load the per-round-trip cost (pool,
+pipeline, syscalls — in redis-server too) is shared by everything that waited. Each script keeps
+its own hash tag, so on Redis Cluster (no pipelines of scripts there) calls run concurrently and
+every script stays atomic. NOSCRIPT (after a restart or SCRIPT FLUSH) loads the scripts again and
+retries once.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from redis import exceptions as rex
 from admission.store.connection import raise_if_down
 
 NAMES = ("acquire", "settle", "lease", "unlease")
+MAX_BATCH = 512  # calls per coalesced round trip
 
 
 def _lua(name: str) -> str:
@@ -47,14 +53,64 @@ class Scripts:
         self.cluster = isinstance(redis, aioredis.RedisCluster)
         self.source = {n: PRELUDE + _lua(n) for n in NAMES}
         self.sha = {n: hashlib.sha1(src.encode()).hexdigest() for n, src in self.source.items()}
+        self._waiting: list[tuple[tuple[Call, ...], asyncio.Future[list[Any]]]] = []
+        self._sending: asyncio.Task[None] | None = None
 
     async def run(self, *calls: Call) -> list[Any]:
-        """Run `calls` in one round trip; return their results in order (errors as exceptions
-        for script errors, raised for connection problems).
+        """Run `calls` in one round trip (shared with other callers'); return their results in
+        order (errors as exceptions for script errors, raised for connection problems)."""
+        if self.cluster:
+            results = await self._run(calls)
+            raise_if_down(results)
+            return results
+        fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        self._waiting.append((calls, fut))
+        if self._sending is None:
+            self._sending = asyncio.create_task(self._send(), name="redis-round-trips")
+        return await fut
 
-        On NOSCRIPT every script is loaded again and only the calls that failed with it run
-        again: a call that did run (another process had reloaded its script) must not run twice.
-        """
+    async def _send(self) -> None:
+        """Send what waits, one round trip at a time, until nothing does."""
+        try:
+            while self._waiting:
+                n = 0
+                for k, (calls, _f) in enumerate(self._waiting):
+                    n += len(calls)
+                    if n >= MAX_BATCH:
+                        break
+                group, self._waiting = self._waiting[: k + 1], self._waiting[k + 1 :]
+                try:
+                    results = await self._run(tuple(c for calls, _f in group for c in calls))
+                except asyncio.CancelledError:
+                    for _calls, f in group:
+                        f.cancel()
+                    raise
+                except Exception as exc:
+                    for _calls, f in group:
+                        if not f.done():
+                            f.set_exception(exc)
+                    continue
+                i = 0
+                for calls, f in group:
+                    mine, i = results[i : i + len(calls)], i + len(calls)
+                    if f.done():  # its caller is gone (cancelled)
+                        continue
+                    try:
+                        raise_if_down(mine)
+                        f.set_result(mine)
+                    except Exception as exc:
+                        f.set_exception(exc)
+        finally:
+            self._sending = None
+            for _calls, f in self._waiting:  # stopped (cancelled) with callers still waiting
+                if not f.done():
+                    f.set_exception(rex.ConnectionError("the round trip was stopped"))
+            self._waiting = []
+
+    async def _run(self, calls: tuple[Call, ...]) -> list[Any]:
+        """One round trip. On NOSCRIPT every script is loaded again and only the calls that
+        failed with it run again: a call that did run (another process had reloaded its script)
+        must not run twice."""
         results = await self._batch(calls)
         missing = [i for i, r in enumerate(results) if isinstance(r, rex.NoScriptError)]
         if missing:
@@ -63,7 +119,6 @@ class Scripts:
             again = await self._batch(tuple(calls[i] for i in missing))
             for i, r in zip(missing, again, strict=True):
                 results[i] = r
-        raise_if_down(results)
         return results
 
     async def _batch(self, calls: tuple[Call, ...]) -> list[Any]:
