@@ -268,7 +268,12 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--policy", default="policies.yaml")
     w.add_argument("--edge-socket", required=True,
                    help="the edge's internal unix socket (the server with the trusted tenant)")  # fmt: skip
-    w.add_argument("--concurrency", type=int, default=16, help="most lines in flight (the worker keeps fewer while the cluster is busy)")
+    w.add_argument(
+        "--concurrency",
+        type=int,
+        default=16,
+        help="most lines in flight (the worker keeps fewer while the cluster is busy)",
+    )
     w.add_argument("--claim-idle-s", type=float, default=30.0,
                    help="take over a silent worker's lines after this long")  # fmt: skip
     w.set_defaults(fn=cmd_batch_worker)

@@ -6,12 +6,15 @@ the policy (tenants, classes, nodes, reasons).
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        self._decided: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
         r = self.registry
         self.decisions = Counter(
             "admission_decisions_total",
@@ -127,3 +130,14 @@ class Metrics:
             buckets=(1e-5, 5e-5, 1e-4, 5e-4, 1e-3, 5e-3, 1e-2, 5e-2),
             registry=r,
         )
+
+    def decided(self, tenant: str, cls: str, outcome: str, reason: str, seconds: float) -> None:
+        """Count one /admit answer and its latency. The labelled children are looked up once
+        per label set (bounded by the policy), not per request."""
+        key = (tenant, cls, outcome, reason)
+        pair = self._decided.get(key)
+        if pair is None:
+            pair = self._decided[key] = (self.decisions.labels(*key),
+                                         self.decision_seconds.labels(cls))  # fmt: skip
+        pair[0].inc()
+        pair[1].observe(seconds)

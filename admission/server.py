@@ -9,13 +9,13 @@ become HTTP answers (OpenAI-shaped JSON, Retry-After where retrying can help).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -82,11 +82,19 @@ async def error_middleware(
         return error_response(BadRequest("request body too large", code="body_too_large"))
 
 
-async def _json_object(request: web.Request, allowed: set[str]) -> dict[str, Any]:
+async def _json_body(request: web.Request) -> Any:
     try:
-        body = await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        return orjson.loads(await request.read())
+    except orjson.JSONDecodeError as exc:
         raise BadRequest(f"body is not valid JSON: {exc}", code="invalid_json") from exc
+
+
+def _json(doc: Any) -> web.Response:
+    return web.Response(body=orjson.dumps(doc), content_type="application/json")
+
+
+async def _json_object(request: web.Request, allowed: set[str]) -> dict[str, Any]:
+    body = await _json_body(request)
     if not isinstance(body, dict):
         raise BadRequest("body must be a JSON object", code="invalid_json")
     unknown = sorted(set(body) - allowed)
@@ -151,7 +159,7 @@ async def admit(request: web.Request) -> web.Response:
     try:
         adm = await dispatcher.admit(tenant, cls, model, prompt, max_tokens, waited_s, rid)
         outcome, reason = "admitted", "degraded" if request.app[LIMITER].degraded else "ok"
-        return web.json_response(
+        return _json(
             {
                 "ticket": adm.ticket,
                 "node": adm.node,
@@ -175,10 +183,9 @@ async def admit(request: web.Request) -> web.Response:
         outcome, reason = "rejected", exc.code
         raise
     finally:
-        metrics.decisions.labels(tenant.id, cls, outcome, reason).inc()
+        metrics.decided(tenant.id, cls, outcome, reason, time.perf_counter() - started)
         request.app[RECENT].decided(tenant.id, cls, outcome, reason,
                                     adm.queued_s if outcome == "admitted" else 0.0)  # fmt: skip
-        metrics.decision_seconds.labels(cls).observe(time.perf_counter() - started)
 
 
 def _release_args(body: Any) -> tuple[str, int, bool]:
@@ -223,28 +230,28 @@ async def release(request: web.Request) -> web.Response:
     lease back and settle the reservation. A malformed entry of a batch is answered on its own
     and does not hold the others back; settling is idempotent, so a batch may be resent whole."""
     request.app[ACCESS].check_edge(request)
-    try:
-        body = await request.json(loads=json.loads)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BadRequest(f"body is not valid JSON: {exc}", code="invalid_json") from exc
+    body = await _json_body(request)
     dispatcher = request.app[DISPATCHER]
     if not isinstance(body, list):
         ticket, actual, failed = _release_args(body)
         refunded = await dispatcher.release(ticket, actual, failed)
-        return web.json_response({"released": True, "refunded_tokens": refunded})
+        return _json({"released": True, "refunded_tokens": refunded})
     if len(body) > MAX_RELEASE_BATCH:
         raise BadRequest(f"at most {MAX_RELEASE_BATCH} releases per batch", code="batch_too_large")
 
-    async def one(entry: Any) -> dict[str, Any]:
+    results: list[dict[str, Any]] = []
+    good: list[tuple[str, int, bool]] = []
+    for entry in body:  # a malformed entry is answered on its own
         try:
-            ticket, actual, failed = _release_args(entry)
+            good.append(_release_args(entry))
+            results.append({})
         except BadRequest as exc:
-            return {"error": {"message": exc.message, "code": exc.code}}
-        return {"refunded_tokens": await dispatcher.release(ticket, actual, failed)}
-
-    results = await asyncio.gather(*(one(e) for e in body))
-    return web.json_response({"released": sum("error" not in r for r in results),
-                              "results": results})  # fmt: skip
+            results.append({"error": {"message": exc.message, "code": exc.code}})
+    refunds = iter(await dispatcher.release_many(good))
+    for r in results:
+        if "error" not in r:
+            r["refunded_tokens"] = next(refunds)
+    return _json({"released": len(good), "results": results})
 
 
 async def healthz(request: web.Request) -> web.Response:

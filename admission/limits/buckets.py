@@ -159,36 +159,49 @@ class Limiter:
 
         `also` (the node lease release) rides in the same round trip. With Redis unreachable
         both go to the backlog (0 is returned)."""
-        self._local.release(ticket)
-        calls = []
-        if tenant is not None:
-            calls.append(self.settle_call(tenant, ticket, actual_tokens))
-        if also is not None:
-            calls.append(also)
+        return (await self.settle_many([(tenant, ticket, actual_tokens, also)]))[0]
+
+    async def settle_many(
+        self, items: list[tuple[Tenant | None, str, int, Call | None]]
+    ) -> list[int]:
+        """`settle` for many reservations (an edge's batch of releases) in one round trip."""
+        calls: list[Call] = []
+        slots: list[int] = []  # per item: index of its settle result, or -1
+        for tenant, ticket, actual, also in items:
+            self._local.release(ticket)
+            slots.append(len(calls) if tenant is not None else -1)
+            if tenant is not None:
+                calls.append(self.settle_call(tenant, ticket, actual))
+            if also is not None:
+                calls.append(also)
         if not calls:
-            return 0
+            return [0] * len(items)
         if self.degraded:
             self.backlog.add(*calls)
-            return 0
+            return [0] * len(items)
         try:
             out = await self.store.scripts.run(*calls)
         except PoolBusy:
             self.backlog.add(*calls)  # owed, delivered by the backlog; Redis is not down
-            return 0
+            return [0] * len(items)
         except REDIS_DOWN as exc:
             self._failed("settle", exc)
             self.backlog.add(*calls)
-            return 0
-        if tenant is None:
-            return 0
-        if isinstance(out[0], Exception):
-            raise out[0]
-        delta = int(out[0][1])
-        if delta > 0:
-            self.metrics.settled_tokens.labels(tenant.id, "refund").inc(delta)
-        elif delta < 0:
-            self.metrics.settled_tokens.labels(tenant.id, "overage").inc(-delta)
-        return delta
+            return [0] * len(items)
+        deltas = []
+        for (tenant, *_rest), slot in zip(items, slots, strict=True):
+            if tenant is None:
+                deltas.append(0)
+                continue
+            if isinstance(out[slot], Exception):
+                raise out[slot]
+            delta = int(out[slot][1])
+            if delta > 0:
+                self.metrics.settled_tokens.labels(tenant.id, "refund").inc(delta)
+            elif delta < 0:
+                self.metrics.settled_tokens.labels(tenant.id, "overage").inc(-delta)
+            deltas.append(delta)
+        return deltas
 
     @staticmethod
     def settle_call(tenant: Tenant, ticket: str, actual_tokens: int) -> Call:

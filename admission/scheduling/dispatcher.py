@@ -148,17 +148,21 @@ class Dispatcher:
     async def release(self, ticket: str, actual_tokens: int, node_failed: bool = False) -> int:
         """Give the lease back and settle the reservation in one round trip; tokens refunded.
         `node_failed`: the edge could not reach the node this ticket named (health ejection)."""
-        rid, node, tid = leases.parse_ticket(ticket)
-        await self.nodes.proxied(node, node_failed)
-        tenant = self.policy().tenants.get(tid)
+        return (await self.release_many([(ticket, actual_tokens, node_failed)]))[0]
+
+    async def release_many(self, entries: list[tuple[str, int, bool]]) -> list[int]:
+        """`release` for an edge's batch of (ticket, actual tokens, node failed): one round trip."""
+        items, nodes, tenants = [], [], self.policy().tenants
+        for ticket, actual, failed in entries:
+            rid, node, tid = leases.parse_ticket(ticket)
+            await self.nodes.proxied(node, failed)
+            items.append((tenants.get(tid), rid, actual, leases.give_back(ticket)))
+            nodes.append(node)
         try:
-            return await self.limiter.settle(
-                tenant, rid, actual_tokens, also=leases.give_back(ticket)
-            )
+            return await self.limiter.settle_many(items)
         finally:
-            # Only now is the lease gone in Redis: waking the dispatcher earlier made it try a
-            # lease the ledger still counted, and requeue the request it had popped.
-            self._freed(node)
+            for node in nodes:  # only now are the leases gone in Redis (waking earlier requeued)
+                self._freed(node)
 
     def serves(self, model: str) -> bool:
         return self.nodes.serves(model)

@@ -23,7 +23,13 @@ class Store:
 
     @classmethod
     def open(cls, settings: RedisSettings, metrics: Metrics) -> Store:
-        return cls.over(connect(settings), metrics)
+        redis = connect(settings)
+        if settings.cluster:
+            return cls.over(redis, metrics)
+        # The hot path's scripts get their own client, bounded per round trip, not per reply.
+        scripts = Scripts(connect(settings, read_timeouts=False),
+                          timeout_s=settings.command_timeout_ms / 1000)  # fmt: skip
+        return cls(redis, scripts, Backlog(scripts, metrics))
 
     @classmethod
     def over(cls, redis: Any, metrics: Metrics) -> Store:
@@ -32,6 +38,8 @@ class Store:
         return cls(redis, scripts, Backlog(scripts, metrics))
 
     async def close(self) -> None:
+        if self.scripts.redis is not self.redis:
+            await self.scripts.redis.aclose()
         await self.redis.aclose()
 
 

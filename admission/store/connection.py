@@ -76,11 +76,13 @@ class _Pool(aioredis.BlockingConnectionPool):
             raise
 
 
-def connect(settings: RedisSettings) -> Any:
+def connect(settings: RedisSettings, *, read_timeouts: bool = True) -> Any:
     """A redis-py asyncio client with short timeouts and a *blocking* pool.
 
     The default pool raises once all connections are busy; a blocking pool makes the excess
     wait `pool_wait_ms` instead, which under bursts is the difference between a queue and 503s.
+    `read_timeouts=False`: no timer per command read (redis-py arms one per reply); the caller
+    bounds each round trip as a whole (Scripts does, once per coalesced pipeline).
     """
     timeout = settings.command_timeout_ms / 1000
     if settings.cluster:
@@ -94,7 +96,7 @@ def connect(settings: RedisSettings) -> Any:
         settings.url,
         max_connections=settings.pool_size,
         timeout=settings.pool_wait_ms / 1000,
-        socket_timeout=timeout,
+        socket_timeout=timeout if read_timeouts else None,
         socket_connect_timeout=settings.connect_timeout_ms / 1000,
     )
     return aioredis.Redis.from_pool(pool)  # the client owns (and closes) its pool

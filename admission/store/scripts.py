@@ -47,8 +47,9 @@ class Call:
 
 
 class Scripts:
-    def __init__(self, redis: Any) -> None:
+    def __init__(self, redis: Any, timeout_s: float | None = None) -> None:
         self.redis = redis
+        self.timeout_s = timeout_s  # per round trip (a client without per-reply timeouts)
         # redis-py refuses EVALSHA in cluster pipelines: there, calls run concurrently instead.
         self.cluster = isinstance(redis, aioredis.RedisCluster)
         self.source = {n: PRELUDE + _lua(n) for n in NAMES}
@@ -73,14 +74,19 @@ class Scripts:
         """Send what waits, one round trip at a time, until nothing does."""
         try:
             while self._waiting:
-                n = 0
-                for k, (calls, _f) in enumerate(self._waiting):
-                    n += len(calls)
-                    if n >= MAX_BATCH:
-                        break
-                group, self._waiting = self._waiting[: k + 1], self._waiting[k + 1 :]
+                n = k = 0
+                while k < len(self._waiting) and n < MAX_BATCH:
+                    n += len(self._waiting[k][0])
+                    k += 1
+                group, self._waiting = self._waiting[:k], self._waiting[k:]
                 try:
-                    results = await self._run(tuple(c for calls, _f in group for c in calls))
+                    async with asyncio.timeout(self.timeout_s):
+                        results = await self._run(tuple(c for calls, _f in group for c in calls))
+                except TimeoutError:
+                    for _calls, f in group:  # redis-py dropped the connection mid-reply
+                        if not f.done():
+                            f.set_exception(rex.TimeoutError("Redis round trip timed out"))
+                    continue
                 except asyncio.CancelledError:
                     for _calls, f in group:
                         f.cancel()
