@@ -97,9 +97,12 @@ class PolicyHolder:
 
         hup_task = asyncio.create_task(on_hup())
         try:
-            only_policy = lambda _change, path: Path(path).resolve() == target  # noqa: E731
+            # Not recursive, and a name compare before any resolve(): the directory may be busy
+            # (logs, Redis AOF next to a local stack's policy) and every event is filtered here.
+            name = target.name
+            only_policy = lambda _c, path: path.endswith(name) and Path(path).resolve() == target  # noqa: E731
             async for _changes in awatch(
-                target.parent, watch_filter=only_policy, debounce=200, step=50
+                target.parent, watch_filter=only_policy, debounce=200, step=50, recursive=False
             ):
                 try:
                     self.reload()
