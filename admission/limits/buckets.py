@@ -12,6 +12,7 @@ caller, who gets its result back and decides.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -50,6 +51,24 @@ class Rates:
             tok_cap_u=lim.token_burst * U,
             tok_rate_u=max(1, round(lim.tokens_per_min * scale * U / 60)),
         )
+
+
+# The scripts' constant arguments, per limits (a reload makes new ones), encoded once: redis-py
+# packs bytes as they are, where each int or str argument costs a conversion per request.
+@functools.lru_cache(maxsize=4096)
+def _acquire_args(
+    lim: Limits, scale: float, lease_ttl_us: int
+) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
+    r = Rates.of(lim, scale)
+    head = [r.req_cap_u, r.req_rate_u, U, r.tok_cap_u, r.tok_rate_u]
+    tail = [int(lim.burst_window_s * U), lim.burst_max, lim.max_concurrent, lease_ttl_us]
+    return tuple(b"%d" % x for x in head), tuple(b"%d" % x for x in tail)
+
+
+@functools.lru_cache(maxsize=4096)
+def _settle_args(lim: Limits) -> tuple[bytes, bytes]:
+    r = Rates.of(lim)
+    return b"%d" % r.tok_cap_u, b"%d" % r.tok_rate_u
 
 
 class Acquired(NamedTuple):
@@ -105,13 +124,8 @@ class Limiter:
         multiplies the refill rates (memory-aware limits)."""
         lim = tenant.limits
         if not self.degraded:
-            r = Rates.of(lim, scale)
-            args = [
-                r.req_cap_u, r.req_rate_u, U,
-                r.tok_cap_u, r.tok_rate_u, tokens * U,
-                int(lim.burst_window_s * U), lim.burst_max,
-                lim.max_concurrent, int(lease_ttl_s * U), ticket, tokens,
-            ]  # fmt: skip
+            head, tail = _acquire_args(lim, scale, int(lease_ttl_s * U))
+            args = [*head, b"%d" % (tokens * U), *tail, ticket, b"%d" % tokens]
             calls = [Call("acquire", keys.tenant_keys(tenant.id, ticket), args)]
             if also is not None:
                 calls.append(also)
@@ -205,10 +219,9 @@ class Limiter:
 
     @staticmethod
     def settle_call(tenant: Tenant, ticket: str, actual_tokens: int) -> Call:
-        r = Rates.of(tenant.limits)
         k = keys.tenant_keys(tenant.id, ticket)
         return Call(
-            "settle", [k[1], k[3], k[4]], [r.tok_cap_u, r.tok_rate_u, actual_tokens, ticket]
+            "settle", [k[1], k[3], k[4]], [*_settle_args(tenant.limits), actual_tokens, ticket]
         )
 
     def _failed(self, op: str, exc: BaseException) -> None:

@@ -33,12 +33,12 @@ from admission.scheduling.leases import Ask
 from admission.scheduling.nodetable import NodeTable
 from admission.scheduling.queue import FairQueue, Item
 from admission.scheduling.routing import NodeView, engine_priority, eta_s
-from admission.store import REDIS_DOWN, PoolBusy, Store
+from admission.store import REDIS_DOWN, Call, PoolBusy, Store
 
 log = logging.getLogger(__name__)
 
 REFRESH_S = 0.1  # node-state poll period while requests flow: a fraction of the agents' period
-IDLE_REFRESH_S = 0.5  # ... and while none has since the last poll (idle CPU: 5× fewer polls)
+IDLE_REFRESH_S = 0.5  # ... and while none has (idle CPU); a decision reads first if older
 LATE_MARGIN = 0.25  # share of a TTFT target kept as slack for what the ETA does not see
 
 
@@ -99,6 +99,7 @@ class Dispatcher:
         ttl_s = policy.queue.lease_ttl_s
         cost = prompt_tokens + max_tokens
         rid = rid or leases.new_request_id()
+        await self.nodes.fresh(REFRESH_S)
         nodes = self._fast_path(model, cls, prompt_tokens, cost, tenant.id)
         lease = ticket = None
         if nodes:
@@ -141,13 +142,14 @@ class Dispatcher:
                 self.store.backlog.add(leases.give_back(maybe))
 
     async def release(self, ticket: str, actual_tokens: int, node_failed: bool = False) -> int:
-        """Give the lease back and settle the reservation in one round trip; tokens refunded.
-        `node_failed`: the edge could not reach the node this ticket named (health ejection)."""
+        """Give the lease back and settle (tokens refunded); `node_failed`: the edge could not
+        reach the ticket's node (health ejection)."""
         return (await self.release_many([(ticket, actual_tokens, node_failed)]))[0]
 
     async def release_many(self, entries: list[tuple[str, int, bool]]) -> list[int]:
         """`release` for an edge's batch of (ticket, actual tokens, node failed): one round trip."""
-        items, nodes, tenants = [], [], self.policy().tenants
+        items: list[tuple[Tenant | None, str, int, Call | None]] = []
+        nodes, tenants = [], self.policy().tenants
         for ticket, actual, failed in entries:
             rid, node, tid = leases.parse_ticket(ticket)
             await self.nodes.proxied(node, failed)
@@ -381,8 +383,7 @@ class Dispatcher:
 
     def _freed(self, node: str) -> None:
         self._active = True
-        v = self.nodes.get(node)
-        if v is not None:
+        if (v := self.nodes.get(node)) is not None:
             v.inflight = max(0, v.inflight - 1)
         self._wake.set()
 
@@ -391,9 +392,7 @@ class Dispatcher:
         await self.nodes.set_maintenance(node, on)
         self._wake.set()
 
-    @property
-    def views(self) -> list[NodeView]:
-        return list(self.nodes.views.values())
+    views = property(lambda self: list(self.nodes.views.values()))
 
     def _gauge_depth(self) -> None:
         for name in self.policy().classes:

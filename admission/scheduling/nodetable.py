@@ -6,6 +6,7 @@ operator's drain flag and the node's lease count, in one pipeline every `REFRESH
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +36,8 @@ class NodeTable:
         self.views: dict[str, NodeView] = {}
         self.held_since: dict[str, float] = {}  # model → since when every live node is held
         self._last_ok = clock()
+        self._read_at = float("inf")  # when the last refresh started (never: views as set)
+        self._reading: asyncio.Future[None] | None = None
         self._bad_state_logged: set[str] = set()
         self.set_policy(policy())
 
@@ -71,8 +74,18 @@ class NodeTable:
     def serves(self, model: str) -> bool:
         return any(model in n.models for n in self.policy().nodes.values())
 
+    async def fresh(self, max_age_s: float) -> None:
+        """Make sure the views are at most `max_age_s` old: an idle dispatcher polls less often,
+        and the first decision after a quiet spell reads first (one read shared by all)."""
+        if self.clock() - self._read_at <= max_age_s:
+            return
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.ensure_future(self.refresh())
+        await asyncio.shield(self._reading)
+
     async def refresh(self) -> None:
         """Read every node's published state, admin flag and lease count from Redis."""
+        self._read_at = self.clock()
         views = list(self.views.values())
         pipe = self.redis.pipeline(transaction=False)
         pipe.time()

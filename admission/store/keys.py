@@ -6,26 +6,37 @@ script runs unchanged on Redis Cluster.
 
 from __future__ import annotations
 
+import functools
+
 PREFIX = "adm"
 
 
-def tenant_keys(tenant: str, ticket: str) -> list[str]:
-    """The keys of the acquire/settle scripts, in the order the scripts expect them."""
+@functools.lru_cache(maxsize=65536)
+def _tenant_prefixes(tenant: str) -> tuple[bytes, ...]:
     tag = f"{PREFIX}:{{t:{tenant}}}"
+    return tuple(f"{tag}:{k}".encode() for k in ("rq", "tk", "bw", "cc", "res:"))
+
+
+def tenant_keys(tenant: str, ticket: str) -> list[bytes]:
+    """The keys of the acquire/settle scripts, in the order the scripts expect them (encoded:
+    they are on every admission's path, and all but the reservation are the tenant's own)."""
+    rq, tk, bw, cc, res = _tenant_prefixes(tenant)
     return [
-        f"{tag}:rq",  # request bucket: hash {l: level in micro-requests, t: last refill µs}
-        f"{tag}:tk",  # LLM-token bucket: same shape, micro-tokens
-        f"{tag}:bw",  # burst guard: zset ticket → admit time µs (sliding window)
-        f"{tag}:cc",  # concurrency leases: zset ticket → expiry µs
-        f"{tag}:res:{ticket}",  # reservation: hash {tok: reserved tokens}; TTL = lease TTL
+        rq,  # request bucket: hash {l: level in micro-requests, t: last refill µs}
+        tk,  # LLM-token bucket: same shape, micro-tokens
+        bw,  # burst guard: zset ticket → admit time µs (sliding window)
+        cc,  # concurrency leases: zset ticket → expiry µs
+        res + ticket.encode(),  # reservation: hash {tok: reserved tokens}; TTL = lease TTL
     ]
 
 
+@functools.lru_cache(maxsize=65536)
 def node_leases(node: str) -> str:
     """In-flight leases on a node: zset ticket → expiry µs (taken atomically by lease.lua)."""
     return f"{PREFIX}:{{n:{node}}}:leases"
 
 
+@functools.lru_cache(maxsize=65536)
 def node_ledger(node: str) -> str:
     """What a node will hold: hash {p: pending prefill tokens, t: µs, kv: reserved KV tokens,
     k:<ticket>: one lease's KV tokens} (lease.lua, unlease.lua)."""

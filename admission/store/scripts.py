@@ -42,7 +42,7 @@ class Call:
     """One command of a batch: a script (by name) or a plain Redis command (`script=None`)."""
 
     script: str | None
-    keys: list[str]
+    keys: list[str] | list[bytes]
     args: list[Any]
 
 
