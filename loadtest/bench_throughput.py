@@ -19,11 +19,13 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import tempfile
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 from devstack.procs import free_port, stop_process, wait_for
@@ -82,6 +84,17 @@ end
 """
 
 
+@dataclass
+class Step:
+    rps: float
+    n: int
+    p50: float
+    p99: float
+    answers: dict[str, int]
+    cores: dict[str, float]  # by process role
+    us_per_req: dict[str, float]
+
+
 def cpu_s(pid: int) -> float:
     """User + system CPU seconds of one process (0 if it is gone)."""
     try:
@@ -113,21 +126,28 @@ def groups(stack: Stack, stub: subprocess.Popen[bytes]) -> dict[str, list[int]]:
 def measure(
     url: str, clients: int, seconds: float, script: Path, roles: dict[str, list[int]],
     threads: int = 2,
-) -> dict[str, object]:  # fmt: skip
+) -> Step:  # fmt: skip
     before = {r: sum(cpu_s(p) for p in ps) for r, ps in roles.items()}
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)  # wrk, once it has been waited for
+    before["wrk (client)"] = ru.ru_utime + ru.ru_stime
     t0 = time.monotonic()
     wrk = subprocess.run(["wrk", "-t", str(min(threads, clients)), "-c", str(clients), "-d",
                           f"{seconds:g}s", "--timeout", "30s", "-s", str(script), url],
                          capture_output=True, text=True, check=True)  # fmt: skip
     wall = time.monotonic() - t0
     cpu = {r: sum(cpu_s(p) for p in ps) - before[r] for r, ps in roles.items()}
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu["wrk (client)"] = ru.ru_utime + ru.ru_stime - before["wrk (client)"]
     out = wrk.stdout
-    answers = json.loads(re.search(r"ANSWERS (\{.*\})", out).group(1))  # type: ignore[union-attr]
-    p50, p99 = (float(x) for x in re.search(r"LATENCY (\S+) (\S+)", out).groups())  # type: ignore[union-attr]
+    got = re.search(r"ANSWERS (\{.*\})", out)
+    lat = re.search(r"LATENCY (\S+) (\S+)", out)
+    if got is None or lat is None:
+        raise RuntimeError(f"wrk printed no summary: {out[-500:]} {wrk.stderr[-500:]}")
+    answers: dict[str, int] = json.loads(got.group(1))
     n = sum(answers.values())
-    return {"rps": n / wall, "n": n, "p50": p50, "p99": p99, "answers": answers,
-            "cores": {r: c / wall for r, c in cpu.items()},
-            "us_per_req": {r: c / n * 1e6 if n else 0.0 for r, c in cpu.items()}}  # fmt: skip
+    return Step(n / wall, n, float(lat.group(1)), float(lat.group(2)), answers,
+                {r: c / wall for r, c in cpu.items()},
+                {r: c / n * 1e6 if n else 0.0 for r, c in cpu.items()})  # fmt: skip
 
 
 def fmt_answers(a: dict[str, int]) -> str:
@@ -142,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", default="64,256,1024")
     ap.add_argument("--delay-ms", type=float, default=20)
     ap.add_argument("--sidecars", type=int, default=2)
+    ap.add_argument("--idle-s", type=float, default=10, help="the idle measurement's length")
     a = ap.parse_args(argv)
     if shutil.which("wrk") is None:
         print("bench_throughput needs wrk (scripts/setup.sh installs it)")
@@ -183,43 +204,40 @@ def main(argv: list[str] | None = None) -> int:
         roles = groups(stack, stub)
         for url in paths.values():  # warm-up: connections, Lua code cache, sidecar caches
             measure(url, 32, 2, closed, roles)
-        rows: list[tuple[str, str, dict[str, object]]] = []
+        rows: list[tuple[str, str, Step]] = []
         before = {r: sum(cpu_s(p) for p in ps) for r, ps in roles.items()}
-        time.sleep(10)
+        time.sleep(a.idle_s)
         idle = {r: sum(cpu_s(p) for p in ps) - before[r] for r, ps in roles.items()}
-        print("idle (10 s, no requests), cores: " + ", ".join(
-            f"{r} {c / 10:.3f}" for r, c in idle.items()), flush=True)  # fmt: skip
+        print(f"idle ({a.idle_s:g} s, no requests), cores: " + ", ".join(
+            f"{r} {c / a.idle_s:.3f}" for r, c in idle.items()), flush=True)  # fmt: skip
         for name, url in paths.items():
             rows.append((name, "~20 req/s", measure(url, 2, min(a.seconds, 15), paced, roles, 1)))
         for c in (int(x) for x in a.clients.split(",")):
             for name, url in paths.items():
                 rows.append((name, f"{c} clients", measure(url, c, a.seconds, closed, roles)))
-                r = rows[-1][2]
-                print(f"  {name}, {c} clients: {r['rps']:,.0f} req/s", flush=True)
+                print(f"  {name}, {c} clients: {rows[-1][2].rps:,.0f} req/s", flush=True)
         report(rows)
-        bad = sum(r["answers"].get("503:admission_unavailable", 0)  # type: ignore[union-attr]
-                  for _n, _s, r in rows)  # fmt: skip
+        bad = sum(r.answers.get("503:admission_unavailable", 0) for _n, _s, r in rows)
         return 1 if bad else 0
     finally:
         stack.stop()
         stop_process(stub)
 
 
-def report(rows: list[tuple[str, str, dict[str, object]]]) -> None:
+def report(rows: list[tuple[str, str, Step]]) -> None:
     print("\n| path | load | req/s | ratio to plain | p50 / p99 ms | answers |\n"
           "|---|---|---:|---:|---|---|")  # fmt: skip
-    plain = {s: r["rps"] for n, s, r in rows if n == "plain NGINX"}
+    plain = {s: r.rps for n, s, r in rows if n == "plain NGINX"}
     for name, step, r in rows:
-        ratio = r["rps"] / plain[step] if plain.get(step) else 0.0  # type: ignore[operator]
-        print(f"| {name} | {step} | {r['rps']:,.0f} | {ratio:.2f} | {r['p50']:.2f} / {r['p99']:.2f} "
-              f"| {fmt_answers(r['answers'])} |")  # type: ignore[arg-type]  # fmt: skip
-    roles = list(rows[0][2]["cores"])  # type: ignore[arg-type]
+        ratio = r.rps / plain[step] if plain.get(step) else 0.0
+        print(f"| {name} | {step} | {r.rps:,.0f} | {ratio:.2f} | {r.p50:.2f} / {r.p99:.2f} "
+              f"| {fmt_answers(r.answers)} |")  # fmt: skip
+    roles = list(rows[0][2].cores)
     print("\nCPU per request (µs) by process; cores in use in brackets\n")
     print("| path | load | " + " | ".join(roles) + " |\n|---|---|" + "---:|" * len(roles))
     for name, step, r in rows:
-        us, cores = r["us_per_req"], r["cores"]
-        print(f"| {name} | {step} | " + " | ".join(
-            f"{us[k]:.0f} ({cores[k]:.2f})" for k in roles) + " |")  # type: ignore[index]  # fmt: skip
+        cells = " | ".join(f"{r.us_per_req[k]:.0f} ({r.cores[k]:.2f})" for k in roles)
+        print(f"| {name} | {step} | {cells} |")
 
 
 if __name__ == "__main__":

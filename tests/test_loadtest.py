@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -35,6 +36,27 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
     assert "| admission | realtime |" in (out / "report.md").read_text()
     for name in ("ttft_cdf.png", "shares.png", "timeline.png"):
         assert (out / name).stat().st_size > 1000
+
+
+@pytest.mark.skipif(
+    shutil.which("wrk") is None, reason="wrk missing (scripts/setup.sh installs it)"
+)
+def test_throughput_benchmark_smoke() -> None:
+    """The edge throughput benchmark runs end to end: both paths answer 200 at every step, and
+    the per-process CPU table names the sidecars, Redis, NGINX and the client."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "loadtest.bench_throughput", "--seconds", "2", "--clients", "32",
+         "--idle-s", "1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| full edge | 32 clients")]
+    assert len(rows) == 2  # the throughput row and the CPU row
+    assert "× 200 |" in rows[0] and "admission_unavailable" not in rows[0]
+    assert int(rows[0].split("|")[3].replace(",", "")) > 0
+    header = next(ln for ln in proc.stdout.splitlines() if ln.startswith("| path | load | redis"))
+    for role in ("sidecar", "edge nginx", "redis", "wrk (client)"):
+        assert role in header
 
 
 @pytest.fixture(scope="module")
