@@ -38,7 +38,7 @@ from admission.store import REDIS_DOWN, Call, PoolBusy, Store
 log = logging.getLogger(__name__)
 
 REFRESH_S = 0.1  # node-state poll period while requests flow: a fraction of the agents' period
-IDLE_REFRESH_S = 0.5  # ... and while none has (idle CPU); a decision reads first if older
+IDLE_REFRESH_S = 0.5  # ... and while none has (idle CPU); a decision reads first if > 0.2 s
 LATE_MARGIN = 0.25  # share of a TTFT target kept as slack for what the ETA does not see
 
 
@@ -99,7 +99,7 @@ class Dispatcher:
         ttl_s = policy.queue.lease_ttl_s
         cost = prompt_tokens + max_tokens
         rid = rid or leases.new_request_id()
-        await self.nodes.fresh(REFRESH_S)
+        await self.nodes.fresh(2 * REFRESH_S)  # after a quiet spell; busy, the loop polls
         nodes = self._fast_path(model, cls, prompt_tokens, cost, tenant.id)
         lease = ticket = None
         if nodes:
