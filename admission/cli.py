@@ -101,12 +101,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
             sites.append(web.TCPSite(runner, args.host, args.port, backlog=LISTEN_BACKLOG))
         for s in sites:
             await s.start()
-        if args.unix:
-            # Only NGINX's workers should reach the sidecar: in production run it with NGINX's
-            # group and the default 0660; the local stack (everything as one user, NGINX
-            # workers as another) passes 0666.
-            os.chmod(args.unix, int(args.socket_mode, 8))
-        logging.info("sidecar listening on %s", ", ".join(s.name for s in sites))
+        names = [s.name for s in sites]
+        edge = None
+        if args.admit_unix:  # the edge's admissions: JSON lines (admission.edge_socket)
+            from admission import edge_socket
+
+            Path(args.admit_unix).unlink(missing_ok=True)
+            edge = await edge_socket.serve(app, args.admit_unix, LISTEN_BACKLOG)
+            names.append(f"unix:{args.admit_unix} (admissions)")
+        for path in (args.unix, args.admit_unix):
+            if path:
+                # Only NGINX's workers should reach the sidecar: in production run it with
+                # NGINX's group and the default 0660; the local stack (everything as one
+                # user, NGINX workers as another) passes 0666.
+                os.chmod(path, int(args.socket_mode, 8))
+        logging.info("sidecar listening on %s", ", ".join(names))
         # Everything allocated so far lives as long as the process: keep it out of the
         # collector's generations so that collections on the request path stay short.
         gc.collect()
@@ -117,6 +126,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             loop.add_signal_handler(sig, stop.set)
         await stop.wait()
         logging.info("stopping: draining in-flight admissions")
+        if edge is not None:
+            await edge_socket.drain(*edge, timeout_s=5.0)
         await runner.cleanup()
 
     asyncio.run(main())
@@ -239,6 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the admission sidecar")
     s.add_argument("--policy", default="policies.yaml")
     s.add_argument("--unix", help="listen on this unix socket")
+    s.add_argument("--admit-unix",
+                   help="the edge's admission socket (JSON lines; NGINX's admit.lua uses it)")  # fmt: skip
     s.add_argument("--socket-mode", default="0660",
                    help="permissions of the unix socket, octal (default 0660: owner and group)")  # fmt: skip
     s.add_argument("--host", default="127.0.0.1",

@@ -82,19 +82,23 @@ async def error_middleware(
         return error_response(BadRequest("request body too large", code="body_too_large"))
 
 
-async def _json_body(request: web.Request) -> Any:
+def _loads(raw: bytes) -> Any:
     try:
-        return orjson.loads(await request.read())
+        return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"body is not valid JSON: {exc}", code="invalid_json") from exc
+
+
+async def _json_body(request: web.Request) -> Any:
+    return _loads(await request.read())
 
 
 def _json(doc: Any) -> web.Response:
     return web.Response(body=orjson.dumps(doc), content_type="application/json")
 
 
-async def _json_object(request: web.Request, allowed: set[str]) -> dict[str, Any]:
-    body = await _json_body(request)
+def _json_object(raw: bytes, allowed: set[str]) -> dict[str, Any]:
+    body = _loads(raw)
     if not isinstance(body, dict):
         raise BadRequest("body must be a JSON object", code="invalid_json")
     unknown = sorted(set(body) - allowed)
@@ -123,11 +127,17 @@ def _tenant(policy: Policy, body: dict[str, Any]) -> Tenant:
 
 
 async def admit(request: web.Request) -> web.Response:
-    started = time.perf_counter()
     request.app[ACCESS].check_edge(request)
-    holder, metrics = request.app[POLICY], request.app[METRICS]
+    return _json(await decide(request.app, await request.read()))
+
+
+async def decide(app: web.Application, raw: bytes) -> dict[str, Any]:
+    """One admission decision from the edge's JSON ask: the answer, or an AdmissionError (the
+    HTTP route and the edge's own socket, admission.edge_socket, both answer with this)."""
+    started = time.perf_counter()
+    holder, metrics = app[POLICY], app[METRICS]
     policy = holder.current
-    body = await _json_object(request, ADMIT_KEYS)
+    body = _json_object(raw, ADMIT_KEYS)
     tenant = _tenant(policy, body)
     cls = body.get("class") or tenant.default_class
     if not isinstance(cls, str) or cls not in tenant.classes:
@@ -135,7 +145,7 @@ async def admit(request: web.Request) -> web.Response:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("model must be a non-empty string", code="invalid_model")
-    dispatcher = request.app[DISPATCHER]
+    dispatcher = app[DISPATCHER]
     if not dispatcher.serves(model):
         raise NotFound(f"model {model!r} does not exist", code="model_not_found")
     if tenant.models and model not in tenant.models:
@@ -158,18 +168,16 @@ async def admit(request: web.Request) -> web.Response:
     outcome, reason = "error", "internal"
     try:
         adm = await dispatcher.admit(tenant, cls, model, prompt, max_tokens, waited_s, rid)
-        outcome, reason = "admitted", "degraded" if request.app[LIMITER].degraded else "ok"
-        return _json(
-            {
-                "ticket": adm.ticket,
-                "node": adm.node,
-                "url": adm.url,
-                "fallbacks": [{"node": n, "url": u} for n, u in adm.fallbacks],
-                "priority": adm.priority,
-                "class": adm.cls,
-                "queued_ms": round(adm.queued_s * 1000, 3),
-            }
-        )
+        outcome, reason = "admitted", "degraded" if app[LIMITER].degraded else "ok"
+        return {
+            "ticket": adm.ticket,
+            "node": adm.node,
+            "url": adm.url,
+            "fallbacks": [{"node": n, "url": u} for n, u in adm.fallbacks],
+            "priority": adm.priority,
+            "class": adm.cls,
+            "queued_ms": round(adm.queued_s * 1000, 3),
+        }
     except QueueTimeout:
         outcome, reason = "timeout", "queue_timeout"
         raise
@@ -184,7 +192,7 @@ async def admit(request: web.Request) -> web.Response:
         raise
     finally:
         metrics.decided(tenant.id, cls, outcome, reason, time.perf_counter() - started)
-        request.app[RECENT].decided(tenant.id, cls, outcome, reason,
+        app[RECENT].decided(tenant.id, cls, outcome, reason,
                                     adm.queued_s if outcome == "admitted" else 0.0)  # fmt: skip
 
 

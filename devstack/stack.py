@@ -141,8 +141,8 @@ class Stack:
             if self.restarter.due(name):
                 kill_group(proc)
                 if name.startswith("sidecar-"):
-                    sock = self.sock_dir / f"{name}.sock"
-                    sock.unlink(missing_ok=True)
+                    (self.sock_dir / f"{name}.sock").unlink(missing_ok=True)
+                    (self.sock_dir / f"admit-{name.split('-')[1]}.sock").unlink(missing_ok=True)
                 self.procs[i] = (name, self._popen(name))
                 events.append(f"{name} exited with {proc.returncode}; restarted "
                               f"(restart {self.restarter.restarts[name]})")  # fmt: skip
@@ -187,12 +187,13 @@ class Stack:
         edge_table = self.sock_dir / "edge.json"
         for i, sock in enumerate(sockets):
             args = [py, "-m", "admission.cli", "serve", "--policy", str(self.runtime_policy),
-                    "--unix", str(sock), "--socket-mode", "0666", "--edge-table", str(edge_table)]  # fmt: skip
+                    "--unix", str(sock), "--admit-unix", str(self.sock_dir / f"admit-{i}.sock"),
+                    "--socket-mode", "0666", "--edge-table", str(edge_table)]  # fmt: skip
             if i == 0:
                 args += ["--port", str(self.admin_port),
                          "--admin-token-file", str(self.admin_token_file)]  # fmt: skip
             p = self._spawn(f"sidecar-{i}", args)
-            wait_for(sock.exists, 30, f"sidecar {i}", p)
+            wait_for((self.sock_dir / f"admit-{i}.sock").exists, 30, f"sidecar {i}", p)  # the last
         self._write_nginx(policy, sockets, edge_table)
         p = self._spawn(
             "nginx", ["nginx", "-c", str(self.run_dir / "nginx.conf"), "-p", str(self.run_dir)]
@@ -222,6 +223,9 @@ class Stack:
             "@@LUA_DIR@@": str(self.sock_dir / "lua"),
             "@@EDGE_TABLE@@": str(edge_table),
             "@@SIDECAR_SOCKET_LIST@@": ", ".join(f'"{s}"' for s in sockets),
+            "@@ADMIT_SOCKET_LIST@@": ", ".join(
+                f'"{self.sock_dir / f"admit-{i}.sock"}"' for i in range(len(sockets))
+            ),
             "@@SIDECAR_SERVERS@@": "\n".join(f"    server unix:{s} max_fails=0;" for s in sockets),
             "@@MAX_BODY@@": str(policy.edge.max_body_bytes),
             "@@MAX_FILE_BODY@@": str(policy.batch.max_file_bytes + 65536),

@@ -25,6 +25,7 @@ def test_rendered_units_verify_cleanly(tmp_path: Path) -> None:
                      "admission-sidecar@.service"]  # fmt: skip
     text = (tmp_path / "admission-sidecar@.service").read_text()
     assert "@@" not in text and "Restart=always" in text and "NoNewPrivileges=yes" in text
+    assert "--admit-unix /run/admission/admit-%i.sock" in text  # the edge's admission socket
     # A template is verified through an instance of it.
     shutil.copy(tmp_path / "admission-sidecar@.service", tmp_path / "admission-sidecar@0.service")
     shutil.copy(tmp_path / "admission-batch-worker@.service",

@@ -1,14 +1,18 @@
--- admission.edge.admit: ask the sidecar (access phase) through the internal location
--- /_admission/admit (unix-socket upstream with keepalive; several sidecar processes behind it).
--- The subrequest is held until the sidecar admits, refuses or times the request out.
+-- admission.edge.admit: ask a sidecar for an admission (access phase), and wait for its answer.
+-- The ask goes over the sidecars' admission sockets (admission.edge_socket: one JSON line each
+-- way, pooled keepalive connections, spread over the sidecars) when `configure` named them;
+-- otherwise through the internal location /_admission/admit (an HTTP subrequest to the
+-- admission_sidecar upstream). The ask is held until the sidecar admits, refuses or times the
+-- request out; a client that leaves meanwhile closes the connection, which cancels it.
 local cjson = require "cjson.safe"
 
 local ngx = ngx
 local capture = ngx.location.capture
 local HTTP_POST = ngx.HTTP_POST
 local str_find = string.find
+local tcp = ngx.socket.tcp
 
-local _M = { _VERSION = "0.1.0" }
+local _M = { _VERSION = "0.2.0" }
 
 -- No sidecar answering (a connect burst, a sidecar restarting or dying while the request
 -- waited in its queue) is retried for this long, with backoff, before the failure mode applies:
@@ -18,14 +22,61 @@ local ngx_sleep = ngx.sleep
 local ngx_now = ngx.now
 local math_min = math.min
 
-local function once(body)
-  local res = capture("/_admission/admit", { method = HTTP_POST, body = body })
-  if res.status == 200 then
-    local d = cjson.decode(res.body)
-    if type(d) == "table" and d.ticket then
-      return d
+local sockets = {}
+local next_socket = 0
+local JSON = { ["Content-Type"] = "application/json" }
+
+-- init_worker: the sidecars' admission sockets ("unix:/path"); none: the HTTP subrequest.
+function _M.configure(paths)
+  sockets = {}
+  for i, p in ipairs(paths or {}) do sockets[i] = "unix:" .. p end
+  next_socket = ngx.worker.id() or 0 -- workers start on different sidecars
+end
+
+local function decoded(status, body, retry_after)
+  if status == 200 then
+    if type(body) == "table" and body.ticket then
+      return body
     end
     return nil, nil, "malformed sidecar answer"
+  end
+  local header = JSON
+  if retry_after then
+    header = { ["Content-Type"] = "application/json", ["Retry-After"] = tostring(retry_after) }
+  end
+  return nil, { status = status, header = header, body = cjson.encode(body) }
+end
+
+local function over_socket(line)
+  local n = #sockets
+  for _ = 1, n do
+    next_socket = next_socket % n + 1
+    local sock = tcp()
+    sock:settimeouts(1000, 5000, 660000) -- the read is a long poll: longer than any deadline
+    local ok = sock:connect(sockets[next_socket])
+    if ok then
+      local got = sock:send(line) and sock:receive("*l")
+      if got then
+        sock:setkeepalive(75000, 1024)
+        local a = cjson.decode(got)
+        if type(a) ~= "table" or type(a.status) ~= "number" then
+          return nil, nil, "malformed sidecar answer"
+        end
+        return decoded(a.status, a.body, a.retry_after)
+      end
+      sock:close()
+      -- The sidecar took the ask and died (or closed) before answering: asked again below,
+      -- by ask()'s retry, at whichever sidecar answers.
+      return nil, nil, "sidecar connection lost"
+    end
+  end
+  return nil, nil, "no sidecar socket accepted a connection"
+end
+
+local function over_http(body)
+  local res = capture("/_admission/admit", { method = HTTP_POST, body = body })
+  if res.status == 200 then
+    return decoded(200, cjson.decode(res.body))
   end
   local ctype = res.header["Content-Type"] or ""
   if res.status >= 400 and res.status < 600 and res.status ~= 502 and res.status ~= 504
@@ -33,6 +84,13 @@ local function once(body)
     return nil, res
   end
   return nil, nil, "sidecar unavailable (status " .. res.status .. ")"
+end
+
+local function once(body)
+  if #sockets > 0 then
+    return over_socket(body .. "\n")
+  end
+  return over_http(body)
 end
 
 -- Returns decision table (200), or nil, res (a sidecar answer to pass on), or nil, nil, err

@@ -1,0 +1,116 @@
+"""The edge's own way to ask for admissions: JSON lines on a unix socket.
+
+Every admission used to be an HTTP request to the sidecar (an NGINX subrequest, aiohttp's
+parsing, routing, middlewares and response writing): more than half of the sidecar's CPU per
+request went there, not into the decision. On this socket NGINX's Lua keeps pooled connections
+(cosockets) and writes one line per ask — the same JSON object `/admit` takes — and reads one
+line back: `{"status": 200, "body": {…}}`, or an error's status, body and Retry-After, exactly
+as `/admit` answers. One ask at a time per connection; a connection that closes while its ask
+waits (the client went away, NGINX aborted the request) cancels it, which frees its queue
+slot, as a dropped HTTP request does. Unix socket only (its file mode is the boundary, like the
+HTTP socket's); `/admit` stays for tools and tests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from admission.errors import AdmissionError, BadRequest
+from admission.server import decide
+
+log = logging.getLogger(__name__)
+
+MAX_LINE = 64 * 1024  # as /admit's body limit
+
+
+class EdgeProtocol(asyncio.Protocol):
+    def __init__(self, app: web.Application, live: set[EdgeProtocol]) -> None:
+        self.app = app
+        self.live = live
+        self.buf = bytearray()
+        self.asks: deque[bytes] = deque()
+        self.task: asyncio.Task[None] | None = None
+        self.transport: asyncio.Transport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.live.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        while (i := self.buf.find(b"\n")) >= 0:
+            self.asks.append(bytes(self.buf[:i]))
+            del self.buf[: i + 1]
+        if len(self.buf) > MAX_LINE:
+            self.asks.append(b"")  # answered 400 below, then the connection is closed
+            self.buf.clear()
+            self.asks.append(b"\x00close")
+        self._next()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.live.discard(self)
+        self.asks.clear()
+        if self.task is not None:
+            self.task.cancel()
+
+    def _next(self) -> None:
+        if self.task is None and self.asks:
+            ask = self.asks.popleft()
+            if ask == b"\x00close":
+                if self.transport is not None:
+                    self.transport.close()
+                return
+            self.task = asyncio.create_task(self._answer(ask))
+            self.task.add_done_callback(self._done)
+
+    def _done(self, _t: asyncio.Task[None]) -> None:
+        self.task = None
+        if self.transport is not None and not self.transport.is_closing():
+            self._next()
+
+    async def _answer(self, ask: bytes) -> None:
+        try:
+            if len(ask) > MAX_LINE or not ask:
+                raise BadRequest("request body too large or empty", code="body_too_large")
+            out: dict[str, Any] = {"status": 200, "body": await decide(self.app, ask)}
+        except AdmissionError as exc:
+            out = {"status": exc.status,
+                   "body": {"error": {"message": exc.message, "type": exc.error_type,
+                                      "code": exc.code}}}  # fmt: skip
+            if (ra := exc.retry_after_s()) is not None:
+                out["retry_after"] = ra
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("admission failed")
+            out = {"status": 500, "body": {"error": {"message": "internal error",
+                                                     "type": "server_error", "code": "internal"}}}  # fmt: skip
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(orjson.dumps(out) + b"\n")
+
+
+async def serve(
+    app: web.Application, path: str, backlog: int
+) -> tuple[asyncio.Server, set[EdgeProtocol]]:
+    """Listen on `path`; returns the server and its live connections (to drain on stop)."""
+    live: set[EdgeProtocol] = set()
+    loop = asyncio.get_running_loop()
+    server = await loop.create_unix_server(lambda: EdgeProtocol(app, live), path, backlog=backlog)
+    return server, live
+
+
+async def drain(server: asyncio.Server, live: set[EdgeProtocol], timeout_s: float) -> None:
+    """Stop taking connections; let asks in flight finish for up to `timeout_s`."""
+    server.close()
+    tasks = [p.task for p in live if p.task is not None]
+    if tasks:
+        await asyncio.wait(tasks, timeout=timeout_s)
+    for p in list(live):
+        if p.transport is not None:
+            p.transport.close()
