@@ -70,7 +70,7 @@ async def test_fail_closed_round_trip_that_ran_leaves_no_lease(
     scripts = d.store.scripts
     run = scripts.run
 
-    async def ran_then_timed_out(*calls: Call) -> list[Any]:
+    async def ran_then_timed_out(*calls: Call, **_kw: Any) -> list[Any]:
         await run(*calls)
         raise rex.TimeoutError("Timeout reading from socket")
 
@@ -82,6 +82,27 @@ async def test_fail_closed_round_trip_that_ran_leaves_no_lease(
     assert await d.store.backlog.flush()
     assert await redis.zcard(keys.node_leases("n1")) == 0
     assert await redis.zcard(keys.tenant_keys("t1", "a")[3]) == 0  # concurrency slot back
+    await client.aclose()
+
+
+async def test_a_caller_gone_mid_round_trip_leaves_nothing_booked(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    # The client left (its admission cancelled) while the round trip carrying its buckets and
+    # lease was out: the round trip runs anyway (it is shared with other callers), so what it
+    # took is given back in the next one.
+    p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000}")
+    d, client = make(p)
+    await redis.execute_command("CLIENT", "PAUSE", 150, "WRITE")  # slow, within the timeout
+    task = asyncio.ensure_future(d.admit(p.tenants["t1"], "realtime", "m", 10, 50 - 10))
+    await asyncio.sleep(0.05)  # its round trip is out
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.5)  # the pause ends, the round trip runs, then the compensation
+    assert await redis.zcard(keys.node_leases("n1")) == 0
+    assert await redis.zcard(keys.tenant_keys("t1", "x")[3]) == 0  # no concurrency slot held
+    assert await redis.keys(b"adm:{t:t1}:res:*") == []  # no reservation left
     await client.aclose()
 
 

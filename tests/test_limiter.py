@@ -443,7 +443,7 @@ async def test_timed_out_acquire_that_ran_is_given_back(
     t = p.tenants["t1"]
     run = lim.store.scripts.run
 
-    async def ran_then_timed_out(*calls: Call) -> list[Any]:
+    async def ran_then_timed_out(*calls: Call, **_kw: Any) -> list[Any]:
         await run(*calls)
         raise rex.TimeoutError("Timeout reading from socket")
 

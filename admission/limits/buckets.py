@@ -117,11 +117,13 @@ class Limiter:
         lease_ttl_s: float,
         also: Call | None = None,
         scale: float = 1.0,
+        give_back: Callable[[], Call] | None = None,
     ) -> Acquired:
         """Debit one request and `tokens` LLM tokens, all-or-nothing, with `also` in the same
         round trip. Denials (Throttled, RequestTooLarge, BackendUnavailable under fail-closed)
         come back in `Acquired.denied`, so that the caller can undo `also` first. `scale`
-        multiplies the refill rates (memory-aware limits)."""
+        multiplies the refill rates (memory-aware limits). `give_back`: the undo of `also`,
+        sent with the refund if the caller is cancelled while the round trip is out."""
         lim = tenant.limits
         if not self.degraded:
             head, tail = _acquire_args(lim, scale, int(lease_ttl_s * U))
@@ -129,7 +131,13 @@ class Limiter:
             calls = [Call("acquire", keys.tenant_keys(tenant.id, ticket), args)]
             if also is not None:
                 calls.append(also)
-            out = await self._run_waiting(calls, tenant, ticket)
+
+            # If the caller leaves (cancelled) while this is out, it ran anyway: give it back.
+            def orphan() -> tuple[Call, ...]:
+                undo = (give_back(),) if give_back is not None else ()
+                return (self.settle_call(tenant, ticket, 0), *undo)
+
+            out = await self._run_waiting(calls, tenant, ticket, orphan)
             if isinstance(out, AdmissionError):
                 return Acquired("redis", None, out)
             if out is not None:
@@ -144,7 +152,7 @@ class Limiter:
         return self._acquire_local(tenant, ticket, tokens, lease_ttl_s)
 
     async def _run_waiting(
-        self, calls: list[Call], tenant: Tenant, ticket: str
+        self, calls: list[Call], tenant: Tenant, ticket: str, orphan: store.Orphan = None
     ) -> list[Any] | AdmissionError | None:
         """Run the acquire round trip. Every pooled connection in use is this process's
         overload, not an outage: nothing was sent, so nothing to give back; wait in line for a
@@ -153,7 +161,7 @@ class Limiter:
         busy_until = self.clock() + self.busy_wait_s
         while True:
             try:
-                return list(await self.store.scripts.run(*calls))
+                return list(await self.store.scripts.run(*calls, orphan=orphan))
             except PoolBusy:
                 self.metrics.redis_errors.labels("pool_busy").inc()
                 if self.clock() >= busy_until:

@@ -18,6 +18,7 @@ booked prefill clears soonest (routing.py); the next ones are the edge's fallbac
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -79,15 +80,9 @@ class Dispatcher:
 
     # -- the decision ------------------------------------------------------------------------
     async def admit(
-        self,
-        tenant: Tenant,
-        cls: str,
-        model: str,
-        prompt_tokens: int,
-        max_tokens: int,
-        waited_s: float = 0.0,
-        rid: str | None = None,
-    ) -> Admission:
+        self, tenant: Tenant, cls: str, model: str, prompt_tokens: int, max_tokens: int,
+        waited_s: float = 0.0, rid: str | None = None,
+    ) -> Admission:  # fmt: skip
         """Charge the tenant's limits and get a node, now or from the queue.
 
         Raises Throttled / RequestTooLarge (limits), QueueFull, QueueTimeout,
@@ -109,7 +104,8 @@ class Dispatcher:
         # as the run: they expire after the class deadline plus the longest run.
         hold_s = ttl_s + policy.classes[cls].deadline_s
         scale = self.nodes.limit_factor(model, cls)  # memory-aware limits
-        acq = await self.limiter.acquire(tenant, rid, cost, hold_s, also=lease, scale=scale)
+        undo = functools.partial(leases.give_back, ticket) if ticket is not None else None
+        acq = await self.limiter.acquire(tenant, rid, cost, hold_s, lease, scale, undo)
         held = lease is not None and leases.granted(acq.also)
         # The round trip that carried the lease failed but may have run: unless this request
         # ends up holding that very lease, it is given back.

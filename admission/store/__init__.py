@@ -10,7 +10,7 @@ from admission.metrics import Metrics
 from admission.policy import RedisSettings
 from admission.store.backlog import Backlog
 from admission.store.connection import REDIS_DOWN, PoolBusy, StoreDown, connect, is_down
-from admission.store.scripts import Call, Scripts
+from admission.store.scripts import Call, Orphan, Scripts
 
 
 @dataclass
@@ -44,6 +44,6 @@ class Store:
 
 
 __all__ = [
-    "REDIS_DOWN", "Backlog", "Call", "PoolBusy", "Scripts", "Store", "StoreDown", "connect",
-    "is_down",
+    "REDIS_DOWN", "Backlog", "Call", "Orphan", "PoolBusy", "Scripts", "Store", "StoreDown",
+    "connect", "is_down",
 ]  # fmt: skip

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -26,6 +27,9 @@ from redis import exceptions as rex
 from admission.store.connection import raise_if_down
 
 NAMES = ("acquire", "settle", "lease", "unlease")
+# A caller's compensations, built only if it was cancelled (the client left) while its calls
+# were out: they ran anyway, so what they took is given back in the next round trip.
+Orphan = Callable[[], tuple["Call", ...]] | None
 MAX_BATCH = 512  # calls per coalesced round trip
 
 
@@ -54,18 +58,20 @@ class Scripts:
         self.cluster = isinstance(redis, aioredis.RedisCluster)
         self.source = {n: PRELUDE + _lua(n) for n in NAMES}
         self.sha = {n: hashlib.sha1(src.encode()).hexdigest() for n, src in self.source.items()}
-        self._waiting: list[tuple[tuple[Call, ...], asyncio.Future[list[Any]]]] = []
+        # (calls, the caller's future or None, what to send if the caller left meanwhile)
+        self._waiting: list[tuple[tuple[Call, ...], asyncio.Future[list[Any]] | None, Orphan]] = []
         self._sending: asyncio.Task[None] | None = None
 
-    async def run(self, *calls: Call) -> list[Any]:
+    async def run(self, *calls: Call, orphan: Orphan = None) -> list[Any]:
         """Run `calls` in one round trip (shared with other callers'); return their results in
-        order (errors as exceptions for script errors, raised for connection problems)."""
+        order (errors as exceptions for script errors, raised for connection problems).
+        `orphan`: the compensations to send if this caller is cancelled before the answer."""
         if self.cluster:
             results = await self._run(calls)
             raise_if_down(results)
             return results
         fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-        self._waiting.append((calls, fut))
+        self._waiting.append((calls, fut, orphan))
         if self._sending is None:
             self._sending = asyncio.create_task(self._send(), name="redis-round-trips")
         return await fut
@@ -75,41 +81,45 @@ class Scripts:
         try:
             while self._waiting:
                 n = k = 0
-                while k < len(self._waiting) and n < MAX_BATCH:
+                while k < len(self._waiting) and n < MAX_BATCH:  # calls, not callers
                     n += len(self._waiting[k][0])
                     k += 1
                 group, self._waiting = self._waiting[:k], self._waiting[k:]
+                failed: BaseException | None = None
                 try:
                     async with asyncio.timeout(self.timeout_s):
-                        results = await self._run(tuple(c for calls, _f in group for c in calls))
-                except TimeoutError:
-                    for _calls, f in group:  # redis-py dropped the connection mid-reply
-                        if not f.done():
-                            f.set_exception(rex.TimeoutError("Redis round trip timed out"))
-                    continue
+                        results = await self._run(
+                            tuple(c for calls, _f, _o in group for c in calls)
+                        )
+                except TimeoutError:  # redis-py dropped the connection mid-reply
+                    failed = rex.TimeoutError("Redis round trip timed out")
                 except asyncio.CancelledError:
-                    for _calls, f in group:
-                        f.cancel()
+                    for _calls, f, _o in group:
+                        if f is not None:
+                            f.cancel()
                     raise
                 except Exception as exc:
-                    for _calls, f in group:
-                        if not f.done():
-                            f.set_exception(exc)
-                    continue
+                    failed = exc
                 i = 0
-                for calls, f in group:
-                    mine, i = results[i : i + len(calls)], i + len(calls)
-                    if f.done():  # its caller is gone (cancelled)
+                for calls, f, orphan in group:
+                    mine, i = (None, i) if failed else (results[i : i + len(calls)], i + len(calls))
+                    if f is None:  # compensations nobody waits for
                         continue
-                    try:
-                        raise_if_down(mine)
-                        f.set_result(mine)
-                    except Exception as exc:
-                        f.set_exception(exc)
+                    if f.done():  # its caller is gone (cancelled), its calls may have run
+                        if orphan is not None:
+                            self._waiting.append((orphan(), None, None))
+                    elif mine is None:
+                        f.set_exception(failed)  # type: ignore[arg-type]
+                    else:
+                        try:
+                            raise_if_down(mine)
+                            f.set_result(mine)
+                        except Exception as exc:
+                            f.set_exception(exc)
         finally:
             self._sending = None
-            for _calls, f in self._waiting:  # stopped (cancelled) with callers still waiting
-                if not f.done():
+            for _calls, f, _o in self._waiting:  # stopped (cancelled) with callers still waiting
+                if f is not None and not f.done():
                     f.set_exception(rex.ConnectionError("the round trip was stopped"))
             self._waiting = []
 
