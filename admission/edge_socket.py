@@ -27,6 +27,7 @@ from admission.server import decide
 log = logging.getLogger(__name__)
 
 MAX_LINE = 64 * 1024  # as /admit's body limit
+TOO_LARGE = b"\x00too large"  # marks an ask cut off at MAX_LINE (compared by identity)
 
 
 class EdgeProtocol(asyncio.Protocol):
@@ -48,9 +49,8 @@ class EdgeProtocol(asyncio.Protocol):
             self.asks.append(bytes(self.buf[:i]))
             del self.buf[: i + 1]
         if len(self.buf) > MAX_LINE:
-            self.asks.append(b"")  # answered 400 below, then the connection is closed
+            self.asks.append(TOO_LARGE)  # answered 400, then the connection is closed
             self.buf.clear()
-            self.asks.append(b"\x00close")
         self._next()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -62,10 +62,6 @@ class EdgeProtocol(asyncio.Protocol):
     def _next(self) -> None:
         if self.task is None and self.asks:
             ask = self.asks.popleft()
-            if ask == b"\x00close":
-                if self.transport is not None:
-                    self.transport.close()
-                return
             self.task = asyncio.create_task(self._answer(ask))
             self.task.add_done_callback(self._done)
 
@@ -76,8 +72,8 @@ class EdgeProtocol(asyncio.Protocol):
 
     async def _answer(self, ask: bytes) -> None:
         try:
-            if len(ask) > MAX_LINE or not ask:
-                raise BadRequest("request body too large or empty", code="body_too_large")
+            if ask is TOO_LARGE:
+                raise BadRequest(f"an ask is at most {MAX_LINE} bytes", code="body_too_large")
             out: dict[str, Any] = {"status": 200, "body": await decide(self.app, ask)}
         except AdmissionError as exc:
             out = {"status": exc.status,
@@ -93,6 +89,8 @@ class EdgeProtocol(asyncio.Protocol):
                                                      "type": "server_error", "code": "internal"}}}  # fmt: skip
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(orjson.dumps(out) + b"\n")
+            if ask is TOO_LARGE:  # the rest of that line is still coming: no way to resync
+                self.transport.close()
 
 
 async def serve(

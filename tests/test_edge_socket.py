@@ -55,6 +55,12 @@ async def test_same_answers_as_admit_on_one_connection(edge: Any, redis: Any) ->
     assert r.status == 401 and (await r.json()) == unknown["body"]
 
 
+async def test_an_empty_line_is_invalid_json(edge: Any) -> None:
+    _client, path = edge
+    (got,) = await ask(path, b"")
+    assert got["status"] == 400 and got["body"]["error"]["code"] == "invalid_json"
+
+
 async def test_refusals_carry_retry_after(edge: Any) -> None:
     _client, path = edge
     answers = await ask(path, *[json.dumps(admit_body(tenant="small", max_tokens=10)).encode()] * 3)

@@ -49,8 +49,10 @@ end
 
 local function over_socket(line)
   local n = #sockets
-  for _ = 1, n do
+  local tries, stale = 0, 0
+  while tries < n do
     next_socket = next_socket % n + 1
+    tries = tries + 1
     local sock = tcp()
     sock:settimeouts(1000, 5000, 660000) -- the read is a long poll: longer than any deadline
     local ok = sock:connect(sockets[next_socket])
@@ -64,10 +66,17 @@ local function over_socket(line)
         end
         return decoded(a.status, a.body, a.retry_after)
       end
+      local reused = sock:getreusedtimes()
       sock:close()
-      -- The sidecar took the ask and died (or closed) before answering: asked again below,
-      -- by ask()'s retry, at whichever sidecar answers.
-      return nil, nil, "sidecar connection lost"
+      if reused > 0 and stale < 64 then
+        -- A pooled connection its sidecar had closed (it restarted): try a fresh one now.
+        -- Re-asking is safe either way: the sidecar keys the charge on the request id.
+        stale, tries = stale + 1, tries - 1
+      else
+        -- The sidecar took the ask and died (or closed) before answering: asked again by
+        -- ask()'s retry, at whichever sidecar answers, with the request's arrival time.
+        return nil, nil, "sidecar connection lost"
+      end
     end
   end
   return nil, nil, "no sidecar socket accepted a connection"
