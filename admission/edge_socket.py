@@ -46,7 +46,7 @@ class EdgeProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.buf += data
         while (i := self.buf.find(b"\n")) >= 0:
-            self.asks.append(bytes(self.buf[:i]))
+            self.asks.append(bytes(self.buf[:i]) if i <= MAX_LINE else TOO_LARGE)
             del self.buf[: i + 1]
         if len(self.buf) > MAX_LINE:
             self.asks.append(TOO_LARGE)  # answered 400, then the connection is closed

@@ -70,10 +70,13 @@ async def test_refusals_carry_retry_after(edge: Any) -> None:
     )
 
 
-async def test_an_oversized_line_is_refused_and_the_connection_closed(edge: Any) -> None:
+@pytest.mark.parametrize("end", [b"", b"\n"])  # still arriving, or whole in one read
+async def test_an_oversized_line_is_refused_and_the_connection_closed(
+    edge: Any, end: bytes
+) -> None:
     _client, path = edge
     reader, writer = await asyncio.open_unix_connection(path)
-    writer.write(b"x" * (edge_socket.MAX_LINE + 10))
+    writer.write(b"x" * (edge_socket.MAX_LINE + 10) + end)
     await writer.drain()
     got = json.loads(await asyncio.wait_for(reader.readline(), 10))
     assert got["status"] == 400 and got["body"]["error"]["code"] == "body_too_large"
