@@ -139,6 +139,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
     from admission.store import connect
 
     policy = load_policy(args.policy)
+    _use_uvloop()
 
     async def main() -> None:
         redis = connect(policy.redis)
