@@ -25,7 +25,7 @@ from pathlib import Path
 import aiohttp
 
 from devstack.procs import free_port, stop_process, wait_for
-from devstack.stack import DEFAULT_POLICY, Stack
+from loadtest.stub import beside_plain_nginx
 
 
 def pct(xs: list[float], p: float) -> float:
@@ -81,21 +81,9 @@ def main() -> None:
         20,
         "stub",
     )
-    direct = f"""
-    upstream bench_direct {{ server 127.0.0.1:{stub_port}; keepalive 256; }}
-    server {{
-        listen 127.0.0.1:{direct_port} backlog=4096;
-        location / {{ proxy_pass http://bench_direct; proxy_http_version 1.1;
-                     proxy_set_header Connection ""; proxy_buffering off; }}
-    }}"""
-    nodes = {"stub": {"url": f"http://127.0.0.1:{stub_port}", "models": ["stub"], "memory_source": "kv",
-                      "max_inflight": 100000}}  # fmt: skip
-    tenants = {"acme": {"tier": "platinum", "keys": ["plain:sk-demo-acme"], "classes": ["realtime"],
-                        "models": ["stub"],
-                        "limits": {"requests_per_s": 100000, "request_burst": 100000,
-                                   "tokens_per_min": 1e9, "token_burst": 100000000}}}  # fmt: skip
-    stack = Stack(DEFAULT_POLICY, Path(tempfile.mkdtemp(prefix="bench-edge-")), external_nodes=nodes,
-                  extra_nginx_http=direct, policy_overrides={"tenants": tenants}, sidecars=1)  # fmt: skip
+    stack = beside_plain_nginx(
+        stub_port, direct_port, Path(tempfile.mkdtemp(prefix="bench-edge-")), 1
+    )
     try:
         stack.start()
         body = json.dumps(

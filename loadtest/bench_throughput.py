@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from devstack.procs import free_port, stop_process, wait_for
-from devstack.stack import DEFAULT_POLICY, MODULES, Stack
+from devstack.stack import MODULES, Stack
+from loadtest.stub import beside_plain_nginx
 
 TICK = os.sysconf("SC_CLK_TCK")
 BODY = json.dumps({"model": "stub", "messages": [{"role": "user", "content": "hello"}],
@@ -177,22 +178,7 @@ def main(argv: list[str] | None = None) -> int:
                             start_new_session=True)  # fmt: skip
     wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{stub_port}/health").status == 200,
              20, "stub")  # fmt: skip
-    direct = f"""
-    upstream bench_direct {{ server 127.0.0.1:{stub_port}; keepalive 1024; }}
-    server {{
-        listen 127.0.0.1:{direct_port} backlog=4096;
-        location / {{ proxy_pass http://bench_direct; proxy_http_version 1.1;
-                     proxy_set_header Connection ""; proxy_buffering off; }}
-    }}"""
-    nodes = {"stub": {"url": f"http://127.0.0.1:{stub_port}", "models": ["stub"], "memory_source": "kv",
-                      "max_inflight": 100000}}  # fmt: skip
-    tenants = {"acme": {"tier": "platinum", "keys": ["plain:sk-demo-acme"], "classes": ["realtime"],
-                        "models": ["stub"],
-                        "limits": {"requests_per_s": 100000, "request_burst": 100000,
-                                   "tokens_per_min": 1e9, "token_burst": 100000000,
-                                   "max_concurrent": 100000}}}  # fmt: skip
-    stack = Stack(DEFAULT_POLICY, work / "stack", external_nodes=nodes, extra_nginx_http=direct,
-                  policy_overrides={"tenants": tenants}, sidecars=a.sidecars)  # fmt: skip
+    stack = beside_plain_nginx(stub_port, direct_port, work / "stack", a.sidecars)
     closed = work / "closed.lua"
     closed.write_text(WRK_LUA.format(body=BODY, gap=0))
     paced = work / "paced.lua"  # 2 connections, each waiting 80 ms after an answer: ~20 req/s

@@ -11,8 +11,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from pathlib import Path
 
 from aiohttp import web
+
+from devstack.stack import DEFAULT_POLICY, Stack
 
 BODY = json.dumps({
     "id": "chatcmpl-stub", "object": "chat.completion", "created": 0, "model": "stub",
@@ -20,6 +23,28 @@ BODY = json.dumps({
     "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
 }).encode()  # fmt: skip
 METRICS = b'vllm:kv_cache_usage_perc{engine="0",model_name="stub"} 0.0\n'
+
+
+def beside_plain_nginx(stub_port: int, direct_port: int, run_dir: Path, sidecars: int) -> Stack:
+    """A stack (not started) whose one node is the stub at `stub_port`, one tenant (acme,
+    `sk-demo-acme`) with its limits out of the way, and in the same NGINX a plain proxy to the
+    stub on `direct_port`: the two paths the overhead benchmarks compare."""
+    direct = f"""
+    upstream bench_direct {{ server 127.0.0.1:{stub_port}; keepalive 1024; }}
+    server {{
+        listen 127.0.0.1:{direct_port} backlog=4096;
+        location / {{ proxy_pass http://bench_direct; proxy_http_version 1.1;
+                     proxy_set_header Connection ""; proxy_buffering off; }}
+    }}"""
+    nodes = {"stub": {"url": f"http://127.0.0.1:{stub_port}", "models": ["stub"], "memory_source": "kv",
+                      "max_inflight": 100000}}  # fmt: skip
+    tenants = {"acme": {"tier": "platinum", "keys": ["plain:sk-demo-acme"], "classes": ["realtime"],
+                        "models": ["stub"],
+                        "limits": {"requests_per_s": 100000, "request_burst": 100000,
+                                   "tokens_per_min": 1e9, "token_burst": 100000000,
+                                   "max_concurrent": 100000}}}  # fmt: skip
+    return Stack(DEFAULT_POLICY, run_dir, external_nodes=nodes, extra_nginx_http=direct,
+                 policy_overrides={"tenants": tenants}, sidecars=sidecars)  # fmt: skip
 
 
 def main() -> None:

@@ -198,21 +198,21 @@ class BatchApi:
         b = await st.get(bid) or b
         return web.json_response(batch_object(bid, b))
 
-    async def _own_file(self, request: web.Request) -> tuple[str, dict[str, Any]]:
+    async def _own(self, request: web.Request, key: str, load: Any) -> tuple[str, dict[str, Any]]:
+        """The object named by `request.match_info[key]` (loaded by `load`), if the caller's
+        tenant owns it; another tenant's is as absent as a missing one (404)."""
         tid = self._tenant(request)
-        fid = request.match_info["file_id"]
-        meta = await self.store.file_meta(fid)
-        if meta is None or meta.get("tenant") != tid:
-            raise NotFound(f"no file {fid!r}", code="not_found")
-        return fid, meta
+        oid = request.match_info[key]
+        obj = await load(oid)
+        if obj is None or obj.get("tenant") != tid:
+            raise NotFound(f"no {key.removesuffix('_id')} {oid!r}", code="not_found")
+        return oid, obj
 
-    async def _own_batch(self, request: web.Request) -> tuple[str, dict[str, str]]:
-        tid = self._tenant(request)
-        bid = request.match_info["batch_id"]
-        b = await self.store.get(bid)
-        if b is None or b.get("tenant") != tid:
-            raise NotFound(f"no batch {bid!r}", code="not_found")
-        return bid, b
+    async def _own_file(self, request: web.Request) -> tuple[str, dict[str, Any]]:
+        return await self._own(request, "file_id", self.store.file_meta)
+
+    async def _own_batch(self, request: web.Request) -> tuple[str, dict[str, Any]]:
+        return await self._own(request, "batch_id", self.store.get)
 
     def add_routes(self, app: web.Application) -> None:
         app.router.add_post("/v1/files", self.upload)
