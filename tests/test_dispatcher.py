@@ -186,6 +186,30 @@ def test_fallbacks_include_live_nodes_that_are_not_eligible(redis_server: RedisS
     assert fallbacks(chosen, list(views.values()), "m") == [("n2", "http://127.0.0.1:2")]
 
 
+def test_lower_classes_leave_the_urgent_reserve_free(redis_server: RedisServer) -> None:
+    # 1,000 KV tokens; hold 0.80 = 800, drain 0.85 = 850. Realtime (admitted until drain) is
+    # not held by the reserve; batch keeps its KV + max(realtime's recent peak, what realtime
+    # holds + what of it waits) below 850.
+    text = BASE_POLICY.replace("deadline_s: 5}", "deadline_s: 5, admit_until: drain}")
+    p = make_policy(redis_server.url, text)
+    v = NodeView(p.nodes["n1"], state=Status.OPEN, per_token=0.001)
+
+    def ok(cls: str, kv: int, waiting: int = 0) -> bool:
+        return bool(eligible([v], p, "m", cls, 10, kv, 0.0, urgent_waiting=waiting))
+
+    assert ok("batch", 600)  # no reserve yet: only the hold watermark
+    v.ledger(0.0, 100, 1, 0.0, urgent=100, reserve=300.0)
+    assert ok("batch", 550) and not ok("batch", 600)  # 0 + 600 + 300 > 850 (hold: 700 is fine)
+    assert ok("realtime", 700)  # realtime is not held by its own reserve
+    v.ledger(0.0, 100, 1, 0.0, urgent=100, reserve=100.0)
+    assert ok("batch", 650) and not ok("batch", 650, waiting=200)  # 650 + (100 + 200) > 850
+    ((_node, ask),) = eligible([v], p, "m", "batch", 10, 100, 0.0, urgent_waiting=200)
+    assert ask.reserve_limit == 850 and ask.kv_limit == 800 and not ask.urgent
+    assert ask.urgent_waiting == 200  # one live node: all of it
+    v.booked(eligible([v], p, "m", "realtime", 10, 400, 0.0)[0][1], 0.0)
+    assert v.kv_urgent == 500 and v.reserve == 500  # what this sidecar booked counts at once
+
+
 async def test_shadow_tenant_is_counted_not_refused(redis: Any, redis_server: RedisServer) -> None:
     # A burst of 1: the second request is over the limit. In shadow mode it is admitted, and
     # the metric says what the limit would have done.

@@ -1,8 +1,9 @@
 """The node ledger in Redis (lease.lua / unlease.lua), driven by two "sidecars" at once.
 
-Properties: reserved KV is never negative and always equals the sum over live leases; a release
-(or a lease's expiry) always clears its entry; both clients see one view; the prefill budget and
-KV limit are enforced atomically.
+Properties: reserved KV is never negative and always equals the sum over live leases (and the
+urgent part the sum over urgent ones); a release (or a lease's expiry) always clears its entry;
+both clients see one view; the prefill budget, the KV limit and the urgent reserve are enforced
+atomically.
 """
 
 from __future__ import annotations
@@ -25,15 +26,22 @@ def ticket(i: int) -> str:
     return f"{i:016x}:n1:t"
 
 
+async def fields(redis: Any) -> dict[str, str]:
+    return {
+        k.decode(): v.decode() for k, v in (await redis.hgetall(keys.node_ledger("n1"))).items()
+    }
+
+
 async def ledger(redis: Any) -> tuple[float, int, dict[str, int]]:
-    h = {k.decode(): v.decode() for k, v in (await redis.hgetall(keys.node_ledger("n1"))).items()}
-    entries = {k[2:]: int(v) for k, v in h.items() if k.startswith("k:")}
+    """(pending, reserved KV, {ticket: KV}); an urgent lease's entry is stored negative."""
+    h = await fields(redis)
+    entries = {k[2:]: abs(int(v)) for k, v in h.items() if k.startswith("k:")}
     return float(h.get("p", 0)), int(h.get("kv", 0)), entries
 
 
 ops = st.lists(
     st.tuples(st.sampled_from(["take", "give"]), st.integers(0, 11), st.integers(0, 1),
-              st.integers(1, 400)),
+              st.integers(1, 400), st.booleans()),
     min_size=1, max_size=40,
 )  # fmt: skip
 
@@ -43,7 +51,7 @@ ops = st.lists(
 )
 @given(ops=ops)
 def test_ledger_never_negative_always_cleared_and_shared(
-    redis_server: RedisServer, ops: list[tuple[str, int, int, int]]
+    redis_server: RedisServer, ops: list[tuple[str, int, int, int, bool]]
 ) -> None:
     import redis.asyncio as aioredis
 
@@ -52,27 +60,35 @@ def test_ledger_never_negative_always_cleared_and_shared(
         await clients[0].flushall()
         scripts = [Scripts(c) for c in clients]
         live: dict[str, int] = {}
+        hot: set[str] = set()  # urgent leases
         try:
-            for op, i, who, tokens in ops:
+            for op, i, who, tokens, rt in ops:
                 t = ticket(i)
                 if op == "take":
-                    ask = leases.Ask(tokens, tokens * 2, 0.0, 0, 1500)
+                    ask = leases.Ask(tokens, tokens * 2, 0.0, 0, 1500, urgent=rt,
+                                     reserve_limit=-1 if rt else 1600)  # fmt: skip
                     res = (await scripts[who].run(leases.take(NODE, t, 60, ask)))[0]
                     if leases.granted(res):
                         live[t] = tokens * 2
+                        (hot.add if rt else hot.discard)(t)
                 else:
                     await scripts[who].run(leases.give_back(t))
                     live.pop(t, None)
-                _p, kv, entries = await ledger(clients[1 - who])  # the other sidecar's view
-                assert kv >= 0
+                    hot.discard(t)
+                h = await fields(clients[1 - who])  # the other sidecar's view
+                _p, kv, entries = await ledger(clients[1 - who])
+                urgent_kv = int(h.get("u", 0))
+                assert kv >= 0 and urgent_kv >= 0
                 assert entries == live
                 assert kv == sum(live.values())
+                assert urgent_kv == sum(live[t] for t in hot)
                 assert kv <= 1500  # the KV limit held, atomically
+                assert float(h.get("r", 0)) >= urgent_kv  # the reserve covers what realtime holds
                 assert await clients[0].zcard(keys.node_leases("n1")) == len(live)
             for t in list(live):
                 await scripts[0].run(leases.give_back(t))
             _p, kv, entries = await ledger(clients[0])
-            assert kv == 0 and entries == {}
+            assert kv == 0 and entries == {} and int((await fields(clients[0])).get("u", 0)) == 0
         finally:
             for c in clients:
                 await c.aclose()
@@ -102,3 +118,48 @@ async def test_prefill_budget_and_drain_by_rate(redis: Any) -> None:
     assert leases.granted((await s.run(leases.take(NODE, ticket(4), 60, unbudgeted)))[0])
     pending, _kv, _e = await ledger(redis)
     assert 1400 < pending < 1900  # ~1,850, less whatever drained while a busy machine was slow
+
+
+async def test_urgent_reserve_keeps_lower_classes_off_what_realtime_needs(redis: Any) -> None:
+    """Lower classes keep their KV + the urgent reserve (realtime's recent peak, or what it has
+    plus what of it waits) below the reserve limit; realtime itself is not held by it."""
+    s = Scripts(redis)
+
+    def rt(tokens: int) -> leases.Ask:
+        return leases.Ask(10, tokens, kv_limit=1000, urgent=True)
+
+    def batch(tokens: int, waiting: int = 0) -> leases.Ask:
+        return leases.Ask(10, tokens, kv_limit=900, reserve_limit=1000, urgent_waiting=waiting)
+
+    for i in range(3):  # realtime peaks at 600 tokens
+        assert leases.granted((await s.run(leases.take(NODE, ticket(i), 60, rt(200))))[0])
+    for i in range(3):
+        await s.run(leases.give_back(ticket(i)))
+    h = await fields(redis)
+    assert int(h["u"]) == 0 and int(h["kv"]) == 0 and float(h["r"]) >= 599
+    res = (await s.run(leases.take(NODE, ticket(10), 60, batch(500))))[0]
+    assert leases.refusal(res) is not None and leases.refusal(res)[0] == "reserve"  # type: ignore[index]
+    assert leases.granted((await s.run(leases.take(NODE, ticket(11), 60, batch(390))))[0])
+    # realtime takes its reserve, past what the lower classes may use
+    assert leases.granted((await s.run(leases.take(NODE, ticket(12), 60, rt(600))))[0])
+    h = await fields(redis)
+    assert int(h["u"]) == 600 and int(h["kv"]) == 990
+    await s.run(leases.give_back(ticket(12)))
+    await s.run(leases.give_back(ticket(11)))
+    # what realtime has waiting counts too, beyond its recent peak
+    assert leases.granted((await s.run(leases.take(NODE, ticket(13), 60, batch(300, 100))))[0])
+    res = (await s.run(leases.take(NODE, ticket(14), 60, batch(10, 700))))[0]
+    assert leases.refusal(res) is not None and leases.refusal(res)[0] == "reserve"  # type: ignore[index]
+
+
+async def test_urgent_reserve_decays_once_realtime_is_gone(redis: Any) -> None:
+    s = Scripts(redis)
+    big = leases.Ask(10, 800, kv_limit=1000, urgent=True)
+    assert leases.granted((await s.run(leases.take(NODE, ticket(1), 60, big)))[0])
+    await s.run(leases.give_back(ticket(1)))
+    # rewind the reserve's clock by 40 s (two half-lives): 800 → 200
+    h = await fields(redis)
+    await redis.hset(keys.node_ledger("n1"), "rt", int(h["rt"]) - 40_000_000)
+    batch = leases.Ask(10, 750, kv_limit=900, reserve_limit=1000)
+    assert leases.granted((await s.run(leases.take(NODE, ticket(2), 60, batch)))[0])
+    assert 190 < float((await fields(redis))["r"]) < 210

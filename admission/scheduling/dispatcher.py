@@ -169,7 +169,8 @@ class Dispatcher:
         its fast path while batch queues."""
         if self.queue.waiting_at_or_above(cls):
             return None
-        return self.nodes.eligible(model, cls, prompt, kv, tenant, self.queue.tenant_depth) or None
+        return self.nodes.eligible(model, cls, prompt, kv, tenant, self.queue.tenant_depth,
+                                   self.queue.waiting_kv) or None  # fmt: skip
 
     async def submit(self, item: Item) -> Admission:
         """Queue `item` and wait for a node (or QueueFull now, or QueueTimeout at its deadline).
@@ -259,7 +260,8 @@ class Dispatcher:
             # the queue, but does not let a long batch request use what is kept for realtime.
             # The nodes found for the item popped are kept: routing runs once per decision.
             found[:] = self.nodes.eligible(it.model, it.requested_cls or it.cls, it.prompt, it.cost,
-                                           it.tenant, self.queue.tenant_depth)  # fmt: skip
+                                           it.tenant, self.queue.tenant_depth,
+                                           self.queue.waiting_kv)  # fmt: skip
             return bool(found)
 
         while True:

@@ -46,6 +46,9 @@ class Ask:
     prefill_rate: float = 0.0  # the node's measured rate, tokens/s (0: unknown)
     prefill_budget: int = 0  # max pending prefill tokens after this one (0: not gated)
     kv_limit: int = -1  # max reserved KV tokens after this one (-1: not gated)
+    urgent: bool = False  # the class admitted until drain: its KV builds the urgent reserve
+    reserve_limit: int = -1  # other classes: their KV + this + the urgent reserve stay below
+    urgent_waiting: int = 0  # urgent KV the caller has waiting for this node
 
 
 def take(node: Node, ticket: str, ttl_s: float, ask: Ask) -> Call:
@@ -54,7 +57,8 @@ def take(node: Node, ticket: str, ttl_s: float, ask: Ask) -> Call:
         "lease",
         [keys.node_leases(node.id), keys.node_ledger(node.id)],
         [node.max_inflight, int(ttl_s * U), ticket, ask.prompt_tokens, ask.kv_tokens,
-         ask.prefill_rate, ask.prefill_budget, ask.kv_limit],
+         ask.prefill_rate, ask.prefill_budget, ask.kv_limit, int(ask.urgent),
+         ask.reserve_limit, ask.urgent_waiting],
     )  # fmt: skip
 
 

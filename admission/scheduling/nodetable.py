@@ -15,7 +15,14 @@ from admission.metrics import Metrics
 from admission.nodes.state import NodeState, Status
 from admission.policy import FailureMode, Policy
 from admission.scheduling.leases import Ask
-from admission.scheduling.routing import NodeView, eligible, fallbacks, pool_rank
+from admission.scheduling.routing import (
+    RESERVE_HALF_S,
+    NodeView,
+    eligible,
+    fallbacks,
+    pool_rank,
+    urgent,
+)
 from admission.store import REDIS_DOWN, keys
 
 log = logging.getLogger(__name__)
@@ -53,18 +60,22 @@ class NodeTable:
 
     def eligible(
         self, model: str, cls: str | None, prompt: int, kv: int, tenant: str | None = None,
-        waiting: Callable[[str], int] = lambda _t: 0,
+        waiting: Callable[[str], int] = lambda _t: 0, waiting_kv: Callable[[str], int] = lambda _c: 0,
     ) -> list[tuple[NodeView, Ask]]:  # fmt: skip
         """Nodes for this request, best first. `waiting(tenant)`: how many of a tenant's requests
-        wait in the queue; a pool whose owners wait is not lent (they take it back)."""
+        wait in the queue; a pool whose owners wait is not lent (they take it back).
+        `waiting_kv(class)`: KV tokens waiting in the queue that asked for a class (the urgent
+        class's part is kept free on the nodes by the other classes)."""
         policy = self.policy()
+        urgent_kv = 0 if urgent(policy, cls) else sum(
+            waiting_kv(n) for n in policy.classes if urgent(policy, n))  # fmt: skip
         blocked = (
             frozenset(pool for t, pool in policy.tenant_pool.items() if t != tenant and waiting(t))
             if policy.tenant_pool
             else _NONE
         )
         return eligible(list(self.views.values()), policy, model, cls, prompt, kv, self.clock(),
-                        tenant, blocked)  # fmt: skip
+                        tenant, blocked, urgent_kv)  # fmt: skip
 
     def fallbacks(self, nodes: list[NodeView], model: str, tenant: str) -> list[tuple[str, str]]:
         policy = self.policy()
@@ -93,7 +104,7 @@ class NodeTable:
             pipe.get(keys.node_state(v.node.id))
             pipe.get(keys.node_admin(v.node.id))
             pipe.zcard(keys.node_leases(v.node.id))
-            pipe.hmget(keys.node_ledger(v.node.id), "p", "t", "kv")
+            pipe.hmget(keys.node_ledger(v.node.id), "p", "t", "kv", "u", "r", "rt")
             pipe.exists(keys.node_eject(v.node.id))
         try:
             res = await pipe.execute()
@@ -105,12 +116,15 @@ class NodeTable:
         secs, micros = res[0]
         redis_now_us = int(secs) * 1_000_000 + int(micros)
         for i, v in enumerate(views):
-            raw, admin, leases, (p, t, kv), ejected = res[1 + 5 * i : 6 + 5 * i]
+            raw, admin, leases, (p, t, kv, u, r, rt), ejected = res[1 + 5 * i : 6 + 5 * i]
             v.observe(None if ejected else self._state(v.node.id, raw), bool(admin))
             pending = float(p or 0)
             if t is not None and v.prefill_rate > 0:  # drained until Redis's now
                 pending = max(0.0, pending - v.prefill_rate * (redis_now_us - int(t)) / 1e6)
-            v.ledger(pending, int(kv or 0), int(leases), now)
+            reserve = float(r or 0)
+            if rt is not None:  # decayed until Redis's now, as lease.lua does
+                reserve *= 0.5 ** (max(0, redis_now_us - int(rt)) / 1e6 / RESERVE_HALF_S)
+            v.ledger(pending, int(kv or 0), int(leases), now, int(u or 0), reserve)
         self._pressure(now)
         self._gauge()
 

@@ -88,6 +88,7 @@ class FairQueue:
         self._vtime = 0.0  # class-level virtual time
         self._live = 0
         self._per_tenant: dict[str, int] = {}
+        self._kv: dict[str, int] = {}  # tokens (cost) waiting, by the class each asked for
         self._drain_rate = 0.0  # pops per second (EWMA), for Retry-After
         self._last_pop: float | None = None
 
@@ -103,6 +104,10 @@ class FairQueue:
         """Requests waiting in `cls` or a more urgent class (promoted ones included)."""
         top = self._rank.get(cls, len(self._rank))
         return sum(q.live for n, q in self._classes.items() if self._rank[n] <= top)
+
+    def waiting_kv(self, cls: str) -> int:
+        """Tokens (prompt estimate + output cap) of the requests waiting that asked for `cls`."""
+        return self._kv.get(cls, 0)
 
     def tenant_depth(self, tenant: str) -> int:
         return self._per_tenant.get(tenant, 0)
@@ -144,8 +149,7 @@ class FairQueue:
             item.cls = p.class_below(item.cls)
         item.class_since = item.enqueued_at
         self._append(item)
-        self._live += 1
-        self._per_tenant[item.tenant] = self._per_tenant.get(item.tenant, 0) + 1
+        self._count(item, 1)
 
     def cancel(self, item: Item) -> bool:
         """Remove a waiting item (deadline passed, client gone). False if it already left."""
@@ -220,8 +224,7 @@ class FairQueue:
         lane.items.appendleft(item)
         lane.live += 1
         q.live += 1
-        self._live += 1
-        self._per_tenant[item.tenant] = self._per_tenant.get(item.tenant, 0) + 1
+        self._count(item, 1)
 
     def age(self, now: float) -> int:
         """Promote every item that has waited its class's promote_after_s; return how many."""
@@ -298,12 +301,21 @@ class FairQueue:
                 if lane.live == 0 and not lane.head():
                     del q.lanes[item.tenant]
             q.live -= 1
-        self._live -= 1
-        left = self._per_tenant.get(item.tenant, 1) - 1
-        if left:
+        self._count(item, -1)
+
+    def _count(self, item: Item, n: int) -> None:
+        """Add (1) or take away (-1) a waiting item from the totals."""
+        self._live += n
+        left = self._per_tenant.get(item.tenant, 0) + n
+        if left > 0:
             self._per_tenant[item.tenant] = left
         else:
             self._per_tenant.pop(item.tenant, None)
+        kv = self._kv.get(item.requested_cls, 0) + n * item.cost
+        if kv > 0:
+            self._kv[item.requested_cls] = kv
+        else:
+            self._kv.pop(item.requested_cls, None)
 
     def _note_pop(self, now: float) -> None:
         if self._last_pop is not None:

@@ -14,7 +14,11 @@ Two limits, both from the node's own figures (no per-engine constant):
   measured prefill rate: the backlog stays in the sidecar, where fairness and SLO order apply,
   not inside vLLM;
 - decode: nor while the node's measured time per output token is above the most urgent
-  class's `slo.tpot_ms` (lower-class prefill chunks and KV slow every running decode).
+  class's `slo.tpot_ms` (lower-class prefill chunks and KV slow every running decode);
+- urgent reserve: other classes keep their KV + the urgent class's recent peak on the node
+  (or what it has now plus what of it waits) below the drain watermark, so realtime is never
+  held behind work that vLLM would have to preempt for it, however few requests the band
+  between the watermarks holds (a tiny KV pool).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from admission.policy import AdmitUntil, Node, Policy
 from admission.scheduling.leases import Ask
 
 MAX_FALLBACKS = 2
+RESERVE_HALF_S = 20.0  # the urgent reserve halves in this time (lease.lua's RESERVE_HALF_US)
 DEFAULT_TARGET_TTFT_S = 1.0  # when no class sets slo.ttft_ms
 
 
@@ -43,6 +48,8 @@ class NodeView:
     pending: float = 0.0  # ledger: pending prefill tokens, as of `pending_at` (local clock)
     pending_at: float = 0.0
     kv_reserved: int = 0  # ledger: KV tokens reserved by live leases
+    kv_urgent: int = 0  # ledger: the part of kv_reserved the urgent class holds
+    reserve: float = 0.0  # ledger: the urgent reserve (recent peak), as of `pending_at`
     inflight: int = 0
     waiting: int = 0  # the engine's own queue (requests), for operators
 
@@ -59,9 +66,17 @@ class NodeView:
         self.tpot_s = st.tpot_s
         self.waiting = st.waiting
 
-    def ledger(self, pending: float, kv: int, leases: int, now: float) -> None:
-        """Take the node's ledger as read from Redis (pending already drained to `now`)."""
+    def ledger(
+        self, pending: float, kv: int, leases: int, now: float,
+        urgent: int | None = None, reserve: float | None = None,
+    ) -> None:  # fmt: skip
+        """Take the node's ledger as read from Redis (pending and reserve decayed to `now`)."""
         self.pending, self.pending_at, self.kv_reserved, self.inflight = pending, now, kv, leases
+        if urgent is not None and reserve is not None:
+            self.kv_urgent, self.reserve = urgent, reserve
+
+    def reserve_now(self, now: float) -> float:
+        return float(self.reserve * 0.5 ** (max(0.0, now - self.pending_at) / RESERVE_HALF_S))
 
     def pending_now(self, now: float) -> float:
         if self.prefill_rate <= 0:
@@ -80,6 +95,11 @@ class NodeView:
 
     def booked(self, ask: Ask, now: float) -> None:
         """A lease this sidecar took: count it until the next refresh reads the ledger."""
+        reserve = self.reserve_now(now)
+        if ask.urgent:
+            self.kv_urgent += ask.kv_tokens
+            reserve = max(reserve, self.kv_urgent)
+        self.reserve = reserve
         self.pending = self.pending_now(now) + (ask.prompt_tokens if self.prefill_rate > 0 else 0)
         self.pending_at = now
         self.kv_reserved += ask.kv_tokens
@@ -97,6 +117,8 @@ class NodeView:
             "prefill_rate": round(self.prefill_rate, 1),
             "tpot_ms": round(self.tpot_s * 1000, 1),
             "kv_reserved_tokens": self.kv_reserved,
+            "kv_urgent_tokens": self.kv_urgent,
+            "urgent_reserve_tokens": round(self.reserve_now(now)),
             "inflight": self.inflight,
             "max_inflight": self.node.max_inflight,
             "waiting": self.waiting,
@@ -127,16 +149,30 @@ def target_tpot_s(policy: Policy) -> float | None:
 
 
 def ask_for(
-    v: NodeView, policy: Policy, cls: str | None, prompt: int, kv: int, lent: bool = False
-) -> Ask:
+    v: NodeView, policy: Policy, cls: str | None, prompt: int, kv: int, lent: bool = False,
+    urgent_waiting: int = 0,
+) -> Ask:  # fmt: skip
     """The lease request for a node: this request's ledger entry and its class's limits there.
-    `lent`: the node is another tenant's pool's, on loan: never urgent there."""
+    `lent`: the node is another tenant's pool's, on loan: never urgent there.
+    `urgent_waiting`: urgent KV waiting in this sidecar's queue, this node's share."""
     wm = policy.watermarks
+
+    def tokens(fraction: float) -> int:
+        return max(0, int((fraction - v.base_memory) / v.per_token)) if v.per_token > 0 else -1
+
     hurry = urgent(policy, cls) and not lent
-    limit = wm.drain if hurry else wm.hold
-    kv_limit = int((limit - v.base_memory) / v.per_token) if v.per_token > 0 else -1
     budget = 0 if hurry or v.prefill_rate <= 0 else int(v.prefill_rate * target_ttft_s(policy))
-    return Ask(prompt, kv, v.prefill_rate, budget, max(0, kv_limit) if kv_limit >= 0 else -1)
+    return Ask(prompt, kv, v.prefill_rate, budget, tokens(wm.drain if hurry else wm.hold),
+               urgent=hurry, reserve_limit=-1 if hurry else tokens(wm.drain),
+               urgent_waiting=0 if hurry else urgent_waiting)  # fmt: skip
+
+
+def keeps_reserve(v: NodeView, ask: Ask, now: float) -> bool:
+    """Whether a lower-class ask leaves the urgent reserve free (lease.lua decides)."""
+    if ask.urgent or ask.reserve_limit < 0:
+        return True
+    reserve = max(v.kv_urgent + ask.urgent_waiting, v.reserve_now(now))
+    return v.kv_reserved - v.kv_urgent + ask.kv_tokens + reserve <= ask.reserve_limit
 
 
 def fits(
@@ -152,6 +188,8 @@ def fits(
         return False
     if not hurry and (tpot := target_tpot_s(policy)) and v.tpot_s > tpot:
         return False  # decode is already as slow as the urgent class may see: no more batch
+    if not keeps_reserve(v, ask, now):
+        return False
     pending = v.pending_now(now)
     return not (ask.prefill_budget > 0 and pending > 0
                 and pending + ask.prompt_tokens > ask.prefill_budget)  # fmt: skip
@@ -193,11 +231,14 @@ def engine_priority(
 def eligible(
     views: list[NodeView], policy: Policy, model: str, cls: str | None, prompt: int, kv: int,
     now: float, tenant: str | None = None, blocked: frozenset[str] = frozenset(),
+    urgent_waiting: int = 0,
 ) -> list[tuple[NodeView, Ask]]:  # fmt: skip
     """Nodes serving `model` that would take this request now, with their asks: the tenant's
     own pool first, then shared nodes, then idle pools on loan (`pool_rank`); within each, the
     one whose booked prefill clears soonest first (then the least projected memory)."""
     ok = []
+    serving = [v for v in views if model in v.node.models and v.state in (Status.OPEN, Status.HOLD)]
+    share = urgent_waiting // max(1, len(serving))  # waiting urgent KV, spread over live nodes
     for v in views:
         if model not in v.node.models:
             continue
@@ -206,7 +247,7 @@ def eligible(
             continue
         # Borrowed capacity is held to the hold watermark and the prefill budget even for an
         # urgent class: the band above hold and the prefill room stay the owners'.
-        ask = ask_for(v, policy, cls, prompt, kv, lent=rank == 2)
+        ask = ask_for(v, policy, cls, prompt, kv, lent=rank == 2, urgent_waiting=share)
         if fits(v, ask, policy, cls, now, lent=rank == 2):
             ok.append((rank, v, ask))
     ok.sort(key=lambda rva: (rva[0], rva[1].wait_s(now), rva[1].projected(), rva[1].node.id))

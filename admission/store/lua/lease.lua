@@ -8,33 +8,51 @@
 --       6 prefill rate, tokens/s (0: unknown; pending prefill is then not drained by time)
 --       7 prefill budget, tokens (0: this class is not gated by pending prefill)
 --       8 KV limit, tokens (-1: not gated by memory): reserved KV after this one must stay below
+--       9 urgent: 1 for the class admitted until drain (its KV counts toward the reserve)
+--      10 reserve limit, tokens (-1: none): for other classes, their KV + this one + the urgent
+--         reserve must stay below it (the drain watermark in tokens)
+--      11 urgent KV the caller has waiting for this node (its share of its queue)
 -- Ledger fields: p = pending prefill tokens (drained at the prefill rate since t), t = µs,
---   kv = KV tokens reserved by live leases, k:<ticket> = this lease's KV tokens.
+--   kv = KV tokens reserved by live leases, u = the urgent class's share of kv,
+--   r = the urgent reserve (its recent peak: u, or u + what waits, halving every RESERVE_HALF_US
+--   since rt), k:<ticket> = this lease's KV tokens (negative: an urgent lease).
+-- The reserve keeps room for what realtime has recently needed on this node, however small the
+-- band between the watermarks is in requests (a tiny KV pool): lower classes stay below
+-- drain − reserve, so realtime is not held behind work vLLM would have to preempt for it.
 -- Expired leases (a lost release) are dropped first, with their KV: a crash leaks for one TTL.
 -- A node whose pending prefill has drained always takes one request, whatever its size: the
 -- budget cannot starve a long prompt, and the node's prefill rate gets measured at full speed.
 -- Returns {1, in_flight, pending, kv} or {0, in_flight, reason, pending, kv}.
 
+local RESERVE_HALF_US = 20000000
 local now = now_us()
 local leases, ledger, ticket = KEYS[1], KEYS[2], ARGV[3]
 local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
-local kv = tonumber(redis.call('HGET', ledger, 'kv') or '0')
+local f = redis.call('HMGET', ledger, 'kv', 'u', 'r', 'rt')
+local kv, u = tonumber(f[1] or '0'), tonumber(f[2] or '0')
+local reserve = tonumber(f[3] or '0')
+if f[4] then reserve = reserve * 0.5 ^ ((now - tonumber(f[4])) / RESERVE_HALF_US) end
 for _, t in ipairs(expired) do
   redis.call('ZREM', leases, t)
-  local k = redis.call('HGET', ledger, 'k:' .. t)
-  if k then
-    kv = kv - tonumber(k)
+  local k = tonumber(redis.call('HGET', ledger, 'k:' .. t) or '0')
+  if k ~= 0 then
+    kv = kv - math.abs(k)
+    if k < 0 then u = u + k end
     redis.call('HDEL', ledger, 'k:' .. t)
   end
 end
-if kv < 0 then kv = 0 end
+kv, u = math.max(0, kv), math.max(0, u)
 local n = redis.call('ZCARD', leases)
 -- The same ticket again (a retry after a round trip that may have run) replaces its booking:
 -- checked and booked as if it were not there yet.
 local again = tonumber(redis.call('HGET', ledger, 'k:' .. ticket) or '0')
-local kv_others = math.max(0, kv - again)
+local kv_others = math.max(0, kv - math.abs(again))
+local u_others = u
+if again < 0 then u_others = math.max(0, u + again) end
 if redis.call('ZSCORE', leases, ticket) then n = n - 1 end
 local rate, budget, kv_limit = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
+local urgent, reserve_limit = ARGV[9] == '1', tonumber(ARGV[10] or '-1')
+reserve = math.max(reserve, u_others + tonumber(ARGV[11] or '0'))
 local v = redis.call('HMGET', ledger, 'p', 't')
 local pending = tonumber(v[1] or '0')
 if v[2] and rate > 0 then
@@ -48,15 +66,26 @@ elseif budget > 0 and pending > 0 and pending + prompt > budget then
   reason = 'prefill'
 elseif kv_limit >= 0 and kv_others + need > kv_limit then
   reason = 'memory'
+elseif not urgent and reserve_limit >= 0
+    and kv_others - u_others + need + math.max(u_others, reserve) > reserve_limit then
+  reason = 'reserve'
 end
 if reason then
-  redis.call('HSET', ledger, 'p', tostring(pending), 't', now, 'kv', kv)
+  redis.call('HSET', ledger, 'p', tostring(pending), 't', now, 'kv', kv, 'u', u,
+             'r', tostring(reserve), 'rt', now)
   return {0, n, reason, tostring(pending), kv}
 end
 redis.call('ZADD', leases, now + tonumber(ARGV[2]), ticket)
 if rate > 0 then pending = pending + prompt end
-kv = kv_others + need
-redis.call('HSET', ledger, 'p', tostring(pending), 't', now, 'kv', kv, 'k:' .. ticket, need)
+kv, u = kv_others + need, u_others
+local booked = need
+if urgent then
+  u = u + need
+  booked = -need
+  reserve = math.max(reserve, u)
+end
+redis.call('HSET', ledger, 'p', tostring(pending), 't', now, 'kv', kv, 'u', u,
+           'r', tostring(reserve), 'rt', now, 'k:' .. ticket, booked)
 local ttl_ms = math.ceil(tonumber(ARGV[2]) / 1000)
 redis.call('PEXPIRE', leases, ttl_ms)
 redis.call('PEXPIRE', ledger, ttl_ms)

@@ -3,15 +3,18 @@
 -- KEYS: 1 node leases zset  2 node ledger hash
 -- ARGV: 1 ticket
 -- Pending prefill is not touched: it drains by time (lease.lua), and a request that ends has
--- either been prefilled already or was never run.
+-- either been prefilled already or was never run. The urgent reserve is not touched either:
+-- it remembers realtime's recent peak and decays by time (lease.lua).
 -- Returns {removed (0/1), kv reserved after}.
 
 local removed = redis.call('ZREM', KEYS[1], ARGV[1])
-local k = redis.call('HGET', KEYS[2], 'k:' .. ARGV[1])
-local kv = tonumber(redis.call('HGET', KEYS[2], 'kv') or '0')
-if k then
-  kv = math.max(0, kv - tonumber(k))
+local k = tonumber(redis.call('HGET', KEYS[2], 'k:' .. ARGV[1]) or '0')
+local f = redis.call('HMGET', KEYS[2], 'kv', 'u')
+local kv = tonumber(f[1] or '0')
+if k ~= 0 then
+  kv = math.max(0, kv - math.abs(k))
   redis.call('HDEL', KEYS[2], 'k:' .. ARGV[1])
   redis.call('HSET', KEYS[2], 'kv', kv)
+  if k < 0 then redis.call('HSET', KEYS[2], 'u', math.max(0, tonumber(f[2] or '0') + k)) end
 end
 return {removed, kv}
