@@ -229,7 +229,20 @@ def cmd_systemd_units(args: argparse.Namespace) -> int:
     return 0
 
 
+def _raise_open_files(want: int = 65536) -> None:
+    """Every request waiting in the queue holds one admission connection from NGINX: lift the
+    soft limit on open files (often 1,024) towards the hard one, so overload queues instead of
+    refusing connections."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
 def _use_uvloop() -> None:
+    _raise_open_files()
     try:
         import uvloop
 

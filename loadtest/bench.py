@@ -184,8 +184,11 @@ async def one(s: aiohttp.ClientSession, url: str, req: Req, key: str, priority: 
                 if line.startswith(b"data: {") and b'"usage"' in line:
                     usage = json.loads(line[6:]).get("usage") or {}
                     rec.completion_tokens = int(usage.get("completion_tokens", 0))
-    except (aiohttp.ClientError, TimeoutError, ConnectionError):
-        rec.status = 0
+    except (aiohttp.ClientError, TimeoutError, ConnectionError, OSError) as exc:
+        rec.status = 0  # lost; what failed is kept for the report (e.g. the client's own EMFILE)
+        rec.code = type(exc).__name__ + (
+            f" errno {exc.errno}" if getattr(exc, "errno", None) else ""
+        )
     return rec
 
 
