@@ -229,7 +229,7 @@ def test_cancel_and_pop_never_leak(ops: list[tuple[str, str, str]]) -> None:
     for op, tenant, cls in ops:
         now += 0.5
         if op == "push":
-            it = item(tenant, cls, 10, now)
+            it = item(tenant, cls, 10 + ord(tenant) + len(live), now)
             try:
                 q.push(it)
                 live.append(it)
@@ -251,9 +251,11 @@ def test_cancel_and_pop_never_leak(ops: list[tuple[str, str, str]]) -> None:
         assert sorted(i.seq for i in q.items()) == sorted(i.seq for i in live)
         for t in "abc":
             assert q.tenant_depth(t) == sum(1 for i in live if i.tenant == t)
+        for c in ("realtime", "batch", "offline"):  # by the class asked for, aged or not
+            assert q.waiting_kv(c) == sum(i.cost for i in live if i.requested_cls == c)
     while q.pop(now) is not None:
         pass
-    assert len(q) == 0
+    assert len(q) == 0 and q.waiting_kv("realtime") == q.waiting_kv("batch") == 0
 
 
 def test_eligibility_skips_to_the_next_runnable_request() -> None:
