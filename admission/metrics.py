@@ -6,9 +6,32 @@ the policy (tenants, classes, nodes, reasons).
 
 from __future__ import annotations
 
+from collections import Counter as Tally
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+
+class _Gate(Collector):
+    """`admission_node_gate_total`, read from a plain tally at scrape time: the dispatcher
+    counts every node check that said no, too often for a labelled Counter's lock."""
+
+    def __init__(self, tally: Tally[tuple[str, str, str]]) -> None:
+        self.tally = tally
+
+    def collect(self) -> Iterator[Metric]:
+        fam = CounterMetricFamily(
+            "admission_node_gate",
+            "Node checks that said no to a request, by node, class and the rule that said no "
+            "(state, inflight, measured, booked, decode, reserve, prefill): why work waits.",
+            labels=["node", "cls", "reason"],
+        )
+        for labels, n in list(self.tally.items()):
+            fam.add_metric(list(labels), n)
+        yield fam
 
 
 class Metrics:
@@ -16,6 +39,8 @@ class Metrics:
         self.registry = registry or CollectorRegistry()
         self._decided: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
         r = self.registry
+        self.gate: Tally[tuple[str, str, str]] = Tally()  # (node, class, reason) → checks
+        r.register(_Gate(self.gate))
         self.decisions = Counter(
             "admission_decisions_total",
             "Admission outcomes by tenant, class, outcome (admitted/throttled/rejected/timeout/"

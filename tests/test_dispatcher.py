@@ -210,6 +210,44 @@ def test_lower_classes_leave_the_urgent_reserve_free(redis_server: RedisServer) 
     assert v.kv_urgent == 500 and v.reserve == 500  # what this sidecar booked counts at once
 
 
+def test_every_node_that_says_no_is_counted_with_its_reason(redis_server: RedisServer) -> None:
+    from collections import Counter
+
+    from prometheus_client import generate_latest
+
+    from admission.scheduling.routing import GATE_REASONS
+
+    slo = "slo: {ttft_ms: 1000, tpot_ms: 60}"
+    text = BASE_POLICY.replace("deadline_s: 5}", f"deadline_s: 5, admit_until: drain, {slo}}}")
+    p = make_policy(redis_server.url, text)
+    v = NodeView(p.nodes["n1"], state=Status.OPEN, per_token=0.001, prefill_rate=1000.0)
+    gate: Counter[tuple[str, str, str]] = Counter()
+
+    def no(cls: str, kv: int = 10, prompt: int = 10, waiting: int = 0) -> str:
+        gate.clear()
+        assert not eligible([v], p, "m", cls, prompt, kv, 0.0, urgent_waiting=waiting, gate=gate)
+        ((node, c, reason),) = gate
+        assert node == "n1" and c == cls and reason in GATE_REASONS
+        return reason
+
+    assert no("batch", kv=850) == "booked"
+    assert no("batch", kv=600, waiting=300) == "reserve"
+    v.ledger(900.0, 0, 0, 0.0)
+    assert no("batch", prompt=200) == "prefill"  # 900 + 200 > 1,000 tokens/s x 1 s
+    v.tpot_s = 1.0
+    assert no("batch") == "decode"
+    v.memory = 0.9
+    assert no("realtime") == "measured"
+    v.state = Status.HOLD
+    assert no("batch") == "state"
+    v.inflight = v.node.max_inflight
+    assert no("realtime") == "inflight"
+    m = Metrics()
+    m.gate[("n1", "batch", "reserve")] += 2
+    assert ('admission_node_gate_total{cls="batch",node="n1",reason="reserve"} 2.0'
+            in generate_latest(m.registry).decode())  # fmt: skip
+
+
 async def test_shadow_tenant_is_counted_not_refused(redis: Any, redis_server: RedisServer) -> None:
     # A burst of 1: the second request is over the limit. In shadow mode it is admitted, and
     # the metric says what the limit would have done.

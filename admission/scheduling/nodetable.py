@@ -75,7 +75,7 @@ class NodeTable:
             else _NONE
         )
         return eligible(list(self.views.values()), policy, model, cls, prompt, kv, self.clock(),
-                        tenant, blocked, urgent_kv)  # fmt: skip
+                        tenant, blocked, urgent_kv, self.metrics.gate)  # fmt: skip
 
     def fallbacks(self, nodes: list[NodeView], model: str, tenant: str) -> list[tuple[str, str]]:
         policy = self.policy()

@@ -23,6 +23,7 @@ Two limits, both from the node's own figures (no per-engine constant):
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -175,24 +176,33 @@ def keeps_reserve(v: NodeView, ask: Ask, now: float) -> bool:
     return v.kv_reserved - v.kv_urgent + ask.kv_tokens + reserve <= ask.reserve_limit
 
 
-def fits(
+# Why a node said no to a request (`admission_node_gate_total{reason}`).
+GATE_REASONS = ("state", "inflight", "measured", "booked", "decode", "reserve", "prefill")
+
+
+def why_not(
     v: NodeView, ask: Ask, policy: Policy, cls: str | None, now: float, lent: bool = False
-) -> bool:
-    """Whether the node, as this sidecar sees it, would grant `ask` (the ledger decides)."""
+) -> str | None:
+    """None if the node, as this sidecar sees it, would grant `ask` (the ledger decides);
+    otherwise the first rule that says no (one of GATE_REASONS)."""
     hurry = urgent(policy, cls) and not lent
-    states = (Status.OPEN, Status.HOLD) if hurry else (Status.OPEN,)
-    if v.state not in states or v.inflight >= v.node.max_inflight:
-        return False
+    if v.state not in ((Status.OPEN, Status.HOLD) if hurry else (Status.OPEN,)):
+        return "state"  # held, drained, down or in maintenance for this class
+    if v.inflight >= v.node.max_inflight:
+        return "inflight"
     limit = policy.watermarks.drain if hurry else policy.watermarks.hold
-    if v.memory >= limit or (v.per_token > 0 and v.projected(ask.kv_tokens) >= limit):
-        return False
+    if v.memory >= limit:
+        return "measured"
+    if v.per_token > 0 and v.projected(ask.kv_tokens) >= limit:
+        return "booked"
     if not hurry and (tpot := target_tpot_s(policy)) and v.tpot_s > tpot:
-        return False  # decode is already as slow as the urgent class may see: no more batch
+        return "decode"  # decode is already as slow as the urgent class may see: no more batch
     if not keeps_reserve(v, ask, now):
-        return False
+        return "reserve"
     pending = v.pending_now(now)
-    return not (ask.prefill_budget > 0 and pending > 0
-                and pending + ask.prompt_tokens > ask.prefill_budget)  # fmt: skip
+    if ask.prefill_budget > 0 and pending > 0 and pending + ask.prompt_tokens > ask.prefill_budget:
+        return "prefill"
+    return None
 
 
 def pool_rank(
@@ -231,11 +241,12 @@ def engine_priority(
 def eligible(
     views: list[NodeView], policy: Policy, model: str, cls: str | None, prompt: int, kv: int,
     now: float, tenant: str | None = None, blocked: frozenset[str] = frozenset(),
-    urgent_waiting: int = 0,
+    urgent_waiting: int = 0, gate: Counter[tuple[str, str, str]] | None = None,
 ) -> list[tuple[NodeView, Ask]]:  # fmt: skip
     """Nodes serving `model` that would take this request now, with their asks: the tenant's
     own pool first, then shared nodes, then idle pools on loan (`pool_rank`); within each, the
-    one whose booked prefill clears soonest first (then the least projected memory)."""
+    one whose booked prefill clears soonest first (then the least projected memory).
+    `gate`: counts (node, class, reason) of every node that said no."""
     ok = []
     serving = [v for v in views if model in v.node.models and v.state in (Status.OPEN, Status.HOLD)]
     share = urgent_waiting // max(1, len(serving))  # waiting urgent KV, spread over live nodes
@@ -248,8 +259,11 @@ def eligible(
         # Borrowed capacity is held to the hold watermark and the prefill budget even for an
         # urgent class: the band above hold and the prefill room stay the owners'.
         ask = ask_for(v, policy, cls, prompt, kv, lent=rank == 2, urgent_waiting=share)
-        if fits(v, ask, policy, cls, now, lent=rank == 2):
+        reason = why_not(v, ask, policy, cls, now, lent=rank == 2)
+        if reason is None:
             ok.append((rank, v, ask))
+        elif gate is not None:
+            gate[(v.node.id, cls or "", reason)] += 1
     ok.sort(key=lambda rva: (rva[0], rva[1].wait_s(now), rva[1].projected(), rva[1].node.id))
     return [(v, ask) for _rank, v, ask in ok]
 
