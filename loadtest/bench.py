@@ -268,14 +268,43 @@ def run_system(
             )
             wait_for(lambda: port_open(port), 10, "nginx")
             url, queue_url = f"http://127.0.0.1:{port}/v1/chat/completions", None
-        return asyncio.run(drive(url, reqs, keys, prios if system in PRIORITY_SYSTEMS else None, system, model,
-                                 nodes.ports, queue_url, a.engine == "sim"))  # fmt: skip
+        res = asyncio.run(drive(url, reqs, keys, prios if system in PRIORITY_SYSTEMS else None, system, model,
+                                nodes.ports, queue_url, a.engine == "sim"))  # fmt: skip
+        if stack is not None:
+            print_gate(stack.sidecar_url)
+        return res
     finally:
         if stack is not None:
             stack.stop()
         for p in procs:
             stop_process(p)
         nodes.stop()
+
+
+def print_gate(sidecar_url: str) -> None:
+    """Why work waited in this run: one sidecar's `admission_node_gate_total`, by class and rule."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"{sidecar_url}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except OSError as exc:
+        print(f"(gate counts unavailable: {exc})", file=sys.stderr)
+        return
+    tally: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        if line.startswith("admission_node_gate_total{"):
+            labels = dict(
+                kv.split("=", 1) for kv in line[line.index("{") + 1 : line.index("}")].split(",")
+            )
+            cls, reason = labels["cls"].strip('"'), labels["reason"].strip('"')
+            tally.setdefault(cls, {}).setdefault(reason, 0.0)
+            tally[cls][reason] += float(line.rsplit(" ", 1)[1])
+    for cls, reasons in sorted(tally.items()):
+        print(
+            f"  node checks that said no, sidecar 0, {cls}: "
+            + ", ".join(f"{r} {n:.0f}" for r, n in sorted(reasons.items(), key=lambda rn: -rn[1]))
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -324,6 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     policy = load_policy(a.policy)
     slo = {c.name: c.slo_ttft_ms / 1000 for c in policy.classes.values() if c.slo_ttft_ms}
     slo_e2e = {c.name: c.slo_e2e_ms / 1000 for c in policy.classes.values() if c.slo_e2e_ms}
+    slo_tpot = {c.name: c.slo_tpot_ms / 1000 for c in policy.classes.values() if c.slo_tpot_ms}
     weights = {
         t.id: t.weight
         for t in policy.tenants.values()
@@ -335,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"running {system} ...", flush=True)
         res = run_system(system, a, reqs, work)
         results.append(res)
-        summaries.append(report.summarise(res, slo, weights, slo_e2e))
+        summaries.append(report.summarise(res, slo, weights, slo_e2e, slo_tpot))
     table = report.markdown(summaries)
     print("\n" + table + "\n")
     (out / "report.md").write_text(table + "\n")

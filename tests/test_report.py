@@ -107,3 +107,18 @@ def test_e2e_target_is_scored_and_counts_in_goodput() -> None:
 def test_prompts_do_not_share_a_prefix_and_keep_their_size() -> None:
     a, b = prompt_text(300, 1), prompt_text(300, 2)
     assert a[:8] != b[:8] and len(a) == len(b) == 1200
+
+
+def test_tpot_target_is_scored_over_every_request_sent() -> None:
+    steady = rec(tenant="a", tokens=101)
+    steady.e2e_s = (steady.ttft_s or 0) + 100 * 0.05  # 50 ms per token after the first
+    slow = rec(tenant="b", tokens=101)
+    slow.e2e_s = (slow.ttft_s or 0) + 100 * 0.08  # 80 ms
+    refused = Record("admission", "chat", "a", "realtime", 0.0, 429, "queue_full")
+    res = SystemResult("admission", 10.0, [steady, slow, refused], {})
+    s = report.summarise(res, {"realtime": 1.0}, {"a": 1, "b": 1}, None, {"realtime": 0.06})
+    c = s["classes"]["realtime"]
+    assert c["tpot_attainment"] == pytest.approx(1 / 3)
+    assert c["tpot_p50_ms"] == pytest.approx(65.0, abs=15.1)
+    assert steady.tpot_s == pytest.approx(0.05) and refused.tpot_s is None
+    assert "| – / 33.3% |" in report.markdown([s])
