@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -54,7 +55,8 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         # Limits out of the way: this is about the edge and the sidecars, not the buckets.
         tenants = {"acme": {"keys": ["plain:sk-load"], "classes": ["realtime"], "models": ["stub"],
                             "limits": {"requests_per_s": 1e6, "request_burst": 10**6,
-                                       "tokens_per_min": 1e9, "token_burst": 10**9}}}  # fmt: skip
+                                       "tokens_per_min": 1e9, "token_burst": 10**9,
+                                       "max_queued": 10000}}}  # fmt: skip
         s = Stack(DEFAULT_POLICY, run / "stack", external_nodes=nodes, sidecars=2,
                   policy_overrides={"tenants": tenants})  # fmt: skip
         try:
@@ -97,8 +99,15 @@ async def _closed_loop(url: str, clients: int, seconds: float) -> Counter[str]:
     return seen
 
 
-@pytest.mark.parametrize("clients", [64, 384, 1024])
+@pytest.mark.parametrize("clients", [64, 384, 1024, 6000])
 def test_concurrency_never_makes_the_edge_unavailable(edge: Stack, clients: int) -> None:
+    # 6,000: ~5,700 wait in the sidecars' queues, each holding two connections at NGINX (client,
+    # admission socket) — past 4,096 connections per worker, which refused clients before.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < clients + 1000:
+        if hard != resource.RLIM_INFINITY and hard < clients + 1000:
+            pytest.skip(f"needs {clients + 1000} open files for the clients (hard limit {hard})")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (clients + 1000, hard))
     seen = asyncio.run(_closed_loop(f"{edge.url}/v1/chat/completions", clients, 6.0))
     bad = {k: n for k, n in seen.items() if k != "200" and k.split(" ", 1)[1] not in POLICY_REASONS}
     assert seen["200"] > 0
