@@ -83,6 +83,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.error("refusing to serve the admin port on %s without --admin-token-file "
                       "(node admin would be open to the network)", args.host)  # fmt: skip
         return 2
+    _raise_open_files()
     _use_uvloop()
     holder = PolicyHolder(Path(args.policy), policy, Metrics())
     access = Access(edge_over_tcp=args.edge_over_tcp, admin_token=token)
@@ -242,7 +243,6 @@ def _raise_open_files(want: int = 65536) -> None:
 
 
 def _use_uvloop() -> None:
-    _raise_open_files()
     try:
         import uvloop
 

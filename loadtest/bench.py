@@ -291,15 +291,14 @@ def print_gate(sidecar_url: str) -> None:
     except OSError as exc:
         print(f"(gate counts unavailable: {exc})", file=sys.stderr)
         return
+    from prometheus_client.parser import text_string_to_metric_families
+
     tally: dict[str, dict[str, float]] = {}
-    for line in text.splitlines():
-        if line.startswith("admission_node_gate_total{"):
-            labels = dict(
-                kv.split("=", 1) for kv in line[line.index("{") + 1 : line.index("}")].split(",")
-            )
-            cls, reason = labels["cls"].strip('"'), labels["reason"].strip('"')
-            tally.setdefault(cls, {}).setdefault(reason, 0.0)
-            tally[cls][reason] += float(line.rsplit(" ", 1)[1])
+    for fam in text_string_to_metric_families(text):
+        for sample in fam.samples:
+            if sample.name == "admission_node_gate_total":
+                by = tally.setdefault(sample.labels["cls"], {})
+                by[sample.labels["reason"]] = by.get(sample.labels["reason"], 0.0) + sample.value
     for cls, reasons in sorted(tally.items()):
         print(
             f"  node checks that said no, sidecar 0, {cls}: "

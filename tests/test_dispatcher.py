@@ -208,6 +208,8 @@ def test_lower_classes_leave_the_urgent_reserve_free(redis_server: RedisServer) 
     assert ask.urgent_waiting == 200  # one live node: all of it
     v.booked(eligible([v], p, "m", "realtime", 10, 400, 0.0)[0][1], 0.0)
     assert v.kv_urgent == 500 and v.reserve == 500  # what this sidecar booked counts at once
+    v.ledger(0.0, 500, 1, 20.0)  # a refusal's figures (no reserve): the local one decays on
+    assert v.kv_urgent == 500 and v.reserve_now(20.0) == pytest.approx(250.0)  # one half-life
 
 
 def test_every_node_that_says_no_is_counted_with_its_reason(redis_server: RedisServer) -> None:

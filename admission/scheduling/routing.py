@@ -33,6 +33,7 @@ from admission.policy import AdmitUntil, Node, Policy
 from admission.scheduling.leases import Ask
 
 MAX_FALLBACKS = 2
+_LIVE = (Status.OPEN, Status.HOLD)
 RESERVE_HALF_S = 20.0  # the urgent reserve halves in this time (lease.lua's RESERVE_HALF_US)
 DEFAULT_TARGET_TTFT_S = 1.0  # when no class sets slo.ttft_ms
 
@@ -71,10 +72,12 @@ class NodeView:
         self, pending: float, kv: int, leases: int, now: float,
         urgent: int | None = None, reserve: float | None = None,
     ) -> None:  # fmt: skip
-        """Take the node's ledger as read from Redis (pending and reserve decayed to `now`)."""
+        """Take the node's ledger as read from Redis (pending and reserve decayed to `now`);
+        without `urgent`/`reserve` (a refusal's figures) the local reserve is kept, decayed."""
+        if urgent is None or reserve is None:
+            urgent, reserve = self.kv_urgent, self.reserve_now(now)
         self.pending, self.pending_at, self.kv_reserved, self.inflight = pending, now, kv, leases
-        if urgent is not None and reserve is not None:
-            self.kv_urgent, self.reserve = urgent, reserve
+        self.kv_urgent, self.reserve = urgent, reserve
 
     def reserve_now(self, now: float) -> float:
         return float(self.reserve * 0.5 ** (max(0.0, now - self.pending_at) / RESERVE_HALF_S))
@@ -248,8 +251,10 @@ def eligible(
     one whose booked prefill clears soonest first (then the least projected memory).
     `gate`: counts (node, class, reason) of every node that said no."""
     ok = []
-    serving = [v for v in views if model in v.node.models and v.state in (Status.OPEN, Status.HOLD)]
-    share = urgent_waiting // max(1, len(serving))  # waiting urgent KV, spread over live nodes
+    share = 0  # waiting urgent KV, spread over the live nodes serving the model
+    if urgent_waiting:
+        live = sum(1 for v in views if model in v.node.models and v.state in _LIVE)
+        share = urgent_waiting // max(1, live)
     for v in views:
         if model not in v.node.models:
             continue

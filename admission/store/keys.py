@@ -39,7 +39,8 @@ def node_leases(node: str) -> str:
 @functools.lru_cache(maxsize=65536)
 def node_ledger(node: str) -> str:
     """What a node will hold: hash {p: pending prefill tokens, t: µs, kv: reserved KV tokens,
-    k:<ticket>: one lease's KV tokens} (lease.lua, unlease.lua)."""
+    u: the urgent class's part of kv, r: the urgent reserve as of rt (µs), k:<ticket>: one
+    lease's KV tokens, negative for an urgent lease} (lease.lua, unlease.lua)."""
     return f"{PREFIX}:{{n:{node}}}:ledger"
 
 

@@ -71,6 +71,8 @@ elseif not urgent and reserve_limit >= 0
   reason = 'reserve'
 end
 if reason then
+  -- Refused, the ticket's earlier urgent booking (a retry) stays: so does its share of r.
+  reserve = math.max(reserve, u)
   redis.call('HSET', ledger, 'p', tostring(pending), 't', now, 'kv', kv, 'u', u,
              'r', tostring(reserve), 'rt', now)
   return {0, n, reason, tostring(pending), kv}
