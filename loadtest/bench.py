@@ -24,7 +24,6 @@ import json
 import logging
 import subprocess
 import sys
-import tempfile
 import time
 from importlib import resources
 from pathlib import Path
@@ -41,6 +40,7 @@ from engine.profiles import PROFILES
 from engine.vllm_node import TINY_MODEL
 from loadtest import report
 from loadtest.capacity import capacity
+from loadtest.scratch import add_flag, scratch
 from loadtest.workload import MIXED, TINY, Req, load_kinds, prompt_text, schedule
 
 BENCH_POLICY = Path(str(resources.files("loadtest") / "bench_policy.yaml"))
@@ -334,6 +334,7 @@ def main(argv: list[str] | None = None) -> int:
         "--workload", help="a YAML mix instead of the built-in one (loadtest/workloads/)"
     )
     ap.add_argument("--out", default="bench-out")
+    add_flag(ap)
     a = ap.parse_args(argv)
     # The demo keys are the point here; the sidecars still log the plaintext-key warning.
     logging.getLogger("admission.policy").setLevel(logging.ERROR)
@@ -359,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         if "realtime" in t.classes and t.id != "nightly-etl"
     }
     results, summaries = [], []
-    work = Path(tempfile.mkdtemp(prefix="bench-"))
+    work = scratch("bench-", a.keep_work)
     for system in a.systems.split(","):
         print(f"running {system} ...", flush=True)
         res = run_system(system, a, reqs, work)

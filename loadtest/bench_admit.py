@@ -17,9 +17,7 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import aiohttp
 import redis
@@ -27,6 +25,7 @@ import redis
 from admission.nodes.state import NodeState, Status
 from admission.store import keys
 from devstack.procs import RedisServer, stop_process, wait_for
+from loadtest.scratch import add_flag, scratch
 
 POLICY = """
 redis: {{url: "{url}", pool_size: 64}}
@@ -114,8 +113,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10)
     ap.add_argument("--rate", type=float, default=1000)
     ap.add_argument("--concurrency", type=int, default=64)
+    add_flag(ap)
     a = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="bench-admit-"))
+    work = scratch("bench-admit-", a.keep_work)
     rs = RedisServer(work / "redis")
     rs.start()
     policy = work / "policies.yaml"

@@ -18,7 +18,6 @@ import logging
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -31,6 +30,7 @@ from devstack.stack import DEFAULT_POLICY, Stack
 from loadtest import report
 from loadtest.bench import drive
 from loadtest.capacity import capacity
+from loadtest.scratch import add_flag, scratch
 from loadtest.workload import Kind, schedule
 
 KEYS = {"acme": "sk-demo-acme", "globex": "sk-demo-globex", "hobbyist": "sk-demo-hobbyist",
@@ -102,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--concurrency", type=int, default=16, help="the batch worker's lines in flight"
     )
+    add_flag(ap)
     a = ap.parse_args(argv)
     logging.getLogger("admission.policy").setLevel(logging.ERROR)
     rate = capacity("a100-40gb-llama3-8b", kinds=(CHAT,)) * a.nodes * a.load
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                   if c.slo_ttft_ms) / 1000  # fmt: skip
     print(f"realtime {rate:.1f} chats/s ({a.load}× {a.nodes} nodes) for {a.seconds:.0f} s; "
           f"batch {a.lines} lines; kills: {a.kills or 'none'}", flush=True)  # fmt: skip
-    work = Path(tempfile.mkdtemp(prefix="bench-batch-"))
+    work = scratch("bench-batch-", a.keep_work)
     rows = {}
     for name in ("alone", "with-batch"):
         print(f"running {name} ...", flush=True)

@@ -17,14 +17,13 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.request
-from pathlib import Path
 
 import aiohttp
 
 from devstack.procs import free_port, stop_process, wait_for
+from loadtest.scratch import add_flag, scratch
 from loadtest.stub import beside_plain_nginx
 
 
@@ -72,6 +71,7 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=500, help="requests/s on each path")
     ap.add_argument("--seconds", type=float, default=20)
     ap.add_argument("--delay-ms", type=float, default=20)
+    add_flag(ap)
     a = ap.parse_args()
     stub_port, direct_port = free_port(), free_port()
     stub = subprocess.Popen([sys.executable, "-m", "loadtest.stub", "--port", str(stub_port), "--delay-ms",
@@ -81,9 +81,7 @@ def main() -> None:
         20,
         "stub",
     )
-    stack = beside_plain_nginx(
-        stub_port, direct_port, Path(tempfile.mkdtemp(prefix="bench-edge-")), 1
-    )
+    stack = beside_plain_nginx(stub_port, direct_port, scratch("bench-edge-", a.keep_work), 1)
     try:
         stack.start()
         body = json.dumps(

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import logging
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ from engine.profiles import PROFILES
 from loadtest import report
 from loadtest.bench import drive
 from loadtest.capacity import capacity
+from loadtest.scratch import add_flag, scratch
 from loadtest.workload import Kind, schedule
 
 CHAT = (50, 400), (30, 150)  # prompt and output tokens, as the mixed benchmark's chats
@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-inflight", type=int, default=256)
     ap.add_argument("--runs", default="shared,pool")
     ap.add_argument("--seed", type=int, default=7)
+    add_flag(ap)
     a = ap.parse_args(argv)
     logging.getLogger("admission.policy").setLevel(logging.ERROR)
     vip_kind = Kind("chat", "realtime", ("vip",), 1.0, *CHAT)
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"one node: {node_cap:.1f} chats/s; vip offers {vip_rate:.1f}/s ({a.vip_load}× a node), "
           f"flood {flood_rate:.1f}/s ({a.flood_load}× {a.nodes} nodes) for {a.seconds:.0f} s; "
           f"TTFT target {target_s * 1000:.0f} ms", flush=True)  # fmt: skip
-    work = Path(tempfile.mkdtemp(prefix="bench-pools-"))
+    work = scratch("bench-pools-", a.keep_work)
     rows = []
     for name in a.runs.split(","):
         res = run(name, a, reqs, work)

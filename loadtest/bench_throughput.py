@@ -22,7 +22,6 @@ import re
 import resource
 import shutil
 import subprocess
-import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from pathlib import Path
 
 from devstack.procs import free_port, stop_process, wait_for
 from devstack.stack import MODULES, Stack
+from loadtest.scratch import add_flag, scratch
 from loadtest.stub import beside_plain_nginx
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -164,11 +164,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--delay-ms", type=float, default=20)
     ap.add_argument("--sidecars", type=int, default=2)
     ap.add_argument("--idle-s", type=float, default=10, help="the idle measurement's length")
+    add_flag(ap)
     a = ap.parse_args(argv)
     if shutil.which("wrk") is None:
         print("bench_throughput needs wrk (scripts/setup.sh installs it)")
         return 2
-    work = Path(tempfile.mkdtemp(prefix="bench-throughput-"))
+    work = scratch("bench-throughput-", a.keep_work)
     (work / "tmp").mkdir()
     stub_port, direct_port = free_port(), free_port()
     modules = "\n".join(f"load_module {m};" for m in MODULES if Path(m).exists())

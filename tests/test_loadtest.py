@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,12 +22,17 @@ pytestmark = pytest.mark.timeout(400)
 
 def test_benchmark_smoke(tmp_path: Path) -> None:
     out = tmp_path / "out"
+    scratch = Path(tempfile.mkdtemp(prefix="t"))  # short: unix socket paths live under it
+    scratch.chmod(0o755)  # NGINX's workers (nobody) read the Lua files under it
     proc = subprocess.run(
         [sys.executable, "-m", "loadtest.bench", "--systems", "fifo,admission", "--nodes", "1", "--seconds", "6",
          "--load", "1.0", "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=360,
+        cwd=ROOT, capture_output=True, text=True, timeout=360, env={**os.environ, "TMPDIR": str(scratch)},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    left = list(scratch.glob("bench-*"))
+    shutil.rmtree(scratch)
+    assert not left  # its scratch directory is gone
     doc = json.loads((out / "report.json").read_text())
     systems = [s["system"] for s in doc["summaries"]]
     assert systems == ["fifo", "admission"]
@@ -57,6 +64,19 @@ def test_throughput_benchmark_smoke() -> None:
     header = next(ln for ln in proc.stdout.splitlines() if ln.startswith("| path | load | redis"))
     for role in ("sidecar", "edge nginx", "redis", "wrk (client)"):
         assert role in header
+
+
+def test_scratch_kept_when_asked_or_when_the_run_failed(tmp_path: Path) -> None:
+    code = "import sys; from loadtest.scratch import scratch; w = scratch('bench-t-', {keep}); " \
+           "(w / 'log').write_text('x'); sys.exit(0) if {ok} else 1 / 0"  # fmt: skip
+    for keep, ok, kept in ((False, True, False), (True, True, True), (False, False, True)):
+        d = tmp_path / f"{keep}-{ok}"
+        d.mkdir()
+        proc = subprocess.run([sys.executable, "-c", code.format(keep=keep, ok=ok)], cwd=ROOT,
+                              capture_output=True, text=True, env={**os.environ, "TMPDIR": str(d)})  # fmt: skip
+        assert (proc.returncode == 0) is ok
+        assert [p.name for p in d.glob("bench-t-*/log")] == (["log"] if kept else [])
+        assert ("scratch directory kept" in proc.stderr) is kept
 
 
 @pytest.fixture(scope="module")

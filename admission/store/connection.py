@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import hiredis
 import redis.asyncio as aioredis
 from redis import exceptions as rex
 
@@ -76,6 +77,35 @@ class _Pool(aioredis.BlockingConnectionPool):
             raise
 
 
+def _pack(args: tuple[Any, ...]) -> bytes:
+    # As redis-py's sync HiredisRespSerializer: "SCRIPT LOAD" is two words on the wire.
+    if isinstance(args[0], str):
+        args = (*args[0].encode().split(), *args[1:])
+    elif b" " in args[0]:
+        args = (*args[0].split(), *args[1:])
+    args = tuple(bytes(a) if isinstance(a, (bytearray, memoryview)) else a for a in args)
+    try:
+        return hiredis.pack_command(args)  # type: ignore[no-any-return]
+    except TypeError as exc:
+        raise rex.DataError(str(exc)) from exc
+
+
+class _HiredisPacking:
+    """Commands packed by hiredis in C. redis-py packs in Python on its asyncio connections
+    (~9 µs of sidecar CPU per script call, four calls per request; hiredis: ~1.6 µs) and uses
+    hiredis only on its sync ones. Same bytes on the wire (tests/test_store.py checks)."""
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        return [_pack(args)]
+
+    def pack_commands(self, commands: Any) -> list[bytes]:
+        return [b"".join([_pack(tuple(c)) for c in commands])]
+
+
+def _hiredis_packing(cls: type) -> type:
+    return type(f"Hiredis{cls.__name__}", (_HiredisPacking, cls), {})
+
+
 def connect(settings: RedisSettings, *, read_timeouts: bool = True) -> Any:
     """A redis-py asyncio client with short timeouts and a *blocking* pool.
 
@@ -99,4 +129,5 @@ def connect(settings: RedisSettings, *, read_timeouts: bool = True) -> Any:
         socket_timeout=timeout if read_timeouts else None,
         socket_connect_timeout=settings.connect_timeout_ms / 1000,
     )
+    pool.connection_class = _hiredis_packing(pool.connection_class)  # tcp, unix or tls
     return aioredis.Redis.from_pool(pool)  # the client owns (and closes) its pool

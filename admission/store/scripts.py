@@ -151,9 +151,10 @@ class Scripts:
 
     async def _pipeline(self, calls: tuple[Call, ...]) -> list[Any]:
         pipe = self.redis.pipeline(transaction=False)
-        for c in calls:
+        sha = self.sha
+        for c in calls:  # EVALSHA as a plain command: redis-py's wrapper costs a call per call
             if c.script is None:
                 pipe.execute_command(*c.args)
             else:
-                pipe.evalsha(self.sha[c.script], len(c.keys), *c.keys, *c.args)
+                pipe.execute_command("EVALSHA", sha[c.script], len(c.keys), *c.keys, *c.args)
         return list(await pipe.execute(raise_on_error=False))
