@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import secrets
 import shutil
 import subprocess
@@ -217,6 +218,8 @@ class Stack:
         return self.nodes.policy_nodes(max_inflight=self.node_max_inflight)
 
     def _write_nginx(self, policy: Policy, sockets: list[Path], edge_table: Path) -> None:
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # NGINX inherits ours
+        nofile = 65536 if hard == resource.RLIM_INFINITY else min(65536, hard)
         subs = {
             "@@RUN_DIR@@": str(self.run_dir),
             "@@TEMP_DIR@@": str(self.sock_dir / "tmp"),
@@ -232,6 +235,8 @@ class Stack:
             "@@INTERNAL_SOCKET@@": str(self.internal_socket),
             "@@PORT@@": str(self.port),
             "@@WORKERS@@": "2",
+            "@@NOFILE@@": str(nofile),
+            "@@WORKER_CONNECTIONS@@": str(min(16384, nofile)),
             "@@EXTRA_HTTP@@": self.extra_nginx_http,
             "@@LOAD_MODULES@@": "\n".join(f"load_module {m};" for m in MODULES if Path(m).exists()),
         }
