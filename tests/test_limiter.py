@@ -611,3 +611,17 @@ def test_hiredis_packing_refuses_what_redis_py_refuses() -> None:
     ).connection_pool.make_connection()
     with pytest.raises(rex.DataError):
         conn.pack_command("SET", "k", None)
+
+
+async def test_round_trips_are_timed(redis_server: RedisServer) -> None:
+    """Every coalesced round trip that answered is observed once, in seconds."""
+    p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 600000}")
+    m = Metrics()
+    store = Store.open(p.redis, m)
+    lim = Limiter(store, lambda: p, m)
+    await asyncio.gather(*(take(lim, p.tenants["t1"], f"rt-{i}", 1, 60) for i in range(20)))
+    count = m.registry.get_sample_value("admission_redis_round_trip_seconds_count")
+    total = m.registry.get_sample_value("admission_redis_round_trip_seconds_sum")
+    assert count is not None and 1 <= count <= 20  # 20 calls, coalesced into fewer trips
+    assert total is not None and 0 < total < 5
+    await store.close()

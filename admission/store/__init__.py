@@ -28,13 +28,14 @@ class Store:
             return cls.over(redis, metrics)
         # The hot path's scripts get their own client, bounded per round trip, not per reply.
         scripts = Scripts(connect(settings, read_timeouts=False),
-                          timeout_s=settings.command_timeout_ms / 1000)  # fmt: skip
+                          timeout_s=settings.command_timeout_ms / 1000,
+                          observe=metrics.redis_round_trip.observe)  # fmt: skip
         return cls(redis, scripts, Backlog(scripts, metrics))
 
     @classmethod
     def over(cls, redis: Any, metrics: Metrics) -> Store:
         """A store over an existing client (tests, tools)."""
-        scripts = Scripts(redis)
+        scripts = Scripts(redis, observe=metrics.redis_round_trip.observe)
         return cls(redis, scripts, Backlog(scripts, metrics))
 
     async def close(self) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import resources
@@ -51,9 +52,15 @@ class Call:
 
 
 class Scripts:
-    def __init__(self, redis: Any, timeout_s: float | None = None) -> None:
+    def __init__(
+        self,
+        redis: Any,
+        timeout_s: float | None = None,
+        observe: Callable[[float], None] = lambda _s: None,
+    ) -> None:
         self.redis = redis
         self.timeout_s = timeout_s  # per round trip (a client without per-reply timeouts)
+        self.observe = observe  # seconds of each coalesced round trip that answered
         # redis-py refuses EVALSHA in cluster pipelines: there, calls run concurrently instead.
         self.cluster = isinstance(redis, aioredis.RedisCluster)
         self.source = {n: PRELUDE + _lua(n) for n in NAMES}
@@ -67,7 +74,9 @@ class Scripts:
         order (errors as exceptions for script errors, raised for connection problems).
         `orphan`: the compensations to send if this caller is cancelled before the answer."""
         if self.cluster:
+            started = time.perf_counter()
             results = await self._run(calls)
+            self.observe(time.perf_counter() - started)
             raise_if_down(results)
             return results
         fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
@@ -86,11 +95,13 @@ class Scripts:
                     k += 1
                 group, self._waiting = self._waiting[:k], self._waiting[k:]
                 failed: BaseException | None = None
+                started = time.perf_counter()
                 try:
                     async with asyncio.timeout(self.timeout_s):
                         results = await self._run(
                             tuple(c for calls, _f, _o in group for c in calls)
                         )
+                    self.observe(time.perf_counter() - started)
                 except TimeoutError:  # redis-py dropped the connection mid-reply
                     failed = rex.TimeoutError("Redis round trip timed out")
                 except asyncio.CancelledError:
