@@ -23,39 +23,17 @@ import resource
 import shutil
 import subprocess
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from devstack.procs import free_port, stop_process, wait_for
-from devstack.stack import MODULES, Stack
+from devstack.procs import free_port, stop_process
+from devstack.stack import Stack
 from loadtest.scratch import add_flag, scratch
-from loadtest.stub import beside_plain_nginx
+from loadtest.stub import beside_plain_nginx, nginx_stub
 
 TICK = os.sysconf("SC_CLK_TCK")
 BODY = json.dumps({"model": "stub", "messages": [{"role": "user", "content": "hello"}],
                    "max_tokens": 16})  # fmt: skip
-STUB_CONF = """daemon off; worker_processes 1; pid {d}/stub.pid; error_log {d}/stub-error.log warn;
-{modules}
-events {{ worker_connections 8192; }}
-http {{
-  access_log off; keepalive_requests 1000000;
-  client_body_temp_path {d}/tmp;
-  server {{
-    listen 127.0.0.1:{port} backlog=4096;
-    location = /v1/chat/completions {{ default_type application/json; content_by_lua_block {{
-      ngx.sleep({delay})
-      ngx.print('{{"id":"chatcmpl-stub","object":"chat.completion","created":0,"model":"stub",'
-        .. '"choices":[{{"index":0,"message":{{"role":"assistant","content":"ok"}},'
-        .. '"finish_reason":"stop"}}],"usage":{{"prompt_tokens":5,"completion_tokens":1,'
-        .. '"total_tokens":6}}}}')
-    }} }}
-    location = /health {{ return 200; }}
-    location = /metrics {{ default_type text/plain;
-      return 200 'vllm:kv_cache_usage_perc{{engine="0",model_name="stub"}} 0.0\\n'; }}
-  }}
-}}
-"""
 # wrk: POST the chat with the demo key; count answers by status and, for refusals, by code.
 WRK_LUA = """wrk.method = "POST"
 wrk.body = [[{body}]]
@@ -170,15 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_throughput needs wrk (scripts/setup.sh installs it)")
         return 2
     work = scratch("bench-throughput-", a.keep_work)
-    (work / "tmp").mkdir()
     stub_port, direct_port = free_port(), free_port()
-    modules = "\n".join(f"load_module {m};" for m in MODULES if Path(m).exists())
-    (work / "stub.conf").write_text(STUB_CONF.format(d=work, modules=modules, port=stub_port,
-                                                     delay=a.delay_ms / 1000))  # fmt: skip
-    stub = subprocess.Popen(["nginx", "-c", str(work / "stub.conf"), "-p", str(work)],
-                            start_new_session=True)  # fmt: skip
-    wait_for(lambda: urllib.request.urlopen(f"http://127.0.0.1:{stub_port}/health").status == 200,
-             20, "stub")  # fmt: skip
+    stub = nginx_stub(work, stub_port, a.delay_ms)
     stack = beside_plain_nginx(stub_port, direct_port, work / "stack", a.sidecars)
     closed = work / "closed.lua"
     closed.write_text(WRK_LUA.format(body=BODY, gap=0))

@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import subprocess
 from pathlib import Path
 
 from aiohttp import web
 
-from devstack.stack import DEFAULT_POLICY, Stack
+from devstack.procs import http_ok, wait_for
+from devstack.stack import DEFAULT_POLICY, MODULES, Stack
 
 BODY = json.dumps({
     "id": "chatcmpl-stub", "object": "chat.completion", "created": 0, "model": "stub",
@@ -23,6 +25,44 @@ BODY = json.dumps({
     "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
 }).encode()  # fmt: skip
 METRICS = b'vllm:kv_cache_usage_perc{engine="0",model_name="stub"} 0.0\n'
+
+
+# The same stub as an NGINX with ngx_lua: ~15 µs of CPU per answer instead of the Python one's
+# ~150, so that on a small box the stub takes little of the CPU the paths under test share
+# (a real node is another machine).
+NGINX_STUB_CONF = """daemon off; worker_processes 1; pid {d}/stub.pid; error_log {d}/stub-error.log warn;
+{modules}
+events {{ worker_connections 8192; }}
+http {{
+  access_log off; keepalive_requests 1000000;
+  client_body_temp_path {d}/tmp;
+  server {{
+    listen 127.0.0.1:{port} backlog=4096;
+    location = /v1/chat/completions {{ default_type application/json; content_by_lua_block {{
+      ngx.sleep({delay})
+      ngx.print('{{"id":"chatcmpl-stub","object":"chat.completion","created":0,"model":"stub",'
+        .. '"choices":[{{"index":0,"message":{{"role":"assistant","content":"ok"}},'
+        .. '"finish_reason":"stop"}}],"usage":{{"prompt_tokens":5,"completion_tokens":1,'
+        .. '"total_tokens":6}}}}')
+    }} }}
+    location = /health {{ return 200; }}
+    location = /metrics {{ default_type text/plain;
+      return 200 'vllm:kv_cache_usage_perc{{engine="0",model_name="stub"}} 0.0\\n'; }}
+  }}
+}}
+"""
+
+
+def nginx_stub(work: Path, port: int, delay_ms: float) -> subprocess.Popen[bytes]:
+    """Start the NGINX stub on 127.0.0.1:`port` (files under `work`); returns its master."""
+    (work / "tmp").mkdir(parents=True, exist_ok=True)
+    modules = "\n".join(f"load_module {m};" for m in MODULES if Path(m).exists())
+    (work / "stub.conf").write_text(NGINX_STUB_CONF.format(d=work, modules=modules, port=port,
+                                                           delay=delay_ms / 1000))  # fmt: skip
+    stub = subprocess.Popen(["nginx", "-c", str(work / "stub.conf"), "-p", str(work)],
+                            start_new_session=True)  # fmt: skip
+    wait_for(lambda: http_ok(f"http://127.0.0.1:{port}/health"), 20, "stub", stub)
+    return stub
 
 
 def beside_plain_nginx(stub_port: int, direct_port: int, run_dir: Path, sidecars: int) -> Stack:
