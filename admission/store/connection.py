@@ -93,7 +93,8 @@ def _pack(args: tuple[Any, ...]) -> bytes:
 class _HiredisPacking:
     """Commands packed by hiredis in C. redis-py packs in Python on its asyncio connections
     (~9 µs of sidecar CPU per script call, four calls per request; hiredis: ~1.6 µs) and uses
-    hiredis only on its sync ones. Same bytes on the wire (tests/test_store.py checks)."""
+    hiredis only on its sync ones. Same bytes on the wire (tests/test_limiter.py checks). Not
+    on Redis Cluster clients, which build their connections themselves."""
 
     def pack_command(self, *args: Any) -> list[bytes]:
         return [_pack(args)]
