@@ -212,6 +212,29 @@ def test_lower_classes_leave_the_urgent_reserve_free(redis_server: RedisServer) 
     assert v.kv_urgent == 500 and v.reserve_now(20.0) == pytest.approx(250.0)  # one half-life
 
 
+def test_urgent_class_is_not_held_by_what_lower_classes_hold(redis_server: RedisServer) -> None:
+    # 1,000 KV tokens, drain 0.85. Batch has booked 700 and measured memory shows it (0.86:
+    # drained): realtime still goes — vLLM preempts batch for it — as long as its own KV and
+    # what is not KV stay below drain; batch does not.
+    text = BASE_POLICY.replace("deadline_s: 5}", "deadline_s: 5, admit_until: drain}")
+    p = make_policy(redis_server.url, text)
+    v = NodeView(p.nodes["n1"], state=Status.DRAIN, memory=0.86, per_token=0.001)
+    v.ledger(0.0, 700, 2, 0.0, urgent=0, reserve=0.0)
+
+    def ok(cls: str, kv: int) -> bool:
+        return bool(eligible([v], p, "m", cls, 10, kv, 0.0))
+
+    assert ok("realtime", 800) and not ok("realtime", 900)  # its own 900 ≥ 850
+    assert not ok("batch", 10)
+    v.ledger(0.0, 700, 2, 0.0, urgent=700, reserve=700.0)  # realtime's own KV this time
+    assert not ok("realtime", 10)  # 0.86 measured, none of it preemptible
+    v.ledger(0.0, 100, 1, 0.0, urgent=0, reserve=0.0)
+    v.memory = 0.96  # more than lower classes' booking explains (another process, a leak)
+    assert not ok("realtime", 10)  # 0.96 − 0.10 ≥ 0.85
+    v.memory, v.state = 0.5, Status.DOWN
+    assert not ok("realtime", 10)  # down is down
+
+
 def test_every_node_that_says_no_is_counted_with_its_reason(redis_server: RedisServer) -> None:
     from collections import Counter
 

@@ -68,10 +68,12 @@ def test_ledger_never_negative_always_cleared_and_shared(
                     ask = leases.Ask(tokens, tokens * 2, 0.0, 0, 1500, urgent=rt,
                                      reserve_limit=-1 if rt else 1600)  # fmt: skip
                     res = (await scripts[who].run(leases.take(NODE, t, 60, ask)))[0]
+                    granted_lower = leases.granted(res) and not rt
                     if leases.granted(res):
                         live[t] = tokens * 2
                         (hot.add if rt else hot.discard)(t)
                 else:
+                    granted_lower = False
                     await scripts[who].run(leases.give_back(t))
                     live.pop(t, None)
                     hot.discard(t)
@@ -82,7 +84,10 @@ def test_ledger_never_negative_always_cleared_and_shared(
                 assert entries == live
                 assert kv == sum(live.values())
                 assert urgent_kv == sum(live[t] for t in hot)
-                assert kv <= 1500  # the KV limit held, atomically
+                # The KV limit held, atomically: by all of it for a lower class's lease; the
+                # urgent class counts only its own KV (vLLM preempts the others for it).
+                assert urgent_kv <= 1500
+                assert kv <= 1500 or not granted_lower
                 assert float(h.get("r", 0)) >= urgent_kv  # the reserve covers what realtime holds
                 assert await clients[0].zcard(keys.node_leases("n1")) == len(live)
             for t in list(live):
@@ -150,6 +155,23 @@ async def test_urgent_reserve_keeps_lower_classes_off_what_realtime_needs(redis:
     assert leases.granted((await s.run(leases.take(NODE, ticket(13), 60, batch(300, 100))))[0])
     res = (await s.run(leases.take(NODE, ticket(14), 60, batch(10, 700))))[0]
     assert leases.refusal(res) is not None and leases.refusal(res)[0] == "reserve"  # type: ignore[index]
+
+
+async def test_urgent_class_counts_only_its_own_kv(redis: Any) -> None:
+    """Lower classes filled the node up to their limit: realtime is still granted up to its own
+    limit (vLLM preempts the lower classes for it), and refused past it by its own KV."""
+    s = Scripts(redis)
+    for i in range(2):
+        ask = leases.Ask(10, 450, kv_limit=900)
+        assert leases.granted((await s.run(leases.take(NODE, ticket(i), 60, ask)))[0])
+    rt = leases.Ask(10, 600, kv_limit=1000, urgent=True)
+    assert leases.granted((await s.run(leases.take(NODE, ticket(5), 60, rt)))[0])  # 1,500 booked
+    res = (await s.run(leases.take(NODE, ticket(6), 60, rt)))[0]  # its own 600 + 600 > 1,000
+    assert leases.refusal(res) is not None and leases.refusal(res)[0] == "memory"  # type: ignore[index]
+    res = (await s.run(leases.take(NODE, ticket(7), 60, leases.Ask(10, 10, kv_limit=900))))[0]
+    assert leases.refusal(res) is not None and leases.refusal(res)[0] == "memory"  # type: ignore[index]
+    h = await fields(redis)
+    assert int(h["kv"]) == 1500 and int(h["u"]) == 600
 
 
 async def test_urgent_reserve_decays_once_realtime_is_gone(redis: Any) -> None:

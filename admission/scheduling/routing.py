@@ -8,7 +8,9 @@ decides; the local view only avoids asking Redis for leases that would be refuse
 Two limits, both from the node's own figures (no per-engine constant):
 - memory: the larger of measured memory and base + reserved KV must stay below the class's
   watermark (`hold`, or `drain` for a class admitted until drain): KV is reserved for prompt +
-  output cap, so admitted work cannot outgrow the pool — no preemptions by construction;
+  output cap, so admitted lower-class work cannot outgrow the pool. The urgent class counts
+  neither the KV lower classes booked nor that part of measured memory (`preemptible`): vLLM
+  preempts them for it;
 - prefill: classes admitted until `hold` go to a node only while its pending prefill stays
   within what it clears in the target TTFT (the most urgent class's `slo.ttft_ms`), from its
   measured prefill rate: the backlog stays in the sidecar, where fairness and SLO order apply,
@@ -34,6 +36,7 @@ from admission.scheduling.leases import Ask
 
 MAX_FALLBACKS = 2
 _LIVE = (Status.OPEN, Status.HOLD)
+_URGENT_LIVE = (Status.OPEN, Status.HOLD, Status.DRAIN)
 RESERVE_HALF_S = 20.0  # the urgent reserve halves in this time (lease.lua's RESERVE_HALF_US)
 DEFAULT_TARGET_TTFT_S = 1.0  # when no class sets slo.ttft_ms
 
@@ -91,11 +94,22 @@ class NodeView:
         """Seconds until this node has cleared the prefill booked on it."""
         return self.pending_now(now) / self.prefill_rate if self.prefill_rate > 0 else 0.0
 
-    def projected(self, extra_kv: int = 0) -> float:
-        """Memory fraction the node will hold: measured, or base + reserved KV if larger."""
+    def projected(self, extra_kv: int = 0, urgent: bool = False) -> float:
+        """Memory fraction the node will hold: measured, or base + reserved KV if larger.
+        `urgent`: as the urgent class sees it, without the KV lower classes hold — vLLM's
+        priority scheduling preempts them to make room for it (measured memory is then
+        counted less their booking, but never below base + the urgent KV)."""
         if self.per_token <= 0:
             return self.memory
-        return max(self.memory, self.base_memory + (self.kv_reserved + extra_kv) * self.per_token)
+        if not urgent:
+            return max(self.memory,
+                       self.base_memory + (self.kv_reserved + extra_kv) * self.per_token)  # fmt: skip
+        own = self.base_memory + (self.kv_urgent + extra_kv) * self.per_token
+        return max(self.memory - self.preemptible(), own)
+
+    def preemptible(self) -> float:
+        """Memory fraction of the KV lower classes have booked here (0 when unknown)."""
+        return max(0, self.kv_reserved - self.kv_urgent) * self.per_token
 
     def booked(self, ask: Ask, now: float) -> None:
         """A lease this sidecar took: count it until the next refresh reads the ledger."""
@@ -189,14 +203,16 @@ def why_not(
     """None if the node, as this sidecar sees it, would grant `ask` (the ledger decides);
     otherwise the first rule that says no (one of GATE_REASONS)."""
     hurry = urgent(policy, cls) and not lent
-    if v.state not in ((Status.OPEN, Status.HOLD) if hurry else (Status.OPEN,)):
+    # A node drained by its memory is still open to the urgent class while what lower classes
+    # hold there is what puts it over: vLLM preempts them for it (the reserve makes it rare).
+    if v.state not in (_URGENT_LIVE if hurry else (Status.OPEN,)):
         return "state"  # held, drained, down or in maintenance for this class
     if v.inflight >= v.node.max_inflight:
         return "inflight"
     limit = policy.watermarks.drain if hurry else policy.watermarks.hold
-    if v.memory >= limit:
+    if v.memory - (v.preemptible() if hurry else 0.0) >= limit:
         return "measured"
-    if v.per_token > 0 and v.projected(ask.kv_tokens) >= limit:
+    if v.per_token > 0 and v.projected(ask.kv_tokens, urgent=hurry) >= limit:
         return "booked"
     if not hurry and (tpot := target_tpot_s(policy)) and v.tpot_s > tpot:
         return "decode"  # decode is already as slow as the urgent class may see: no more batch

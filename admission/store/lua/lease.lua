@@ -8,6 +8,7 @@
 --       6 prefill rate, tokens/s (0: unknown; pending prefill is then not drained by time)
 --       7 prefill budget, tokens (0: this class is not gated by pending prefill)
 --       8 KV limit, tokens (-1: not gated by memory): reserved KV after this one must stay below
+--         (for an urgent ask, the urgent class's own KV after this one)
 --       9 urgent: 1 for the class admitted until drain (its KV counts toward the reserve)
 --      10 reserve limit, tokens (-1: none): for other classes, their KV + this one + the urgent
 --         reserve must stay below it (the drain watermark in tokens)
@@ -64,7 +65,8 @@ if n >= tonumber(ARGV[1]) then
   reason = 'inflight'
 elseif budget > 0 and pending > 0 and pending + prompt > budget then
   reason = 'prefill'
-elseif kv_limit >= 0 and kv_others + need > kv_limit then
+elseif kv_limit >= 0 and (urgent and u_others or kv_others) + need > kv_limit then
+  -- The urgent class counts only its own KV: vLLM preempts lower classes to make it room.
   reason = 'memory'
 elseif not urgent and reserve_limit >= 0
     and kv_others - u_others + need + math.max(u_others, reserve) > reserve_limit then
