@@ -79,6 +79,24 @@ def test_scratch_kept_when_asked_or_when_the_run_failed(tmp_path: Path) -> None:
         assert ("scratch directory kept" in proc.stderr) is kept
 
 
+def test_edge_latency_benchmark_smoke() -> None:
+    """bench_edge runs end to end on the NGINX stub: both paths answer, the added latency is
+    printed, and so is how much of it the sidecar's own histograms account for."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "loadtest.bench_edge", "--rate", "50", "--seconds", "2",
+         "--stub", "nginx"],
+        cwd=ROOT, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {ln.split()[0] + " " + ln.split()[1]: ln.split() for ln in proc.stdout.splitlines()
+            if ln.startswith(("nginx direct", "nginx + admission"))}  # fmt: skip
+    assert rows["nginx direct"][2:4] == ["100", "0"] and rows["nginx +"][3:5] == ["100", "0"]
+    inside = next(ln for ln in proc.stdout.splitlines() if ln.startswith("inside the sidecar"))
+    assert "over 100 " in inside  # one decision per request sent through the edge
+    trips = next(ln for ln in proc.stdout.splitlines() if ln.startswith("of which Redis"))
+    assert float(trips.split("mean ")[1].split(" ms")[0]) > 0
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s = Stack(DEFAULT_POLICY, tmp_path_factory.mktemp("locust-stack"), nodes=1, sidecars=1)
