@@ -28,7 +28,7 @@ from pathlib import Path
 
 from devstack.procs import free_port, stop_process
 from devstack.stack import Stack
-from loadtest.scratch import add_flag, scratch
+from loadtest.scratch import add_flag, keep, scratch
 from loadtest.stub import beside_plain_nginx, nginx_stub
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -176,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {name}, {c} clients: {rows[-1][2].rps:,.0f} req/s", flush=True)
         report(rows)
         bad = sum(r.answers.get("503:admission_unavailable", 0) for _n, _s, r in rows)
+        if bad:
+            keep(work)  # the logs of every process: why the edge said it was unavailable
         return 1 if bad else 0
     finally:
         stack.stop()

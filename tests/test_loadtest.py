@@ -67,13 +67,16 @@ def test_throughput_benchmark_smoke() -> None:
 
 
 def test_scratch_kept_when_asked_or_when_the_run_failed(tmp_path: Path) -> None:
-    code = "import sys; from loadtest.scratch import scratch; w = scratch('bench-t-', {keep}); " \
-           "(w / 'log').write_text('x'); sys.exit(0) if {ok} else 1 / 0"  # fmt: skip
-    for keep, ok, kept in ((False, True, False), (True, True, True), (False, False, True)):
-        d = tmp_path / f"{keep}-{ok}"
+    code = "import sys; from loadtest.scratch import keep, scratch; " \
+           "w = scratch('bench-t-', {keep}); (w / 'log').write_text('x'); " \
+           "keep(w) if {found} else None; sys.exit(0) if {ok} else 1 / 0"  # fmt: skip
+    for keep, found, ok, kept in ((False, False, True, False), (True, False, True, True),
+                                  (False, False, False, True), (False, True, True, True)):  # fmt: skip
+        d = tmp_path / f"{keep}-{found}-{ok}"
         d.mkdir()
-        proc = subprocess.run([sys.executable, "-c", code.format(keep=keep, ok=ok)], cwd=ROOT,
-                              capture_output=True, text=True, env={**os.environ, "TMPDIR": str(d)})  # fmt: skip
+        proc = subprocess.run([sys.executable, "-c", code.format(keep=keep, found=found, ok=ok)],
+                              cwd=ROOT, capture_output=True, text=True,
+                              env={**os.environ, "TMPDIR": str(d)})  # fmt: skip
         assert (proc.returncode == 0) is ok
         assert [p.name for p in d.glob("bench-t-*/log")] == (["log"] if kept else [])
         assert ("scratch directory kept" in proc.stderr) is kept
