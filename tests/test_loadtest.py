@@ -45,18 +45,21 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
         assert (out / name).stat().st_size > 1000
 
 
+def bench(module: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """Run a benchmark module as a user does; it must exit 0."""
+    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=180)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
 @pytest.mark.skipif(
     shutil.which("wrk") is None, reason="wrk missing (scripts/setup.sh installs it)"
 )
 def test_throughput_benchmark_smoke() -> None:
     """The edge throughput benchmark runs end to end: both paths answer 200 at every step, and
     the per-process CPU table names the sidecars, Redis, NGINX and the client."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "loadtest.bench_throughput", "--seconds", "2", "--clients", "32",
-         "--idle-s", "1"],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = bench("loadtest.bench_throughput", "--seconds", "2", "--clients", "32", "--idle-s", "1")
     rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| full edge | 32 clients")]
     assert len(rows) == 2  # the throughput row and the CPU row
     assert "× 200 |" in rows[0] and "admission_unavailable" not in rows[0]
@@ -85,12 +88,7 @@ def test_scratch_kept_when_asked_or_when_the_run_failed(tmp_path: Path) -> None:
 def test_edge_latency_benchmark_smoke() -> None:
     """bench_edge runs end to end on the NGINX stub: both paths answer, the added latency is
     printed, and so is how much of it the sidecar's own histograms account for."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "loadtest.bench_edge", "--rate", "50", "--seconds", "2",
-         "--stub", "nginx"],
-        cwd=ROOT, capture_output=True, text=True, timeout=180,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = bench("loadtest.bench_edge", "--rate", "50", "--seconds", "2", "--stub", "nginx")
     rows = {ln.split()[0] + " " + ln.split()[1]: ln.split() for ln in proc.stdout.splitlines()
             if ln.startswith(("nginx direct", "nginx + admission"))}  # fmt: skip
     assert rows["nginx direct"][2:4] == ["100", "0"] and rows["nginx +"][3:5] == ["100", "0"]

@@ -295,7 +295,7 @@ def eta_s(views: list[NodeView], model: str, prompt: int, now: float) -> float:
     etas = [
         v.wait_s(now) + (prompt / v.prefill_rate if v.prefill_rate > 0 else 0.0)
         for v in views
-        if model in v.node.models and v.state in (Status.OPEN, Status.HOLD)
+        if model in v.node.models and v.state in _LIVE
     ]
     return min(etas, default=0.0)
 
@@ -312,7 +312,7 @@ def fallbacks(
         taken = {v.node.id for v in nodes}
         live = sorted(
             (v for v in views if v.node.id not in taken and model in v.node.models
-             and v.state in (Status.OPEN, Status.HOLD) and usable(v.node)),
+             and v.state in _LIVE and usable(v.node)),
             key=lambda v: v.projected(),
         )  # fmt: skip
         out += live[: MAX_FALLBACKS - len(out)]
