@@ -86,6 +86,16 @@ class Metrics:
             ["cls"],
             registry=r,
         )
+        self.ahead = Counter(
+            "admission_ahead_total",
+            "Admissions answered before Redis booked them, by how the booking went: confirmed;"
+            " over_limits / over_node: booked past a tenant or node limit another sidecar reached"
+            " first; unconfirmed: Redis failed, the lease was given back.",
+            ["result"],
+            registry=r,
+        )
+        for result in ("confirmed", "over_limits", "over_node", "unconfirmed"):
+            self.ahead.labels(result)
         self.redis_errors = Counter(
             "admission_redis_errors_total",
             "Redis calls that failed, by operation.",

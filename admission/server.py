@@ -368,6 +368,7 @@ def build_app(
         task.add_done_callback(_log_death)
         yield
         await _stop(task)
+        await d.ahead.close()
 
     app.cleanup_ctx.extend([redis_ctx, watcher_ctx, dispatcher_ctx])
     app.router.add_post("/admit", admit)

@@ -24,7 +24,9 @@ def booked(redis_url: str) -> dict[str, Any]:
                 if n := r.zcard(k):
                     out[k] = n
             elif ":res:" in k:
-                out[k] = r.hgetall(k)
+                res: dict[str, str] = r.hgetall(k)  # type: ignore[assignment]  # decoded
+                if "tok" in res:  # not a release's mark for a booking on its way (settle.lua)
+                    out[k] = res
             elif k.endswith(":ledger"):
                 h: dict[str, str] = r.hgetall(k)  # type: ignore[assignment]  # decoded
                 held = {f: v for f, v in h.items() if f.startswith("k:")}

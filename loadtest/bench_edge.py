@@ -89,6 +89,49 @@ def histograms(sidecar_url: str) -> dict[str, tuple[float, float, dict[float, fl
     return out
 
 
+def samples(sidecar_url: str) -> dict[tuple[str, str], float]:
+    """The sidecar's counters so far: (name, first label value) → value."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{sidecar_url}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return {(s.name, next(iter(s.labels.values()), "")): s.value
+            for fam in text_string_to_metric_families(text) if fam.type == "counter"
+            for s in fam.samples if s.name.endswith("_total")}  # fmt: skip
+
+
+def counters(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float],
+             prefix: str) -> str:  # fmt: skip
+    """What a labelled counter counted between two reads, by label."""
+    parts = [f"{label} {v - before.get((name, label), 0.0):,.0f}"
+             for (name, label), v in sorted(after.items()) if name.startswith(prefix)]  # fmt: skip
+    return ", ".join(parts) or "none"
+
+
+def redis_calls(redis_url: str) -> dict[str, tuple[int, float]]:
+    """Redis's own count of calls and CPU microseconds per command so far (INFO commandstats)."""
+    import redis
+
+    r = redis.Redis.from_url(redis_url)
+    try:
+        stats = r.info("commandstats")
+    finally:
+        r.close()
+    return {
+        k.removeprefix("cmdstat_"): (int(v["calls"]), float(v["usec"])) for k, v in stats.items()
+    }
+
+
+def redis_cpu(before: dict[str, tuple[int, float]], after: dict[str, tuple[int, float]]) -> str:
+    """Calls and CPU per call inside Redis for each command that ran between two reads."""
+    parts = []
+    for cmd, (c1, u1) in sorted(after.items(), key=lambda kv: -kv[1][1]):
+        c0, u0 = before.get(cmd, (0, 0.0))
+        if c1 > c0 and cmd != "info":
+            parts.append(f"{cmd} {c1 - c0:,} × {(u1 - u0) / (c1 - c0):.0f} µs")
+    return ", ".join(parts) or "none"
+
+
 def inside(before: dict[str, Any], after: dict[str, Any], name: str) -> str:
     """Mean and shares under 0.5 / 1 / 2 ms of one histogram between two reads."""
     (c0, s0, b0), (c1, s1, b1) = before[name], after[name]
@@ -130,9 +173,11 @@ def main() -> None:
                 "nginx + admission": f"{stack.url}/v1/chat/completions"}  # fmt: skip
         asyncio.run(load(urls, 50, 2, body))  # warm-up: connections, caches, JIT of Lua
         os.sched_setaffinity(0, os.sched_getaffinity(0))
-        before = histograms(stack.sidecar_url)
+        before, rbefore = histograms(stack.sidecar_url), redis_calls(stack.redis_url or "")
+        before_c = samples(stack.sidecar_url)
         lat, late, errors = asyncio.run(load(urls, a.rate, a.seconds, body))
-        after = histograms(stack.sidecar_url)
+        after, rafter = histograms(stack.sidecar_url), redis_calls(stack.redis_url or "")
+        after_c = samples(stack.sidecar_url)
         print(f"{a.rate:.0f} req/s on each path for {a.seconds:.0f}s, stub latency {a.delay_ms:.0f} ms "
               f"(generator lateness p50 {pct(late, 50):.2f} ms, p99 {pct(late, 99):.2f} ms)")  # fmt: skip
         print(f"{'path':<20} {'n':>6} {'err':>4} {'p50 ms':>8} {'p99 ms':>8}")
@@ -149,6 +194,9 @@ def main() -> None:
               + inside(before, after, "admission_decision_seconds"))  # fmt: skip
         print("of which Redis, per round trip:  "
               + inside(before, after, "admission_redis_round_trip_seconds"))  # fmt: skip
+        print("answered ahead of Redis:          " + counters(before_c, after_c, "admission_ahead"))
+        # Redis's own CPU per command (a script call's time inside Redis, without the hop).
+        print("inside Redis, CPU per call:       " + redis_cpu(rbefore, rafter))
     finally:
         stack.stop()
         stop_process(stub)

@@ -96,10 +96,10 @@ async def test_acquire_with_lease_and_settle_with_release_on_cluster(cluster: st
         node1 = dataclasses.replace(p.nodes["n1"], max_inflight=1)
         T1 = f"{'1' * 16}:n1:t1"
         lease = leases.take(node1, T1, 60, leases.Ask(10, 100))
-        mode, res, _ = await lim.acquire(p.tenants["t1"], "a", 100, 60, also=lease)
+        mode, res, *_ = await lim.acquire(p.tenants["t1"], "a", 100, 60, also=lease)
         assert mode == "redis" and int(res[0]) == 1
         lease2 = leases.take(node1, f"{'2' * 16}:n1:t1", 60, leases.Ask(10, 100))
-        _mode, res2, _ = await lim.acquire(p.tenants["t1"], "b", 100, 60, also=lease2)
+        _mode, res2, *_ = await lim.acquire(p.tenants["t1"], "b", 100, 60, also=lease2)
         assert int(res2[0]) == 0  # cap 1 across the cluster
         release = leases.give_back(T1)
         assert await lim.settle(p.tenants["t1"], "a", 10, also=release) == 90

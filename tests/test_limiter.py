@@ -306,7 +306,7 @@ async def test_noscript_retry_runs_only_the_calls_that_failed(
     lim, client = await make_limiter(p)
     await redis.script_flush()
     await redis.script_load(lim.store.scripts.source["acquire"])
-    mode, leased, _ = await take(lim, p.tenants["t1"], "a", 1, 60, also=lease("n1", "a:n1:t1"))
+    mode, leased, *_ = await take(lim, p.tenants["t1"], "a", 1, 60, also=lease("n1", "a:n1:t1"))
     assert mode == "redis" and int(leased[0]) == 1
     level = int(await redis.hget(keys.tenant_keys("t1", "x")[0], "l"))
     assert level == 4 * U  # one request of the burst of 5, not two
@@ -415,7 +415,7 @@ async def test_release_while_redis_is_away_is_replayed(
     )
     lim, client = await make_limiter(p)
     t = p.tenants["t1"]
-    mode, leased, _ = await take(lim, t, "a", 50, 600, also=lease("n1", "a:n1:t1"))
+    mode, leased, *_ = await take(lim, t, "a", 50, 600, also=lease("n1", "a:n1:t1"))
     assert mode == "redis" and int(leased[0]) == 1
     lim._down_until = lim.clock() + 60  # Redis just failed: degraded for a while
     release = Call(None, [], ["ZREM", keys.node_leases("n1"), "a:n1:t1"])

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 U = 1_000_000  # micro-units per request or token: integer arithmetic in the scripts
 RETRY_AFTER_FAILURE_S = 1.0
 BUSY_WAIT_S = 15.0  # how long an admission waits in line for a pooled Redis connection
+ROOM_FRESH_S = 1.0  # a tenant's figures from Redis older than this never let a request ahead
 
 
 @dataclass(frozen=True)
@@ -76,11 +77,25 @@ class Acquired(NamedTuple):
 
     `mode` is "redis" or "local" (fail-open). `also` is the result of the companion call, or
     None when it did not run *or may have run* (the round trip failed): the caller undoes it.
+    `over`: the limit a forced debit went past ("" when none did).
     """
 
     mode: str
     also: Any = None
     denied: AdmissionError | None = None
+    over: str = ""
+
+
+@dataclass
+class _Room:
+    """A tenant's figures in the last reply from Redis: levels after that debit (micro-units),
+    requests running and requests in the burst window."""
+
+    at: float
+    req_u: int
+    tok_u: int
+    running: int
+    in_window: int
 
 
 class Limiter:
@@ -100,6 +115,8 @@ class Limiter:
         self._down_until = 0.0
         self._local = LocalLimits(clock)
         self.busy_wait_s = BUSY_WAIT_S
+        self._room: dict[str, _Room] = {}  # tenant → its figures in the last reply
+        self._ahead: dict[str, tuple[int, int]] = {}  # tenant → (requests, tokens) unconfirmed
 
     @property
     def backlog(self) -> store.Backlog:
@@ -108,6 +125,22 @@ class Limiter:
     @property
     def degraded(self) -> bool:
         return self.clock() < self._down_until
+
+    def room_ahead(self, tenant: Tenant, tokens: int) -> bool:
+        """Whether the tenant's last figures from Redis (at most ROOM_FRESH_S old) leave room
+        for this request and one more on every limit, and none of its requests let through
+        ahead is still unbooked: then `acquire(force=True)` may follow the answer. Refill
+        since then is not counted; what other sidecars took since is what the one more is
+        for."""
+        r = self._room.get(tenant.id)
+        if r is None or self.degraded or self.clock() - r.at > ROOM_FRESH_S:
+            return False
+        if tenant.id in self._ahead:  # one at a time: the next waits for fresher figures
+            return False
+        lim = tenant.limits
+        return (r.req_u >= 2 * U and r.tok_u >= 2 * tokens * U
+                and (not lim.max_concurrent or r.running + 2 <= lim.max_concurrent)
+                and (not lim.burst_max or r.in_window + 2 <= lim.burst_max))  # fmt: skip
 
     async def acquire(
         self,
@@ -124,10 +157,39 @@ class Limiter:
         come back in `Acquired.denied`, so that the caller can undo `also` first. `scale`
         multiplies the refill rates (memory-aware limits). `give_back`: the undo of `also`,
         sent with the refund if the caller is cancelled while the round trip is out."""
+        return await self._acquire(tenant, ticket, tokens, lease_ttl_s, also, scale, give_back)
+
+    def acquire_forced(
+        self, tenant: Tenant, ticket: str, tokens: int, lease_ttl_s: float,
+        also: Call | None = None, scale: float = 1.0,
+        give_back: Callable[[], Call] | None = None,
+    ) -> Awaitable[Acquired]:  # fmt: skip
+        """`acquire` for a request let through already (`room_ahead`): debit it past any limit
+        (`Acquired.over` names the first it went past). The tenant counts as having a request
+        ahead from this call on (not from when the round trip starts)."""
+        n, tok = self._ahead.get(tenant.id, (0, 0))
+        self._ahead[tenant.id] = (n + 1, tok + tokens)
+
+        async def forced() -> Acquired:
+            try:
+                return await self._acquire(
+                    tenant, ticket, tokens, lease_ttl_s, also, scale, give_back, b"1"
+                )
+            finally:
+                n, tok = self._ahead.pop(tenant.id, (1, tokens))
+                if n > 1:
+                    self._ahead[tenant.id] = (n - 1, tok - tokens)
+
+        return forced()
+
+    async def _acquire(
+        self, tenant: Tenant, ticket: str, tokens: int, lease_ttl_s: float, also: Call | None,
+        scale: float, give_back: Callable[[], Call] | None, force: bytes = b"0",
+    ) -> Acquired:  # fmt: skip
         lim = tenant.limits
         if not self.degraded:
             head, tail = _acquire_args(lim, scale, int(lease_ttl_s * U))
-            args = [*head, b"%d" % (tokens * U), *tail, ticket, b"%d" % tokens]
+            args = [*head, b"%d" % (tokens * U), *tail, ticket, b"%d" % tokens, force]
             calls = [Call("acquire", keys.tenant_keys(tenant.id, ticket), args)]
             if also is not None:
                 calls.append(also)
@@ -147,7 +209,12 @@ class Limiter:
                     raise res
                 extra = out[1] if also is not None else None
                 if int(res[0]) == 1:
-                    return Acquired("redis", extra)
+                    if len(res) >= 6:  # not a request asked again (-1: no figures)
+                        self._room[tenant.id] = _Room(
+                            self.clock(), int(res[1]), int(res[2]), int(res[3]), int(res[4])
+                        )
+                    return Acquired("redis", extra, over=_s(res[5]) if len(res) >= 6 else "")
+                self._room.pop(tenant.id, None)
                 return Acquired("redis", extra, _denial(_s(res[1]), res, tokens))
         return self._acquire_local(tenant, ticket, tokens, lease_ttl_s)
 
@@ -181,19 +248,22 @@ class Limiter:
 
         `also` (the node lease release) rides in the same round trip. With Redis unreachable
         both go to the backlog (0 is returned)."""
-        return (await self.settle_many([(tenant, ticket, actual_tokens, also)]))[0]
+        return (await self.settle_many([(tenant, ticket, actual_tokens, also, False)]))[0]
 
     async def settle_many(
-        self, items: list[tuple[Tenant | None, str, int, Call | None]]
+        self, items: list[tuple[Tenant | None, str, int, Call | None, bool]]
     ) -> list[int]:
-        """`settle` for many reservations (an edge's batch of releases) in one round trip."""
+        """`settle` for many reservations (an edge's batch of releases) in one round trip.
+        Each item: tenant, request id, actual tokens, what rides along, and whether it is the
+        release of a request answered ahead (settle.lua then marks a reservation not yet
+        booked)."""
         calls: list[Call] = []
         slots: list[int] = []  # per item: index of its settle result, or -1
-        for tenant, ticket, actual, also in items:
+        for tenant, ticket, actual, also, released in items:
             self._local.release(ticket)
             slots.append(len(calls) if tenant is not None else -1)
             if tenant is not None:
-                calls.append(self.settle_call(tenant, ticket, actual))
+                calls.append(self.settle_call(tenant, ticket, actual, released))
             if also is not None:
                 calls.append(also)
         if not calls:
@@ -226,11 +296,12 @@ class Limiter:
         return deltas
 
     @staticmethod
-    def settle_call(tenant: Tenant, ticket: str, actual_tokens: int) -> Call:
+    def settle_call(
+        tenant: Tenant, ticket: str, actual_tokens: int, released: bool = False
+    ) -> Call:
         k = keys.tenant_keys(tenant.id, ticket)
-        return Call(
-            "settle", [k[1], k[3], k[4]], [*_settle_args(tenant.limits), actual_tokens, ticket]
-        )
+        return Call("settle", [k[1], k[3], k[4]], [*_settle_args(tenant.limits), actual_tokens,
+                                                    ticket, b"1" if released else b"0"])  # fmt: skip
 
     def _failed(self, op: str, exc: BaseException) -> None:
         self.metrics.redis_errors.labels(op).inc()

@@ -126,6 +126,7 @@ def _redis(c: Checker, raw: Any) -> RedisSettings:
             m, "fail_open_fraction", "redis", d.fail_open_fraction, lo=0, hi=1, lo_open=True
         ),
         cluster=c.boolean(m, "cluster", "redis", d.cluster),
+        answer_ahead=c.boolean(m, "answer_ahead", "redis", d.answer_ahead),
     )
 
 

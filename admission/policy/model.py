@@ -61,6 +61,9 @@ class RedisSettings:
         0.5  # share of each rate a sidecar grants itself while Redis is down
     )
     cluster: bool = False
+    # Answer a fast-path admission before its Redis round trip returns when the last figures
+    # show room for it and one more (scheduling/ahead.py); false: every admission waits.
+    answer_ahead: bool = True
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,8 @@
 
 `admit` is the one place that decides:
 1. fast path: when nobody waits (so no one is overtaken) and a node has room, the node lease
-   rides in the same Redis round trip as the tenant's buckets;
+   rides in the same Redis round trip as the tenant's buckets — answered ahead of that round
+   trip when the last figures show room for one more (ahead.py);
 2. otherwise the request joins the `FairQueue`, and the dispatcher loop admits it when some
    node serving its model is open, below its watermark after projection and under its
    in-flight cap (lease.lua takes the lease atomically across sidecars).
@@ -28,19 +29,20 @@ from typing import Any
 from admission.errors import AdmissionError, BackendUnavailable, QueueTimeout, SloUnreachable
 from admission.limits import Limiter, shadow
 from admission.metrics import Metrics
-from admission.policy import FailureMode, OnLate, Policy, Tenant
+from admission.policy import FailureMode, Policy, Tenant
 from admission.scheduling import leases
+from admission.scheduling.ahead import Ahead
+from admission.scheduling.late import late_heads
 from admission.scheduling.leases import Ask
 from admission.scheduling.nodetable import NodeTable
 from admission.scheduling.queue import FairQueue, Item
-from admission.scheduling.routing import NodeView, engine_priority, eta_s
+from admission.scheduling.routing import NodeView, engine_priority
 from admission.store import REDIS_DOWN, Call, PoolBusy, Store
 
 log = logging.getLogger(__name__)
 
 REFRESH_S = 0.1  # node-state poll period while requests flow: a fraction of the agents' period
 IDLE_REFRESH_S = 0.5  # ... and while none has (idle CPU); a decision reads first if > 0.2 s
-LATE_MARGIN = 0.25  # share of a TTFT target kept as slack for what the ETA does not see
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class Dispatcher:
         self.nodes = NodeTable(st.redis, policy, metrics, clock)
         self._wake = asyncio.Event()
         self._active = False  # an admission or release since the last node poll
+        self.ahead = Ahead(limiter, st.backlog, metrics, clock)
 
     def set_policy(self, policy: Policy) -> None:
         self.queue.set_policy(policy)
@@ -96,15 +99,23 @@ class Dispatcher:
         rid = rid or leases.new_request_id()
         await self.nodes.fresh(2 * REFRESH_S)  # after a quiet spell; busy, the loop polls
         nodes = self._fast_path(model, cls, prompt_tokens, cost, tenant.id)
-        lease = ticket = None
-        if nodes:
-            ticket = leases.make_ticket(rid, nodes[0][0].node.id, tenant.id)
-            lease = leases.take(nodes[0][0].node, ticket, ttl_s, nodes[0][1])
+        lease = ticket = undo = None
         # The reservation and the concurrency slot must outlive the wait in the queue as well
         # as the run: they expire after the class deadline plus the longest run.
         hold_s = ttl_s + policy.classes[cls].deadline_s
         scale = self.nodes.limit_factor(model, cls)  # memory-aware limits
-        undo = functools.partial(leases.give_back, ticket) if ticket is not None else None
+        if nodes:
+            (view, ask), now = nodes[0], self.clock()
+            ahead = self.ahead.may(policy, tenant, cls, cost, view, ask, now)
+            ticket = leases.make_ticket(rid, view.node.id, tenant.id, ahead)
+            undo = functools.partial(leases.give_back, ticket)
+            if ahead:
+                forced = leases.take(view.node, ticket, ttl_s, ask, force=True)
+                self.ahead.book(ticket, view, self.limiter.acquire_forced(
+                    tenant, rid, cost, hold_s, forced, scale, undo))  # fmt: skip
+                return self._record(self._item(tenant, cls, cost, model, waited_s, rid,
+                                               prompt_tokens), nodes, ticket)  # fmt: skip
+            lease = leases.take(view.node, ticket, ttl_s, ask)
         acq = await self.limiter.acquire(tenant, rid, cost, hold_s, lease, scale, undo)
         held = lease is not None and leases.granted(acq.also)
         # The round trip that carried the lease failed but may have run: unless this request
@@ -117,10 +128,7 @@ class Dispatcher:
                     await self._give_back(ticket)
                 assert acq.denied is not None  # let_through says no only with a reason
                 raise acq.denied
-            arrived = self.clock() - waited_s
-            item = Item(tenant=tenant.id, cls=cls, cost=cost, model=model, enqueued_at=arrived,
-                        deadline_at=arrived + policy.classes[cls].deadline_s, rid=rid,
-                        prompt=prompt_tokens)  # fmt: skip
+            item = self._item(tenant, cls, cost, model, waited_s, rid, prompt_tokens)
             if held and nodes and ticket is not None:
                 adm = self._record(item, nodes, ticket)
                 return adm
@@ -137,6 +145,13 @@ class Dispatcher:
             if maybe is not None and (adm is None or adm.ticket != maybe):
                 self.store.backlog.add(leases.give_back(maybe))
 
+    def _item(self, tenant: Tenant, cls: str, cost: int, model: str, waited_s: float, rid: str,
+              prompt: int) -> Item:  # fmt: skip
+        arrived = self.clock() - waited_s
+        return Item(tenant=tenant.id, cls=cls, cost=cost, model=model, enqueued_at=arrived,
+                    deadline_at=arrived + self.policy().classes[cls].deadline_s, rid=rid,
+                    prompt=prompt)  # fmt: skip
+
     async def release(self, ticket: str, actual_tokens: int, node_failed: bool = False) -> int:
         """Give the lease back and settle (tokens refunded); `node_failed`: the edge could not
         reach the ticket's node (health ejection)."""
@@ -144,12 +159,14 @@ class Dispatcher:
 
     async def release_many(self, entries: list[tuple[str, int, bool]]) -> list[int]:
         """`release` for an edge's batch of (ticket, actual tokens, node failed): one round trip."""
-        items: list[tuple[Tenant | None, str, int, Call | None]] = []
+        items: list[tuple[Tenant | None, str, int, Call | None, bool]] = []
         nodes, tenants = [], self.policy().tenants
+        await self.ahead.settled(ticket for ticket, _a, _f in entries)  # booked before released
         for ticket, actual, failed in entries:
             rid, node, tid = leases.parse_ticket(ticket)
             await self.nodes.proxied(node, failed)
-            items.append((tenants.get(tid), rid, actual, leases.give_back(ticket)))
+            first = leases.answered_ahead(ticket)  # its release may come before its booking
+            items.append((tenants.get(tid), rid, actual, leases.give_back(ticket, first), first))
             nodes.append(node)
         try:
             return await self.limiter.settle_many(items)
@@ -289,30 +306,13 @@ class Dispatcher:
         return admitted
 
     def _refuse_late(self, now: float) -> None:
-        """Refuse queued requests of `on_late: refuse` classes that can no longer meet their
-        TTFT target: time waited + the soonest any node could prefill them > target, less a
-        margin of `LATE_MARGIN` of the target. The estimate assumes the node's full prefill
-        rate, while inside the engine a more urgent class goes first: without the margin the
-        requests served were those dispatched with no slack left, and half of them arrived
-        just past the target (measured: batch TTFT p50 9,986 ms against a 10 s target)."""
-        for c in self.policy().classes.values():
-            if c.on_late != OnLate.REFUSE or not c.slo_ttft_ms:
-                continue
-            target = c.slo_ttft_ms / 1000 * (1 - LATE_MARGIN)
-
-            def late(it: Item, t: float = target, n: str = c.name) -> bool:
-                return (it.requested_cls or it.cls) == n and (
-                    now - it.enqueued_at + eta_s(self.views, it.model, it.prompt, now) > t
-                )
-
-            for item in self.queue.drop_heads(c.name, late):
-                waiter: _Waiter = item.payload
-                if not waiter.future.done():
-                    waiter.future.set_exception(
-                        SloUnreachable(c.name, self.queue.retry_after(len(self.queue)))
-                    )
-                    waiter.future.exception()  # retrieved by submit
-                self.metrics.late_refused.labels(c.name).inc()
+        for name, item in late_heads(self.policy(), self.queue, self.views, now):
+            waiter: _Waiter = item.payload
+            if not waiter.future.done():
+                exc = SloUnreachable(name, self.queue.retry_after(len(self.queue)))
+                waiter.future.set_exception(exc)
+                waiter.future.exception()  # retrieved by submit
+                self.metrics.late_refused.labels(name).inc()
 
     async def _lease(self, item: Item, nodes: list[tuple[NodeView, Ask]]) -> Admission | None:
         """Take a lease on the best node; None if its ledger refused (another sidecar booked
@@ -338,7 +338,9 @@ class Dispatcher:
         if not leases.granted(res):
             self._refused(node, res)
             return None
-        return self._record(item, nodes, ticket)
+        adm = self._record(item, nodes, ticket)
+        node.seen(leases.figures(res), self.clock())
+        return adm
 
     def _refused(self, node: NodeView, res: Any) -> None:
         """The ledger said no: take its figures, so that the next pass sees the node as full."""

@@ -1,7 +1,9 @@
 """Tickets and node leases: the in-flight slots a request holds on a node, taken atomically in
 Redis (lease.lua) so several sidecars never over-admit one node together.
 
-A ticket is `<request id>:<node>:<tenant>`, so any sidecar process can take the release.
+A ticket is `<request id>:<node>:<tenant>`, so any sidecar process can take the release;
+`:a` at the end marks a request answered ahead of its booking (ahead.py): its release, finding
+nothing booked yet, leaves a mark so that the booking on its way books nothing.
 """
 
 from __future__ import annotations
@@ -25,13 +27,19 @@ def new_request_id() -> str:
     return secrets.token_hex(8)
 
 
-def make_ticket(rid: str, node: str, tenant: str) -> str:
-    return f"{rid}:{node}:{tenant}"
+def make_ticket(rid: str, node: str, tenant: str, ahead: bool = False) -> str:
+    return f"{rid}:{node}:{tenant}:a" if ahead else f"{rid}:{node}:{tenant}"
+
+
+def answered_ahead(ticket: str) -> bool:
+    return ticket.endswith(":a")
 
 
 def parse_ticket(ticket: str) -> tuple[str, str, str]:
     """(request id, node, tenant) of a ticket; ValueError if it is not one of ours."""
-    parts = ticket.split(":", 2)
+    parts = ticket.split(":")
+    if len(parts) == 4 and parts[3] == "a":
+        parts.pop()
     if len(parts) != 3 or not all(parts) or not REQUEST_ID.fullmatch(parts[0]):
         raise ValueError("malformed ticket")
     return parts[0], parts[1], parts[2]
@@ -51,26 +59,43 @@ class Ask:
     urgent_waiting: int = 0  # urgent KV the caller has waiting for this node
 
 
-def take(node: Node, ticket: str, ttl_s: float, ask: Ask) -> Call:
-    """Take one in-flight lease on `node` and book `ask` in its ledger, if every limit holds."""
+def take(node: Node, ticket: str, ttl_s: float, ask: Ask, force: bool = False) -> Call:
+    """Take one in-flight lease on `node` and book `ask` in its ledger, if every limit holds
+    (`force`: whatever they say: the request was sent there already)."""
     return Call(
         "lease",
-        [keys.node_leases(node.id), keys.node_ledger(node.id)],
+        [keys.node_leases(node.id), keys.node_ledger(node.id), keys.node_gone(node.id)],
         [node.max_inflight, int(ttl_s * U), ticket, ask.prompt_tokens, ask.kv_tokens,
          ask.prefill_rate, ask.prefill_budget, ask.kv_limit, int(ask.urgent),
-         ask.reserve_limit, ask.urgent_waiting],
+         ask.reserve_limit, ask.urgent_waiting, int(force)],
     )  # fmt: skip
 
 
-def give_back(ticket: str) -> Call:
-    """Give a ticket's lease and its KV reservation back (idempotent: harmless if never taken)."""
+def give_back(ticket: str, released: bool = False) -> Call:
+    """Give a ticket's lease and its KV reservation back (idempotent: harmless if never taken).
+    `released`: the request ended (not an undo): a booking still on its way must book nothing."""
     _rid, node, _tenant = parse_ticket(ticket)
-    return Call("unlease", [keys.node_leases(node), keys.node_ledger(node)], [ticket])
+    return Call("unlease", [keys.node_leases(node), keys.node_ledger(node), keys.node_gone(node)],
+                [ticket, b"1" if released else b"0"])  # fmt: skip
 
 
 def granted(result: Any) -> bool:
     """Whether a lease.lua result says the lease was taken."""
     return isinstance(result, list) and bool(result) and int(result[0]) == 1
+
+
+def figures(result: Any) -> tuple[int, float, int] | None:
+    """(leases, pending prefill, reserved KV) on the node after a granted lease.lua result."""
+    if not granted(result) or len(result) < 4:
+        return None
+    return int(result[1]), float(result[2]), int(result[3])
+
+
+def over(result: Any) -> str:
+    """The rule a forced lease went past ("" when none did, or not a granted result)."""
+    if not granted(result) or len(result) < 5:
+        return ""
+    return result[4].decode() if isinstance(result[4], bytes) else str(result[4])
 
 
 def refusal(result: Any) -> tuple[str, float, int] | None:

@@ -82,6 +82,15 @@ class NodeView:
         self.pending, self.pending_at, self.kv_reserved, self.inflight = pending, now, kv, leases
         self.kv_urgent, self.reserve = urgent, reserve
 
+    def seen(self, figures: tuple[int, float, int] | None, now: float) -> None:
+        """Take a granted lease's reply (every sidecar's bookings as of then) without losing
+        what this sidecar booked since it was sent: the larger of each; a refresh resets."""
+        if figures is None:
+            return
+        n, pending, kv = figures
+        self.inflight, self.kv_reserved = max(self.inflight, n), max(self.kv_reserved, kv)
+        self.pending, self.pending_at = max(self.pending_now(now), pending), now
+
     def reserve_now(self, now: float) -> float:
         return float(self.reserve * 0.5 ** (max(0.0, now - self.pending_at) / RESERVE_HALF_S))
 

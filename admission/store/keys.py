@@ -44,6 +44,12 @@ def node_ledger(node: str) -> str:
     return f"{PREFIX}:{{n:{node}}}:ledger"
 
 
+def node_gone(node: str) -> str:
+    """Releases that found no lease (zset ticket → expiry µs): a booking still on its way (a
+    request answered ahead of it) must not book what already ended."""
+    return f"{PREFIX}:{{n:{node}}}:gone"
+
+
 def node_state(node: str) -> str:
     """The node agent's latest sample (JSON), with a TTL of a few sample periods."""
     return f"{PREFIX}:{{n:{node}}}:state"

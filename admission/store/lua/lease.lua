@@ -2,6 +2,8 @@
 -- across sidecars: every sidecar sees one view of what each node will really hold.
 --
 -- KEYS: 1 node leases zset (ticket → expiry µs)  2 node ledger hash
+--       3 released-first zset (unlease.lua): a forced booking of a ticket found there books
+--         nothing (the request ended before its booking arrived)
 -- ARGV: 1 max_inflight  2 lease_ttl_us  3 ticket
 --       4 prompt tokens (pending prefill this request adds)
 --       5 KV tokens reserved (prompt estimate + output cap)
@@ -13,6 +15,9 @@
 --      10 reserve limit, tokens (-1: none): for other classes, their KV + this one + the urgent
 --         reserve must stay below it (the drain watermark in tokens)
 --      11 urgent KV the caller has waiting for this node (its share of its queue)
+--      12 force: '1' = the sidecar already sent the request here (it answered ahead of this
+--         round trip, its last view showing room for this one and one more): book it whatever
+--         the limits say now, so that the ledger holds what the node really runs
 -- Ledger fields: p = pending prefill tokens (drained at the prefill rate since t), t = µs,
 --   kv = KV tokens reserved by live leases, u = the urgent class's share of kv,
 --   r = the urgent reserve (its recent peak: u, or u + what waits, halving every RESERVE_HALF_US
@@ -23,7 +28,8 @@
 -- Expired leases (a lost release) are dropped first, with their KV: a crash leaks for one TTL.
 -- A node whose pending prefill has drained always takes one request, whatever its size: the
 -- budget cannot starve a long prompt, and the node's prefill rate gets measured at full speed.
--- Returns {1, in_flight, pending, kv} or {0, in_flight, reason, pending, kv}.
+-- Returns {1, in_flight, pending, kv, over}  (over = 'released': nothing booked, see KEYS[3]) (over: the rule a forced booking went past, or '')
+-- or {0, in_flight, reason, pending, kv}.
 
 local RESERVE_HALF_US = 20000000
 local now = now_us()
@@ -72,6 +78,17 @@ elseif not urgent and reserve_limit >= 0
     and kv_others - u_others + need + math.max(u_others, reserve) > reserve_limit then
   reason = 'reserve'
 end
+local over = ''
+if ARGV[12] == '1' then
+  if redis.call('ZSCORE', KEYS[3], ticket) then
+    redis.call('ZREM', KEYS[3], ticket)
+    redis.call('HSET', ledger, 'kv', kv, 'u', u)  -- expired leases were dropped above
+    return {1, n, tostring(pending), kv, 'released'}
+  end
+  if reason then
+    over, reason = reason, nil
+  end
+end
 if reason then
   -- Refused, the ticket's earlier urgent booking (a retry) stays: so does its share of r.
   reserve = math.max(reserve, u)
@@ -93,4 +110,4 @@ redis.call('HSET', ledger, 'p', tostring(pending), 't', now, 'kv', kv, 'u', u,
 local ttl_ms = math.ceil(tonumber(ARGV[2]) / 1000)
 redis.call('PEXPIRE', leases, ttl_ms)
 redis.call('PEXPIRE', ledger, ttl_ms)
-return {1, n + 1, tostring(pending), kv}
+return {1, n + 1, tostring(pending), kv, over}

@@ -1,13 +1,22 @@
 -- unlease.lua: give a lease back and take its KV out of the node's ledger (idempotent).
 --
--- KEYS: 1 node leases zset  2 node ledger hash
--- ARGV: 1 ticket
+-- KEYS: 1 node leases zset  2 node ledger hash  3 released-first zset (ticket → expiry µs)
+-- ARGV: 1 ticket  2 '1' when this is the request's release (not the undo of a lease that may
+--       not have been taken): finding no lease, it leaves a mark for GONE_US, so that a forced
+--       booking still on its way (the request was answered ahead of it) books nothing
 -- Pending prefill is not touched: it drains by time (lease.lua), and a request that ends has
 -- either been prefilled already or was never run. The urgent reserve is not touched either:
 -- it remembers realtime's recent peak and decays by time (lease.lua).
 -- Returns {removed (0/1), kv reserved after}.
 
+local GONE_US = 60000000
 local removed = redis.call('ZREM', KEYS[1], ARGV[1])
+if removed == 0 and ARGV[2] == '1' then
+  local now = now_us()
+  redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
+  redis.call('ZADD', KEYS[3], now + GONE_US, ARGV[1])
+  redis.call('PEXPIRE', KEYS[3], GONE_US / 1000)
+end
 local k = tonumber(redis.call('HGET', KEYS[2], 'k:' .. ARGV[1]) or '0')
 local f = redis.call('HMGET', KEYS[2], 'kv', 'u')
 local kv = tonumber(f[1] or '0')

@@ -1,0 +1,117 @@
+"""Answering ahead of the round trip: the fast path without Redis on the edge's clock.
+
+A fast-path admission costs one Redis round trip (the tenant's buckets and the node lease,
+together); on a busy 2-core box that round trip is most of what the admission hop adds
+(docs/benchmarks.md). When this sidecar's last figures show room for the request *and one more*
+— the tenant's levels, concurrency and burst window in the last reply from Redis (at most
+`ROOM_FRESH_S` old, less what this sidecar let through since and Redis has not booked yet), and
+the node's view (refreshed at least every 0.2 s while requests flow) — the answer goes back at
+once and the same round trip follows, *forced*: Redis books the request whatever it finds, so
+its ledger and buckets hold what really runs. A forced booking that went past a limit (another
+sidecar took the room meanwhile) is counted in `admission_ahead_total{result}` and is paid back
+like any debt: the bucket goes below zero, the node's ledger shows the overshoot and the next
+decisions see it; the "one more" keeps it rare. A release waits for its request's booking, so
+Redis never sees the release first.
+
+A request asked again (its sidecar died; the edge re-asks another with the same request id) is
+charged once all the same: acquire.lua's check for an existing reservation comes before any
+limit, forced or not, and the lease of the same ticket replaces its booking.
+
+Never ahead: a tenant in shadow mode, a node lent by another pool, a Redis that failed within
+the last second, or with `redis.answer_ahead: false` (every admission waits for Redis).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+
+from admission.limits import Acquired, Limiter
+from admission.metrics import Metrics
+from admission.policy import Policy, Tenant
+from admission.scheduling import leases
+from admission.scheduling.leases import Ask
+from admission.scheduling.routing import NodeView, why_not
+from admission.store import Backlog
+
+log = logging.getLogger(__name__)
+
+
+def room_for_two(v: NodeView, ask: Ask, policy: Policy, cls: str, now: float) -> bool:
+    """Whether the node, as this sidecar sees it, would take this request and one more."""
+    twice = dataclasses.replace(ask, prompt_tokens=2 * ask.prompt_tokens,
+                                kv_tokens=2 * ask.kv_tokens)  # fmt: skip
+    return v.inflight + 2 <= v.node.max_inflight and why_not(v, twice, policy, cls, now) is None
+
+
+class Ahead:
+    """The forced round trips of requests answered ahead, until Redis has booked them."""
+
+    def __init__(
+        self, limiter: Limiter, backlog: Backlog, metrics: Metrics, clock: Callable[[], float]
+    ) -> None:
+        self.limiter, self.backlog, self.metrics, self.clock = limiter, backlog, metrics, clock
+        self._out: dict[str, asyncio.Task[None]] = {}  # ticket → its booking
+        self._on_node: dict[str, int] = {}  # node → bookings out (one at a time, see `may`)
+
+    def may(
+        self, policy: Policy, tenant: Tenant, cls: str, tokens: int, v: NodeView, ask: Ask,
+        now: float,
+    ) -> bool:  # fmt: skip
+        """Whether this fast-path admission may be answered before Redis books it: one at a
+        time per node and per tenant, so that each decision sees the figures of the last
+        booking (every sidecar's, as of then)."""
+        lent = v.node.pool is not None and policy.tenant_pool.get(tenant.id) != v.node.pool
+        return (policy.redis.answer_ahead and not tenant.shadow and not lent
+                and not self._on_node.get(v.node.id) and self.limiter.room_ahead(tenant, tokens)
+                and room_for_two(v, ask, policy, cls, now))  # fmt: skip
+
+    def book(self, ticket: str, v: NodeView, acquired: Awaitable[Acquired]) -> None:
+        """Run the forced round trip of a request answered ahead onto `v` (`acquired`: the
+        limiter's `acquire_forced` with the forced lease riding along)."""
+        node = v.node.id
+        self._on_node[node] = self._on_node.get(node, 0) + 1
+
+        def done(_t: object) -> None:
+            self._out.pop(ticket, None)
+            if (left := self._on_node.pop(node, 1) - 1) > 0:
+                self._on_node[node] = left
+
+        task = asyncio.ensure_future(self._booked(ticket, v, acquired))
+        self._out[ticket] = task
+        task.add_done_callback(done)
+
+    async def settled(self, tickets: Iterable[str]) -> None:
+        """Wait until the bookings of these tickets (if still out) are done."""
+        out = [t for k in tickets if (t := self._out.get(k)) is not None]
+        if out:
+            await asyncio.wait(out)
+
+    async def close(self, timeout_s: float = 2.0) -> None:
+        """Let the bookings still out finish (shutdown: before the Redis client closes)."""
+        if self._out:
+            await asyncio.wait(list(self._out.values()), timeout=timeout_s)
+
+    async def _booked(self, ticket: str, v: NodeView, acquired: Awaitable[Acquired]) -> None:
+        try:
+            acq = await acquired
+        except Exception:  # a script error: the request runs; free what may have been booked
+            log.exception("booking of a request answered ahead failed")
+            acq = Acquired("redis", None, None)
+        if acq.mode != "redis" or acq.denied is not None or acq.also is None:
+            # Redis failed (fail-open then charged the local buckets) or the pool was busy:
+            # the request runs without a booking; the lease, which may have run, goes back.
+            result = "unconfirmed"
+            if acq.also is None:
+                self.backlog.add(leases.give_back(ticket))
+        elif acq.over:
+            result = "over_limits"
+        elif leases.over(acq.also) not in ("", "released"):  # released: ended before booked
+            result = "over_node"
+        else:
+            result = "confirmed"
+        if result != "unconfirmed":
+            v.seen(leases.figures(acq.also), self.clock())
+        self.metrics.ahead.labels(result).inc()

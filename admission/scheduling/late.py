@@ -1,0 +1,34 @@
+"""Queued requests that can no longer meet their class's TTFT target (`on_late: refuse`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from admission.policy import OnLate, Policy
+from admission.scheduling.queue import FairQueue, Item
+from admission.scheduling.routing import NodeView, eta_s
+
+LATE_MARGIN = 0.25  # share of a TTFT target kept as slack for what the ETA does not see
+
+
+def late_heads(
+    policy: Policy, queue: FairQueue, views: list[NodeView], now: float
+) -> Iterator[tuple[str, Item]]:
+    """Take out and yield (class, item) for the queued requests of `on_late: refuse` classes
+    that can no longer meet their TTFT target: time waited + the soonest any node could prefill
+    them > target, less a margin of `LATE_MARGIN` of the target. The estimate assumes the
+    node's full prefill rate, while inside the engine a more urgent class goes first: without
+    the margin the requests served were those dispatched with no slack left, and half of them
+    arrived just past the target (measured: batch TTFT p50 9,986 ms against a 10 s target)."""
+    for c in policy.classes.values():
+        if c.on_late != OnLate.REFUSE or not c.slo_ttft_ms:
+            continue
+        target = c.slo_ttft_ms / 1000 * (1 - LATE_MARGIN)
+
+        def late(it: Item, t: float = target, n: str = c.name) -> bool:
+            return (it.requested_cls or it.cls) == n and (
+                now - it.enqueued_at + eta_s(views, it.model, it.prompt, now) > t
+            )
+
+        for item in queue.drop_heads(c.name, late):
+            yield c.name, item

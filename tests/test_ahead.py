@@ -1,0 +1,238 @@
+"""Answering ahead of the Redis round trip (scheduling/ahead.py): the answer does not wait for
+Redis when the last figures show room for one more; Redis still books every request, a release
+never overtakes its booking, and what went past a limit is booked, counted and paid back."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from redis import exceptions as rex
+
+from admission.errors import Throttled
+from admission.policy import Policy
+from admission.scheduling import Dispatcher, leases
+from admission.scheduling.leases import Ask
+from admission.store import Call, keys
+from devstack.procs import RedisServer
+from tests.test_dispatcher import make
+from tests.test_limiter import make_limiter, tenant_policy
+
+
+def ahead(d: Dispatcher, result: str) -> float:
+    v = d.metrics.registry.get_sample_value("admission_ahead_total", {"result": result})
+    return v or 0.0
+
+
+class Gate:
+    """Holds every Redis script round trip of a dispatcher until opened (or fails them)."""
+
+    def __init__(self, d: Dispatcher) -> None:
+        self.scripts = d.store.scripts
+        self.run = self.scripts.run
+        self.open = asyncio.Event()
+        self.fail = False
+        self.scripts.run = self.held  # type: ignore[method-assign]
+
+    async def held(self, *calls: Call, **kw: Any) -> list[Any]:
+        await self.open.wait()
+        if self.fail:
+            raise rex.ConnectionError("Connection reset by peer")
+        return await self.run(*calls, **kw)
+
+
+async def test_with_room_the_answer_does_not_wait_for_redis_and_the_release_waits_for_it(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000}")
+    d, client = make(p)
+    t1 = p.tenants["t1"]
+    first = await d.admit(t1, "realtime", "m", 10, 40)  # no figures yet: waits for Redis
+    assert ahead(d, "confirmed") == 0 and await redis.zcard(keys.node_leases("n1")) == 1
+    gate = Gate(d)
+    second = await asyncio.wait_for(d.admit(t1, "realtime", "m", 10, 40), 1.0)
+    assert second.node == "n1"
+    assert await redis.zcard(keys.node_leases("n1")) == 1  # answered before Redis booked it
+    release = asyncio.ensure_future(d.release(second.ticket, 20))
+    await asyncio.sleep(0.1)
+    assert not release.done()  # a release never reaches Redis before its booking
+    gate.open.set()
+    assert await release == 30  # booked with its 50-token reservation, then settled
+    assert ahead(d, "confirmed") == 1
+    assert await redis.zscore(keys.node_leases("n1"), second.ticket) is None
+    assert await redis.zscore(keys.node_leases("n1"), first.ticket) is not None
+    rid, _node, _t = leases.parse_ticket(second.ticket)
+    assert not await redis.exists(keys.tenant_keys("t1", rid)[4])  # its reservation settled
+    await client.aclose()
+
+
+async def test_without_room_for_one_more_the_answer_waits(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    # Burst 2: after the first, one request is left, not two: the next waits for Redis.
+    p = tenant_policy(
+        redis_server.url, "{requests_per_s: 0.01, request_burst: 2, tokens_per_min: 60000}"
+    )
+    d, client = make(p)
+    await d.admit(p.tenants["t1"], "realtime", "m", 10, 40)
+    gate = Gate(d)
+    task = asyncio.ensure_future(d.admit(p.tenants["t1"], "realtime", "m", 10, 40))
+    await asyncio.sleep(0.1)
+    assert not task.done()
+    gate.open.set()
+    await task
+    with pytest.raises(Throttled):
+        await d.admit(p.tenants["t1"], "realtime", "m", 10, 40)
+    assert ahead(d, "confirmed") == 0
+    await client.aclose()
+
+
+async def test_policy_can_make_every_answer_wait(redis: Any, redis_server: RedisServer) -> None:
+    p = tenant_policy(
+        redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000}",
+        redis_extra=", answer_ahead: false",
+    )  # fmt: skip
+    assert not p.redis.answer_ahead
+    d, client = make(p)
+    await d.admit(p.tenants["t1"], "realtime", "m", 10, 40)
+    gate = Gate(d)
+    task = asyncio.ensure_future(d.admit(p.tenants["t1"], "realtime", "m", 10, 40))
+    await asyncio.sleep(0.1)
+    assert not task.done()
+    gate.open.set()
+    await task
+    await client.aclose()
+
+
+async def test_a_limit_another_sidecar_reached_first_is_booked_counted_and_paid_back(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    p = tenant_policy(
+        redis_server.url, "{requests_per_s: 0.01, request_burst: 4, tokens_per_min: 60000}"
+    )
+    a, ca = make(p)
+    b, cb = make(p)
+    t1 = p.tenants["t1"]
+    await a.admit(t1, "realtime", "m", 10, 40)  # A's figures: 3 left
+    for _ in range(3):
+        await b.admit(t1, "realtime", "m", 10, 40)  # B takes them
+    over = await a.admit(t1, "realtime", "m", 10, 40)  # A still sees room: answered ahead
+    await a.ahead.settled([over.ticket])
+    assert ahead(a, "over_limits") == 1 and ahead(a, "confirmed") == 0
+    # Booked anyway (Redis holds what runs), the bucket in debt: the next is refused.
+    assert await redis.zcard(keys.node_leases("n1")) == 5
+    level = int(await redis.hget(keys.tenant_keys("t1", "x")[0], "l"))
+    assert level < 0
+    with pytest.raises(Throttled):
+        await a.admit(t1, "realtime", "m", 10, 40)
+    await ca.aclose()
+    await cb.aclose()
+
+
+async def test_redis_failing_after_the_answer_gives_the_lease_back(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    p: Policy = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000}")
+    d, client = make(p)
+    await d.admit(p.tenants["t1"], "realtime", "m", 10, 40)
+    gate = Gate(d)
+    gate.fail = True
+    adm = await d.admit(p.tenants["t1"], "realtime", "m", 10, 40)
+    gate.open.set()
+    await d.ahead.settled([adm.ticket])
+    assert ahead(d, "unconfirmed") == 1
+    assert len(d.store.backlog) >= 1  # the lease (it may have run) and the refund are owed
+    gate.scripts.run = gate.run  # type: ignore[method-assign]
+    assert await d.store.backlog.flush()
+    assert await redis.zscore(keys.node_leases("n1"), adm.ticket) is None
+    # Not ahead while Redis counts as down: the next admission is decided (fail-open) locally.
+    assert not d.limiter.room_ahead(p.tenants["t1"], 50)
+    await client.aclose()
+
+
+async def test_forced_lease_books_past_the_node_limit_and_names_it(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000}")
+    lim, client = await make_limiter(p)
+    node = p.nodes["n1"]
+    one = Ask(prompt_tokens=10, kv_tokens=50)
+    for i in range(node.max_inflight):
+        assert leases.granted(
+            (await lim.store.scripts.run(leases.take(node, f"r{i}:n1:t1", 60, one)))[0]
+        )
+    refused = (await lim.store.scripts.run(leases.take(node, "x:n1:t1", 60, one)))[0]
+    assert leases.refusal(refused) is not None and leases.refusal(refused)[0] == "inflight"  # type: ignore[index]
+    forced = (await lim.store.scripts.run(leases.take(node, "y:n1:t1", 60, one, force=True)))[0]
+    assert leases.granted(forced) and leases.over(forced) == "inflight"
+    assert await redis.zcard(keys.node_leases("n1")) == node.max_inflight + 1
+    assert int(await redis.hget(keys.node_ledger("n1"), "kv")) == 50 * (node.max_inflight + 1)
+    await client.aclose()
+
+
+async def test_forced_acquire_debits_past_the_limits_and_reports_the_figures(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    p = tenant_policy(
+        redis_server.url,
+        "{requests_per_s: 0.01, request_burst: 1, tokens_per_min: 60000, max_concurrent: 3}",
+    )
+    lim, client = await make_limiter(p)
+    t1 = p.tenants["t1"]
+    first = await lim.acquire(t1, "a", 10, 60)
+    assert first.denied is None and first.over == ""
+    assert not lim.room_ahead(t1, 10)  # 0 requests left: no room for two
+    assert (await lim.acquire(t1, "b", 10, 60)).denied is not None
+    forced = await lim.acquire_forced(t1, "c", 10, 60)
+    assert forced.denied is None and forced.over == "requests_per_s"
+    assert int(await redis.zcard(keys.tenant_keys("t1", "x")[3])) == 2  # both running
+    level = int(await redis.hget(keys.tenant_keys("t1", "x")[0], "l"))
+    assert -1_000_000 <= level < -990_000  # one request in debt (a few ms of refill)
+    await client.aclose()
+
+
+async def test_a_release_at_another_sidecar_before_the_booking_leaves_nothing_booked(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    # The edge may send a release to any sidecar: here it reaches B while A's booking of the
+    # request it answered ahead is still on its way. The booking must then book nothing (no
+    # lease held for its TTL) and charge what the request used.
+    p = tenant_policy(
+        redis_server.url, "{requests_per_s: 100, tokens_per_min: 6, token_burst: 100000}"
+    )
+    a, ca = make(p)
+    b, cb = make(p)
+    t1 = p.tenants["t1"]
+    first = await a.admit(t1, "realtime", "m", 10, 40)
+    await a.release(first.ticket, 50)
+    tokens_before = int(await redis.hget(keys.tenant_keys("t1", "x")[1], "l"))
+    gate = Gate(a)
+    adm = await a.admit(t1, "realtime", "m", 10, 40)  # answered ahead, booking held
+    assert await b.release(adm.ticket, 7) == 0  # B finds nothing to settle yet
+    gate.open.set()
+    await a.ahead.settled([adm.ticket])
+    assert await redis.zcard(keys.node_leases("n1")) == 0
+    assert int(await redis.hget(keys.node_ledger("n1"), "kv")) == 0
+    rid, _node, _t = leases.parse_ticket(adm.ticket)
+    assert not await redis.exists(keys.tenant_keys("t1", rid)[4])  # nothing reserved
+    tokens_after = int(await redis.hget(keys.tenant_keys("t1", "x")[1], "l"))
+    assert tokens_before - tokens_after == pytest.approx(7_000_000, abs=20_000)  # what it used
+    assert ahead(a, "confirmed") == 1 and ahead(a, "over_node") == 0
+    # An undo (not a release) leaves no mark: a later booking of that ticket books.
+    await redis.delete(keys.node_gone("n1"))
+    assert await redis.zcard(keys.node_gone("n1")) == 0
+    await b.store.scripts.run(leases.give_back("zzzzzzzz:n1:t1"))
+    assert await redis.zcard(keys.node_gone("n1")) == 0
+    await ca.aclose()
+    await cb.aclose()
+
+
+def test_a_ticket_answered_ahead_is_marked_and_parses() -> None:
+    t = leases.make_ticket("abcdefgh", "n1", "t1", ahead=True)
+    assert t == "abcdefgh:n1:t1:a" and leases.answered_ahead(t)
+    assert leases.parse_ticket(t) == ("abcdefgh", "n1", "t1")
+    assert not leases.answered_ahead(leases.make_ticket("abcdefgh", "n1", "t1"))
+    for bad in ("abcdefgh:n1:t1:b", "abcdefgh:n1:t1:a:a", "abcdefgh:n1"):
+        with pytest.raises(ValueError):
+            leases.parse_ticket(bad)
