@@ -153,6 +153,8 @@ def main() -> None:
     ap.add_argument("--stub", choices=("python", "nginx"), default="python",
                     help="the node stub: aiohttp (~150 µs of CPU per answer on the same cores) or "
                          "NGINX + Lua (~15 µs; a real node is another machine)")  # fmt: skip
+    ap.add_argument("--wait-for-redis", action="store_true",
+                    help="redis.answer_ahead: false (every answer waits for its Redis round trip)")  # fmt: skip
     add_flag(ap)
     a = ap.parse_args()
     stub_port, direct_port = free_port(), free_port()
@@ -163,7 +165,7 @@ def main() -> None:
         stub = subprocess.Popen([sys.executable, "-m", "loadtest.stub", "--port", str(stub_port),
                                  "--delay-ms", str(a.delay_ms)], start_new_session=True)  # fmt: skip
         wait_for(lambda: http_ok(f"http://127.0.0.1:{stub_port}/health"), 20, "stub", stub)
-    stack = beside_plain_nginx(stub_port, direct_port, work / "stack", 1)
+    stack = beside_plain_nginx(stub_port, direct_port, work / "stack", 1, not a.wait_for_redis)
     try:
         stack.start()
         body = json.dumps(

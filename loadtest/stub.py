@@ -65,10 +65,13 @@ def nginx_stub(work: Path, port: int, delay_ms: float) -> subprocess.Popen[bytes
     return stub
 
 
-def beside_plain_nginx(stub_port: int, direct_port: int, run_dir: Path, sidecars: int) -> Stack:
+def beside_plain_nginx(
+    stub_port: int, direct_port: int, run_dir: Path, sidecars: int, ahead: bool = True
+) -> Stack:
     """A stack (not started) whose one node is the stub at `stub_port`, one tenant (acme,
     `sk-demo-acme`) with its limits out of the way, and in the same NGINX a plain proxy to the
-    stub on `direct_port`: the two paths the overhead benchmarks compare."""
+    stub on `direct_port`: the two paths the overhead benchmarks compare. `ahead`: the
+    policy's `redis.answer_ahead`."""
     direct = f"""
     upstream bench_direct {{ server 127.0.0.1:{stub_port}; keepalive 1024; }}
     server {{
@@ -84,7 +87,8 @@ def beside_plain_nginx(stub_port: int, direct_port: int, run_dir: Path, sidecars
                                    "tokens_per_min": 1e9, "token_burst": 100000000,
                                    "max_concurrent": 100000}}}  # fmt: skip
     return Stack(DEFAULT_POLICY, run_dir, external_nodes=nodes, extra_nginx_http=direct,
-                 policy_overrides={"tenants": tenants}, sidecars=sidecars)  # fmt: skip
+                 policy_overrides={"tenants": tenants, "redis": {"answer_ahead": ahead}},
+                 sidecars=sidecars)  # fmt: skip
 
 
 def main() -> None:

@@ -5,6 +5,7 @@ never overtakes its booking, and what went past a limit is booked, counted and p
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 import pytest
@@ -236,3 +237,28 @@ def test_a_ticket_answered_ahead_is_marked_and_parses() -> None:
     for bad in ("abcdefgh:n1:t1:b", "abcdefgh:n1:t1:a:a", "abcdefgh:n1"):
         with pytest.raises(ValueError):
             leases.parse_ticket(bad)
+
+
+async def test_a_sidecar_lets_through_ahead_at_most_half_the_room_it_sees(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    # A node with 6 slots, 1 taken: this sidecar may have 2 out unbooked (1 + 2 × 2 ≤ 6 after
+    # the second), not 3 — another sidecar seeing the same room can do the same, and together
+    # they stay within the node's cap.
+    p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000}")
+    d, client = make(p)
+    v = d.nodes.views["n1"]
+    v.node = dataclasses.replace(v.node, max_inflight=6)
+    t1 = p.tenants["t1"]
+    await d.admit(t1, "realtime", "m", 10, 40)
+    gate = Gate(d)
+    for _ in range(2):
+        await asyncio.wait_for(d.admit(t1, "realtime", "m", 10, 40), 1.0)
+    third = asyncio.ensure_future(d.admit(t1, "realtime", "m", 10, 40))
+    await asyncio.sleep(0.1)
+    assert not third.done()
+    gate.open.set()
+    await third
+    assert await redis.zcard(keys.node_leases("n1")) == 4
+    assert ahead(d, "confirmed") == 2
+    await client.aclose()

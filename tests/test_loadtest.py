@@ -96,6 +96,14 @@ def test_edge_latency_benchmark_smoke() -> None:
     assert "over 100 " in inside  # one decision per request sent through the edge
     trips = next(ln for ln in proc.stdout.splitlines() if ln.startswith("of which Redis"))
     assert float(trips.split("mean ")[1].split(" ms")[0]) > 0
+    # Redis's own CPU per script call, and the admissions answered ahead of their round trip
+    # (at 50 req/s on one tenant and one node nearly all are; none went past a limit).
+    cpu = next(ln for ln in proc.stdout.splitlines() if ln.startswith("inside Redis"))
+    assert "evalsha " in cpu
+    ahead = next(ln for ln in proc.stdout.splitlines() if ln.startswith("answered ahead"))
+    counts = dict(part.rsplit(" ", 1) for part in ahead.split(":", 1)[1].strip().split(", "))
+    assert int(counts["confirmed"].replace(",", "")) >= 80, ahead
+    assert counts["over_limits"] == counts["over_node"] == counts["unconfirmed"] == "0", ahead
 
 
 @pytest.fixture(scope="module")

@@ -128,19 +128,18 @@ class Limiter:
 
     def room_ahead(self, tenant: Tenant, tokens: int) -> bool:
         """Whether the tenant's last figures from Redis (at most ROOM_FRESH_S old) leave room
-        for this request and one more on every limit, and none of its requests let through
-        ahead is still unbooked: then `acquire(force=True)` may follow the answer. Refill
-        since then is not counted; what other sidecars took since is what the one more is
-        for."""
+        for twice what this sidecar would then have let through ahead and not seen booked
+        (this request included), on every limit: then `acquire_forced` may follow the answer.
+        Refill since then is not counted. The other half is left to what other sidecars take
+        meanwhile: two sidecars doing the same cannot together pass a limit."""
         r = self._room.get(tenant.id)
         if r is None or self.degraded or self.clock() - r.at > ROOM_FRESH_S:
             return False
-        if tenant.id in self._ahead:  # one at a time: the next waits for fresher figures
-            return False
-        lim = tenant.limits
-        return (r.req_u >= 2 * U and r.tok_u >= 2 * tokens * U
-                and (not lim.max_concurrent or r.running + 2 <= lim.max_concurrent)
-                and (not lim.burst_max or r.in_window + 2 <= lim.burst_max))  # fmt: skip
+        n, tok = self._ahead.get(tenant.id, (0, 0))
+        m, lim = 2 * (n + 1), tenant.limits
+        return (r.req_u >= m * U and r.tok_u >= 2 * (tok + tokens) * U
+                and (not lim.max_concurrent or r.running + m <= lim.max_concurrent)
+                and (not lim.burst_max or r.in_window + m <= lim.burst_max))  # fmt: skip
 
     async def acquire(
         self,

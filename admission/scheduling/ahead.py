@@ -2,15 +2,16 @@
 
 A fast-path admission costs one Redis round trip (the tenant's buckets and the node lease,
 together); on a busy 2-core box that round trip is most of what the admission hop adds
-(docs/benchmarks.md). When this sidecar's last figures show room for the request *and one more*
-— the tenant's levels, concurrency and burst window in the last reply from Redis (at most
-`ROOM_FRESH_S` old, less what this sidecar let through since and Redis has not booked yet), and
-the node's view (refreshed at least every 0.2 s while requests flow) — the answer goes back at
-once and the same round trip follows, *forced*: Redis books the request whatever it finds, so
+(docs/benchmarks.md). When this sidecar's last figures show room for *twice* what it would then
+have let through ahead and not yet seen booked (this request included) — the tenant's levels,
+concurrency and burst window in the last reply from Redis (at most `ROOM_FRESH_S` old), and the
+node's view (refreshed at least every 0.2 s while requests flow, and from every lease reply) —
+the answer goes back at once and the same round trip follows, *forced*: Redis books the request whatever it finds, so
 its ledger and buckets hold what really runs. A forced booking that went past a limit (another
 sidecar took the room meanwhile) is counted in `admission_ahead_total{result}` and is paid back
 like any debt: the bucket goes below zero, the node's ledger shows the overshoot and the next
-decisions see it; the "one more" keeps it rare. A release waits for its request's booking, so
+decisions see it. Taking at most half of the room it sees, a sidecar leaves the other half to
+another doing the same: two sidecars cannot together pass a limit; more can, rarely. A release waits for its request's booking, so
 Redis never sees the release first.
 
 A request asked again (its sidecar died; the edge re-asks another with the same request id) is
@@ -39,11 +40,17 @@ from admission.store import Backlog
 log = logging.getLogger(__name__)
 
 
-def room_for_two(v: NodeView, ask: Ask, policy: Policy, cls: str, now: float) -> bool:
-    """Whether the node, as this sidecar sees it, would take this request and one more."""
-    twice = dataclasses.replace(ask, prompt_tokens=2 * ask.prompt_tokens,
-                                kv_tokens=2 * ask.kv_tokens)  # fmt: skip
-    return v.inflight + 2 <= v.node.max_inflight and why_not(v, twice, policy, cls, now) is None
+def room_for_twice(
+    v: NodeView, ask: Ask, policy: Policy, cls: str, now: float, out: int = 0
+) -> bool:
+    """Whether the node, as this sidecar sees it (its `out` bookings still on their way
+    included), would take this request and as much again as this sidecar has then let through
+    ahead: `out` + 1 more such requests."""
+    m = out + 2
+    more = dataclasses.replace(
+        ask, prompt_tokens=m * ask.prompt_tokens, kv_tokens=m * ask.kv_tokens
+    )
+    return v.inflight + m <= v.node.max_inflight and why_not(v, more, policy, cls, now) is None
 
 
 class Ahead:
@@ -60,13 +67,13 @@ class Ahead:
         self, policy: Policy, tenant: Tenant, cls: str, tokens: int, v: NodeView, ask: Ask,
         now: float,
     ) -> bool:  # fmt: skip
-        """Whether this fast-path admission may be answered before Redis books it: one at a
-        time per node and per tenant, so that each decision sees the figures of the last
-        booking (every sidecar's, as of then)."""
+        """Whether this fast-path admission may be answered before Redis books it: the node
+        and the tenant have room for twice what this sidecar would then have out (see
+        `room_for_twice`, `Limiter.room_ahead`)."""
         lent = v.node.pool is not None and policy.tenant_pool.get(tenant.id) != v.node.pool
         return (policy.redis.answer_ahead and not tenant.shadow and not lent
-                and not self._on_node.get(v.node.id) and self.limiter.room_ahead(tenant, tokens)
-                and room_for_two(v, ask, policy, cls, now))  # fmt: skip
+                and self.limiter.room_ahead(tenant, tokens)
+                and room_for_twice(v, ask, policy, cls, now, self._on_node.get(v.node.id, 0)))  # fmt: skip
 
     def book(self, ticket: str, v: NodeView, acquired: Awaitable[Acquired]) -> None:
         """Run the forced round trip of a request answered ahead onto `v` (`acquired`: the
