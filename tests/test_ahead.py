@@ -14,6 +14,7 @@ from redis import exceptions as rex
 from admission.errors import Throttled
 from admission.policy import Policy
 from admission.scheduling import Dispatcher, leases
+from admission.scheduling.ahead import MAX_OUT
 from admission.scheduling.leases import Ask
 from admission.store import Call, keys
 from devstack.procs import RedisServer
@@ -261,4 +262,30 @@ async def test_a_sidecar_lets_through_ahead_at_most_half_the_room_it_sees(
     await third
     assert await redis.zcard(keys.node_leases("n1")) == 4
     assert ahead(d, "confirmed") == 2
+    await client.aclose()
+
+
+async def test_bookings_out_are_bounded_so_a_flood_waits_for_redis(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    # The waited round trip is the sidecar's backpressure: past MAX_OUT bookings on their way,
+    # admissions wait for Redis again instead of piling up bookings behind each other.
+    p = tenant_policy(
+        redis_server.url, "{requests_per_s: 100000, tokens_per_min: 100000000, token_burst: 100000000}"
+    )  # fmt: skip
+    d, client = make(p)
+    v = d.nodes.views["n1"]
+    v.node = dataclasses.replace(v.node, max_inflight=100_000)
+    t1 = p.tenants["t1"]
+    await d.admit(t1, "realtime", "m", 10, 40)
+    gate = Gate(d)
+    for _ in range(MAX_OUT):
+        await asyncio.wait_for(d.admit(t1, "realtime", "m", 10, 40), 1.0)
+    more = asyncio.ensure_future(d.admit(t1, "realtime", "m", 10, 40))
+    await asyncio.sleep(0.1)
+    assert not more.done()
+    gate.open.set()
+    await more
+    assert ahead(d, "confirmed") == MAX_OUT
+    assert await redis.zcard(keys.node_leases("n1")) == MAX_OUT + 2
     await client.aclose()

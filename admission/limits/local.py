@@ -15,6 +15,8 @@ from collections.abc import Callable
 from admission.errors import RequestTooLarge, Throttled
 from admission.policy import Limits
 
+SWEEP_S = 1.0  # expired local concurrency slots are freed at most this often per tenant
+
 
 class LocalBucket:
     """In-process token bucket (monotonic clock, injected for tests)."""
@@ -51,6 +53,7 @@ class LocalLimits:
         # sidecar; the expiry (the lease TTL, as in Redis) bounds how long a slot stays taken.
         self._inflight: dict[str, dict[str, float]] = {}
         self._owner: dict[str, str] = {}  # ticket → tenant
+        self._swept: dict[str, float] = {}  # tenant → when its expired slots were last freed
 
     def acquire(
         self,
@@ -83,8 +86,10 @@ class LocalLimits:
             if len(recent) >= _share(lim.burst_max, fraction):
                 raise Throttled("burst", recent[0] + lim.burst_window_s - now)
         inflight = self._inflight.setdefault(tenant, {})
-        for t in [t for t, exp in inflight.items() if exp <= now]:
-            self.release(t)
+        if now - self._swept.get(tenant, float("-inf")) >= SWEEP_S:  # not a scan per request
+            self._swept[tenant] = now
+            for t in [t for t, exp in inflight.items() if exp <= now]:
+                self.release(t)
         if lim.max_concurrent > 0 and len(inflight) >= _share(lim.max_concurrent, fraction):
             raise Throttled("concurrency", 1.0)
         rq.level -= 1
