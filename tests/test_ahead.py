@@ -9,6 +9,8 @@ import dataclasses
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
 from redis import exceptions as rex
 
 from admission.errors import Throttled
@@ -289,3 +291,75 @@ async def test_bookings_out_are_bounded_so_a_flood_waits_for_redis(
     assert ahead(d, "confirmed") == MAX_OUT
     assert await redis.zcard(keys.node_leases("n1")) == MAX_OUT + 2
     await client.aclose()
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["admit", "admit", "release", "release", "gate"]), st.integers(0, 1),
+              st.integers(0, 7)),
+    min_size=1, max_size=30,
+)  # fmt: skip
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=ops)
+# Always run: A answers ahead with its round trips held, and B gets that request's release first.
+@example(ops=[("admit", 0, 0), ("gate", 0, 0), ("admit", 0, 0), ("release", 1, 1)])
+def test_whatever_the_order_nothing_stays_booked(
+    redis_server: RedisServer, ops: list[tuple[str, int, int]]
+) -> None:
+    # Two sidecars; admissions, releases sent to either one, and each sidecar's Redis round
+    # trips held and let go, in any order: once everything has been released, no lease, KV,
+    # concurrency slot or reservation is left in Redis — whether each answer went ahead of its
+    # booking or waited for it, and whether a release overtook a booking.
+    import redis.asyncio as aioredis
+
+    async def run() -> None:
+        p = tenant_policy(redis_server.url, "{requests_per_s: 1000, tokens_per_min: 6000000}")
+        r = aioredis.Redis.from_url(redis_server.url)
+        await r.flushall()
+        made = [make(p) for _ in range(2)]
+        gates = [Gate(d) for d, _c in made]
+        for g in gates:
+            g.open.set()
+        admitted: list[str] = []
+        tasks: list[asyncio.Future[Any]] = []
+
+        def keep(f: asyncio.Future[Any]) -> None:
+            if not f.cancelled() and f.exception() is None:
+                admitted.append(f.result().ticket)
+
+        try:
+            for op, who, i in ops:
+                d = made[who][0]
+                if op == "admit":
+                    t = asyncio.ensure_future(d.admit(p.tenants["t1"], "realtime", "m", 10, 40))
+                    t.add_done_callback(keep)
+                    tasks.append(t)
+                elif op == "release" and admitted:
+                    tasks.append(
+                        asyncio.ensure_future(d.release(admitted.pop(i % len(admitted)), 20))
+                    )
+                elif op == "gate":
+                    (gates[who].open.clear if gates[who].open.is_set() else gates[who].open.set)()
+                await asyncio.sleep(0.003)  # an open gate's round trip completes meanwhile
+            for g in gates:
+                g.open.set()
+            await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 10)
+            for ticket in admitted:
+                await made[0][0].release(ticket, 20)
+            for d, _c in made:
+                await d.ahead.close()
+            assert await r.zcard(keys.node_leases("n1")) == 0
+            h = await r.hgetall(keys.node_ledger("n1"))
+            assert int(h.get(b"kv", 0)) == 0 and not [k for k in h if k.startswith(b"k:")], h
+            assert await r.zcard(keys.tenant_keys("t1", "x")[3]) == 0  # concurrency slots
+            left = [k for k in await r.keys(b"adm:{t:t1}:res:*") if await r.hexists(k, "tok")]
+            assert not left, left
+        finally:
+            await r.aclose()
+            for _d, c in made:
+                await c.aclose()
+
+    asyncio.run(run())
