@@ -3,7 +3,7 @@
 `admit` is the one place that decides:
 1. fast path: when nobody waits (so no one is overtaken) and a node has room, the node lease
    rides in the same Redis round trip as the tenant's buckets — answered ahead of that round
-   trip when the last figures show room for one more (ahead.py);
+   trip when the last figures show room for twice what this sidecar has out (ahead.py);
 2. otherwise the request joins the `FairQueue`, and the dispatcher loop admits it when some
    node serving its model is open, below its watermark after projection and under its
    in-flight cap (lease.lua takes the lease atomically across sidecars).
