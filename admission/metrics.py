@@ -94,8 +94,9 @@ class Metrics:
             ["result"],
             registry=r,
         )
-        for result in ("confirmed", "over_limits", "over_node", "unconfirmed"):
-            self.ahead.labels(result)
+        # Children resolved once (exported at 0 from the start): no label lookup per booking.
+        self.ahead_by = {result: self.ahead.labels(result)
+                         for result in ("confirmed", "over_limits", "over_node", "unconfirmed")}  # fmt: skip
         self.redis_errors = Counter(
             "admission_redis_errors_total",
             "Redis calls that failed, by operation.",

@@ -86,7 +86,7 @@ class Acquired(NamedTuple):
     over: str = ""
 
 
-@dataclass
+@dataclass(slots=True)
 class _Room:
     """A tenant's figures in the last reply from Redis: levels after that debit (micro-units),
     requests running and requests in the burst window."""
@@ -131,7 +131,8 @@ class Limiter:
         for twice what this sidecar would then have let through ahead and not seen booked
         (this request included), on every limit: then `acquire_forced` may follow the answer.
         Refill since then is not counted. The other half is left to what other sidecars take
-        meanwhile: two sidecars doing the same cannot together pass a limit."""
+        meanwhile: a limit is passed only if they take more than that within the figures'
+        age (counted: `admission_ahead_total{result="over_limits"}`), and the debt is paid."""
         r = self._room.get(tenant.id)
         if r is None or self.degraded or self.clock() - r.at > ROOM_FRESH_S:
             return False
@@ -150,45 +151,20 @@ class Limiter:
         also: Call | None = None,
         scale: float = 1.0,
         give_back: Callable[[], Call] | None = None,
+        force: bool = False,
     ) -> Acquired:
         """Debit one request and `tokens` LLM tokens, all-or-nothing, with `also` in the same
         round trip. Denials (Throttled, RequestTooLarge, BackendUnavailable under fail-closed)
         come back in `Acquired.denied`, so that the caller can undo `also` first. `scale`
         multiplies the refill rates (memory-aware limits). `give_back`: the undo of `also`,
-        sent with the refund if the caller is cancelled while the round trip is out."""
-        return await self._acquire(tenant, ticket, tokens, lease_ttl_s, also, scale, give_back)
-
-    def acquire_forced(
-        self, tenant: Tenant, ticket: str, tokens: int, lease_ttl_s: float,
-        also: Call | None = None, scale: float = 1.0,
-        give_back: Callable[[], Call] | None = None,
-    ) -> Awaitable[Acquired]:  # fmt: skip
-        """`acquire` for a request let through already (`room_ahead`): debit it past any limit
-        (`Acquired.over` names the first it went past). The tenant counts as having a request
-        ahead from this call on (not from when the round trip starts)."""
-        n, tok = self._ahead.get(tenant.id, (0, 0))
-        self._ahead[tenant.id] = (n + 1, tok + tokens)
-
-        async def forced() -> Acquired:
-            try:
-                return await self._acquire(
-                    tenant, ticket, tokens, lease_ttl_s, also, scale, give_back, b"1"
-                )
-            finally:
-                n, tok = self._ahead.pop(tenant.id, (1, tokens))
-                if n > 1:
-                    self._ahead[tenant.id] = (n - 1, tok - tokens)
-
-        return forced()
-
-    async def _acquire(
-        self, tenant: Tenant, ticket: str, tokens: int, lease_ttl_s: float, also: Call | None,
-        scale: float, give_back: Callable[[], Call] | None, force: bytes = b"0",
-    ) -> Acquired:  # fmt: skip
+        sent with the refund if the caller is cancelled while the round trip is out. `force`:
+        see `acquire_forced`, the way to call it."""
         lim = tenant.limits
         if not self.degraded:
             head, tail = _acquire_args(lim, scale, int(lease_ttl_s * U))
-            args = [*head, b"%d" % (tokens * U), *tail, ticket, b"%d" % tokens, force]
+            args = [*head, b"%d" % (tokens * U), *tail, ticket, b"%d" % tokens,
+                    b"1" if force else b"0"]  # fmt: skip
+
             calls = [Call("acquire", keys.tenant_keys(tenant.id, ticket), args)]
             if also is not None:
                 calls.append(also)
@@ -208,14 +184,38 @@ class Limiter:
                     raise res
                 extra = out[1] if also is not None else None
                 if int(res[0]) == 1:
-                    if len(res) >= 6:  # not a request asked again (-1: no figures)
-                        self._room[tenant.id] = _Room(
-                            self.clock(), int(res[1]), int(res[2]), int(res[3]), int(res[4])
-                        )
-                    return Acquired("redis", extra, over=_s(res[5]) if len(res) >= 6 else "")
+                    if len(res) < 6:  # a request asked again, charged already: no figures
+                        return Acquired("redis", extra)
+                    self._room[tenant.id] = _Room(
+                        self.clock(), int(res[1]), int(res[2]), int(res[3]), int(res[4])
+                    )
+                    return Acquired("redis", extra, over=_s(res[5]))
                 self._room.pop(tenant.id, None)
                 return Acquired("redis", extra, _denial(_s(res[1]), res, tokens))
         return self._acquire_local(tenant, ticket, tokens, lease_ttl_s)
+
+    def acquire_forced(
+        self, tenant: Tenant, ticket: str, tokens: int, lease_ttl_s: float,
+        also: Call | None = None, scale: float = 1.0,
+        give_back: Callable[[], Call] | None = None,
+    ) -> Awaitable[Acquired]:  # fmt: skip
+        """`acquire` for a request let through already (`room_ahead`): debit it past any limit
+        (`Acquired.over` names the first it went past). The tenant counts as having a request
+        ahead from this call on (not from when the round trip starts)."""
+        n, tok = self._ahead.get(tenant.id, (0, 0))
+        self._ahead[tenant.id] = (n + 1, tok + tokens)
+
+        async def forced() -> Acquired:
+            try:
+                return await self.acquire(
+                    tenant, ticket, tokens, lease_ttl_s, also, scale, give_back, force=True
+                )
+            finally:
+                n, tok = self._ahead.pop(tenant.id, (1, tokens))
+                if n > 1:
+                    self._ahead[tenant.id] = (n - 1, tok - tokens)
+
+        return forced()
 
     async def _run_waiting(
         self, calls: list[Call], tenant: Tenant, ticket: str, orphan: store.Orphan = None

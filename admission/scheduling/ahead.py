@@ -6,13 +6,17 @@ together); on a busy 2-core box that round trip is most of what the admission ho
 have let through ahead and not yet seen booked (this request included) — the tenant's levels,
 concurrency and burst window in the last reply from Redis (at most `ROOM_FRESH_S` old), and the
 node's view (refreshed at least every 0.2 s while requests flow, and from every lease reply) —
-the answer goes back at once and the same round trip follows, *forced*: Redis books the request whatever it finds, so
-its ledger and buckets hold what really runs. A forced booking that went past a limit (another
-sidecar took the room meanwhile) is counted in `admission_ahead_total{result}` and is paid back
-like any debt: the bucket goes below zero, the node's ledger shows the overshoot and the next
-decisions see it. Taking at most half of the room it sees, a sidecar leaves the other half to
-another doing the same: two sidecars cannot together pass a limit; more can, rarely. A release waits for its request's booking, so
-Redis never sees the release first.
+the answer goes back at once and the same round trip follows, *forced*: Redis books the request
+whatever it finds, so its ledger and buckets hold what really runs. A forced booking that went
+past a limit (another sidecar took the room meanwhile) is counted in
+`admission_ahead_total{result}` and is paid back like any debt: the bucket goes below zero, the
+node's ledger shows the overshoot and the next decisions see it. The margin makes that rare,
+not impossible: this sidecar's view does not hold what other sidecars booked through Redis
+since it was read (≤ 0.2 s, less under load: every lease reply refreshes it), which is why a
+node is only answered ahead in the lower half of its in-flight cap. (A first rule, "room for
+one more", let two sidecar processes put 9 requests on a node capped at 5; "twice what it has
+out" alone still let 7 through now and then, a stale view against the other sidecar's waited
+admissions.) A release waits for its request's booking, so Redis never sees the release first.
 
 A request asked again (its sidecar died; the edge re-asks another with the same request id) is
 charged once all the same: acquire.lua's check for an existing reservation comes before any
@@ -50,12 +54,15 @@ def room_for_twice(
 ) -> bool:
     """Whether the node, as this sidecar sees it (its `out` bookings still on their way
     included), would take this request and as much again as this sidecar has then let through
-    ahead: `out` + 1 more such requests."""
+    ahead (`out` + 1 more such requests), and stay in the lower half of its in-flight cap: what
+    other sidecars booked through Redis since this view was read is not in it."""
     m = out + 2
+    if 2 * (v.inflight + m) > v.node.max_inflight:
+        return False
     more = dataclasses.replace(
         ask, prompt_tokens=m * ask.prompt_tokens, kv_tokens=m * ask.kv_tokens
     )
-    return v.inflight + m <= v.node.max_inflight and why_not(v, more, policy, cls, now) is None
+    return why_not(v, more, policy, cls, now) is None
 
 
 class Ahead:
@@ -126,4 +133,4 @@ class Ahead:
             result = "confirmed"
         if result != "unconfirmed":
             v.seen(leases.figures(acq.also), self.clock())
-        self.metrics.ahead.labels(result).inc()
+        self.metrics.ahead_by[result].inc()

@@ -93,14 +93,15 @@ def figures(result: Any) -> tuple[int, float, int] | None:
 
 def over(result: Any) -> str:
     """The rule a forced lease went past ("" when none did, or not a granted result)."""
-    if not granted(result) or len(result) < 5:
-        return ""
-    return result[4].decode() if isinstance(result[4], bytes) else str(result[4])
+    return _text(result[4]) if granted(result) and len(result) >= 5 else ""
 
 
 def refusal(result: Any) -> tuple[str, float, int] | None:
     """(reason, pending prefill, reserved KV) of a refused lease.lua result; None if granted."""
     if granted(result) or not isinstance(result, list) or len(result) < 5:
         return None
-    reason = result[2].decode() if isinstance(result[2], bytes) else str(result[2])
-    return reason, float(result[3]), int(result[4])
+    return _text(result[2]), float(result[3]), int(result[4])
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)

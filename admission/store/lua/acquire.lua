@@ -54,56 +54,42 @@ if redis.call('EXISTS', KEYS[5]) == 1 then
   return {1, -1, -1}
 end
 
-local over = nil  -- the first limit a forced debit goes past
-local function refuse(reason, retry_ms, cap)
-  if force then
-    over = over or reason
-    return nil
-  end
-  return {0, reason, retry_ms, cap}
-end
-
-local r
+-- The first limit that says no: {reason, retry_after_ms, capacity_u}. Unless the debit is
+-- forced, that is the answer; forced, it is only named (`over` below).
+local deny = nil
 if tok_cost > tok_cap then
-  r = refuse('tokens_exceed_capacity', 0, tok_cap)
-  if r then return r end
+  deny = {'tokens_exceed_capacity', 0, tok_cap}
+elseif req_cost > req_cap then
+  deny = {'requests_exceed_capacity', 0, req_cap}
 end
-if req_cost > req_cap then
-  r = refuse('requests_exceed_capacity', 0, req_cap)
-  if r then return r end
-end
-
 local rq = bucket_level(KEYS[1], req_cap, req_rate, now)
-if rq < req_cost then
-  r = refuse('requests_per_s', wait_ms(req_cost - rq, req_rate), req_cap)
-  if r then return r end
-end
 local tk = bucket_level(KEYS[2], tok_cap, tok_rate, now)
-if tk < tok_cost then
-  r = refuse('tokens_per_min', wait_ms(tok_cost - tk, tok_rate), tok_cap)
-  if r then return r end
+if not deny and rq < req_cost then
+  deny = {'requests_per_s', wait_ms(req_cost - rq, req_rate), req_cap}
+end
+if not deny and tk < tok_cost then
+  deny = {'tokens_per_min', wait_ms(tok_cost - tk, tok_rate), tok_cap}
 end
 local in_window = 0
 if burst_max > 0 then
   in_window = redis.call('ZCOUNT', KEYS[3], '(' .. (now - window), '+inf')
-  if in_window >= burst_max then
+  if not deny and in_window >= burst_max then
     local oldest = redis.call('ZRANGEBYSCORE', KEYS[3], '(' .. (now - window), '+inf',
                               'WITHSCORES', 'LIMIT', 0, 1)
-    r = refuse('burst', math.ceil((tonumber(oldest[2]) + window - now) / 1000), burst_max)
-    if r then return r end
+    deny = {'burst', math.ceil((tonumber(oldest[2]) + window - now) / 1000), burst_max}
   end
 end
 local running = 0
 if max_cc > 0 then
   running = redis.call('ZCOUNT', KEYS[4], '(' .. now, '+inf')
-  if running >= max_cc then
+  if not deny and running >= max_cc then
     local first = redis.call('ZRANGEBYSCORE', KEYS[4], '(' .. now, '+inf',
                              'WITHSCORES', 'LIMIT', 0, 1)
     -- A concurrency slot frees when a request ends; the oldest lease's expiry is an upper bound.
-    r = refuse('concurrency', math.min(1000, math.ceil((tonumber(first[2]) - now) / 1000)), max_cc)
-    if r then return r end
+    deny = {'concurrency', math.min(1000, math.ceil((tonumber(first[2]) - now) / 1000)), max_cc}
   end
 end
+if deny and not force then return {0, deny[1], deny[2], deny[3]} end
 
 -- Every check passed (or the debit is forced): write everything.
 bucket_store(KEYS[1], rq - req_cost, req_cap, req_rate, now)
@@ -123,4 +109,4 @@ if max_cc > 0 then
 end
 redis.call('HSET', KEYS[5], 'tok', ARGV[12])
 redis.call('PEXPIRE', KEYS[5], lease_ms)
-return {1, rq - req_cost, tk - tok_cost, running, in_window, over or ''}
+return {1, rq - req_cost, tk - tok_cost, running, in_window, deny and deny[1] or ''}

@@ -16,8 +16,8 @@
 --         reserve must stay below it (the drain watermark in tokens)
 --      11 urgent KV the caller has waiting for this node (its share of its queue)
 --      12 force: '1' = the sidecar already sent the request here (it answered ahead of this
---         round trip, its last view showing room for this one and one more): book it whatever
---         the limits say now, so that the ledger holds what the node really runs
+--         round trip, its last view showing ample room): book it whatever the limits say now,
+--         so that the ledger holds what the node really runs
 -- Ledger fields: p = pending prefill tokens (drained at the prefill rate since t), t = µs,
 --   kv = KV tokens reserved by live leases, u = the urgent class's share of kv,
 --   r = the urgent reserve (its recent peak: u, or u + what waits, halving every RESERVE_HALF_US
@@ -28,8 +28,8 @@
 -- Expired leases (a lost release) are dropped first, with their KV: a crash leaks for one TTL.
 -- A node whose pending prefill has drained always takes one request, whatever its size: the
 -- budget cannot starve a long prompt, and the node's prefill rate gets measured at full speed.
--- Returns {1, in_flight, pending, kv, over}  (over = 'released': nothing booked, see KEYS[3]) (over: the rule a forced booking went past, or '')
--- or {0, in_flight, reason, pending, kv}.
+-- Returns {1, in_flight, pending, kv, over} or {0, in_flight, reason, pending, kv}; over: the
+-- rule a forced booking went past, '' if none, or 'released' (nothing booked, see KEYS[3]).
 
 local RESERVE_HALF_US = 20000000
 local now = now_us()
