@@ -1,12 +1,15 @@
 """The emulator's engine core: vLLM-style continuous batching, step by step. No I/O.
 
-Per step: every running sequence past its prompt decodes one token; sequences still in their
-prompt get chunked prefill within the step's token budget; waiting sequences are admitted in
-policy order (priority: (priority, arrival); fcfs: arrival) while a slot is free and their
-whole prompt fits in free KV blocks, stopping at the first that does not fit (vLLM's
-head-of-line behaviour). When a decoding sequence needs a block and none is free, the
-worst-priority newest running sequence is preempted: its blocks are freed and it goes back to
-the front of the waiting queue to be recomputed.
+As vLLM V1 schedules (its `Scheduler.schedule`): per step, running sequences in list order
+each take their next tokens from the step's token budget — one to decode, or their next prompt
+chunk (chunked prefill) — so a long prefill early in the list can take a whole step. KV blocks
+are allocated per scheduled chunk, not for the whole prompt up front. When a running sequence
+needs a block and none is free, the worst-priority newest running sequence is preempted: its
+blocks are freed and it goes back to the front of the waiting queue to be recomputed. Only in a
+step that preempted nothing are waiting sequences admitted, in policy order (priority:
+(priority, arrival); fcfs: arrival), while a slot is free and their first chunk fits in free
+blocks, stopping at the first that does not (vLLM's head-of-line behaviour). Not modelled:
+prefix caching (every prompt costs its full KV).
 """
 
 from __future__ import annotations
@@ -92,48 +95,62 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------------
     def step(self, now: float) -> StepResult:
         budget = self.p.max_num_batched_tokens
-        decoded: list[Seq] = []
         preempted = 0
-        # 1. decode: running sequences past their prompt, one token each (best priority first).
-        for seq in sorted(self.running, key=self._order):
-            if seq not in self.running or seq.in_prefill or budget <= 0:
-                continue
-            while self._blocks_for(seq.context + 1) > seq.blocks and self.free_blocks == 0:
+        # (sequence, tokens, prefill chunk?) scheduled this step, in order.
+        plan: list[tuple[Seq, int, bool]] = []
+        # 1. running sequences in list order (vLLM V1): each takes its next tokens — one to
+        #    decode, or its next prompt chunk — from the step's budget, so a long prefill early
+        #    in the list can take a whole step. KV blocks are taken per scheduled chunk; one that
+        #    finds none free preempts the worst-priority newest running sequence (perhaps
+        #    itself: then the rest of the list waits for the next step).
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            chunk = seq.in_prefill
+            n = min(budget, seq.prompt_tokens - seq.computed) if chunk else 1
+            while self._blocks_for(seq.context + n) - seq.blocks > self.free_blocks:
                 victim = self._victim()
                 self._preempt(victim)
                 preempted += 1
+                for j, (q, m, _c) in enumerate(plan):
+                    if q is victim:  # scheduled earlier this step: its tokens go back
+                        budget += m
+                        del plan[j]
+                        break
                 if victim is seq:
                     break
             if seq not in self.running:
-                continue
-            self._grow(seq, seq.context + 1)
-            decoded.append(seq)
-            budget -= 1
-        # 2. chunked prefill of running sequences still in their prompt.
-        prefill = 0
-        for seq in sorted(self.running, key=self._order):
-            if budget <= 0:
                 break
-            if seq.in_prefill:
-                chunk = min(budget, seq.prompt_tokens - seq.computed)
-                seq.computed += chunk
-                budget -= chunk
-                prefill += chunk
-        # 3. admit waiting sequences whose whole prompt fits, in policy order.
-        self.waiting.sort(key=self._order)
-        while self.waiting and budget > 0 and len(self.running) < self.p.max_num_seqs:
+            self._grow(seq, seq.context + n)
+            plan.append((seq, n, chunk))
+            budget -= n
+            i = self.running.index(seq) + 1
+        # 2. waiting sequences, in policy order, only in a step that preempted nothing: each
+        #    needs blocks for its first chunk only; stop at the first that does not fit (vLLM's
+        #    head-of-line behaviour).
+        if not preempted:
+            self.waiting.sort(key=self._order)
+        while not preempted and self.waiting and budget > 0:
+            if len(self.running) >= self.p.max_num_seqs:
+                break
             seq = self.waiting[0]
-            need = self._blocks_for(seq.prompt_tokens + seq.generated)
-            if need > self.free_blocks:
-                break  # head-of-line: vLLM stops at the first request that does not fit
+            n = min(budget, seq.prompt_tokens - seq.computed)
+            if self._blocks_for(seq.context + n) - seq.blocks > self.free_blocks:
+                break
             self.waiting.pop(0)
-            self._grow(seq, seq.prompt_tokens + seq.generated)
+            self._grow(seq, seq.context + n)
             seq.scheduled_at = seq.scheduled_at if seq.scheduled_at is not None else now
             self.running.append(seq)
-            chunk = min(budget, seq.prompt_tokens - seq.computed)
-            seq.computed += chunk
-            budget -= chunk
-            prefill += chunk
+            plan.append((seq, n, True))
+            budget -= n
+        decoded: list[Seq] = []
+        prefill = 0
+        for seq, n, chunk in plan:
+            if chunk:
+                seq.computed += n
+                prefill += n
+            else:
+                decoded.append(seq)
         context = sum(s.context for s in self.running)
         duration = self.p.step_s(prefill, context, len(decoded)) if (decoded or prefill) else 0.0
         finished: list[Seq] = []

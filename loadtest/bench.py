@@ -39,7 +39,7 @@ from devstack.stack import MODULES, Stack
 from engine.profiles import PROFILES
 from engine.vllm_node import TINY_MODEL
 from loadtest import report
-from loadtest.capacity import capacity
+from loadtest.capacity import bounds_line, capacity
 from loadtest.scratch import add_flag, scratch
 from loadtest.workload import MIXED, TINY, Req, load_kinds, prompt_text, schedule
 
@@ -351,6 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     policy = load_policy(a.policy)
+    if a.engine == "sim":
+        order = sorted(policy.classes.values(), key=lambda c: c.priority)
+        targets = [(c.name, c.slo_ttft_ms / 1000 if c.slo_ttft_ms else None) for c in order]
+        print(bounds_line(a.profile, reqs, a.nodes, a.seconds, targets), flush=True)
     slo = {c.name: c.slo_ttft_ms / 1000 for c in policy.classes.values() if c.slo_ttft_ms}
     slo_e2e = {c.name: c.slo_e2e_ms / 1000 for c in policy.classes.values() if c.slo_e2e_ms}
     slo_tpot = {c.name: c.slo_tpot_ms / 1000 for c in policy.classes.values() if c.slo_tpot_ms}

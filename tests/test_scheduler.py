@@ -51,12 +51,48 @@ def test_chunked_prefill_respects_the_token_budget() -> None:
 
 def test_head_of_line_blocking_like_vllm() -> None:
     s = Scheduler(TINY, policy="fcfs", num_blocks=10)
-    big = Seq(200, 5, arrival=0)  # needs 13 blocks: never fits in 10
-    small = Seq(8, 5, arrival=1)
+    hog = Seq(120, 50, arrival=0)  # 8 blocks once prefilled
+    s.add(hog)
+    while hog.in_prefill:
+        s.step(0.0)
+    big = Seq(200, 5, arrival=1)  # its first chunk (63 tokens) needs 4 blocks: 2 are free
+    small = Seq(8, 5, arrival=2)  # would fit
     s.add(big)
     s.add(small)
     s.step(0.0)
-    assert s.running == []  # stops at the first request that does not fit
+    assert s.running == [hog]  # stops at the first request that does not fit
+
+
+def test_kv_blocks_are_taken_per_prefill_chunk() -> None:
+    """vLLM V1 allocates blocks for each scheduled chunk, not the whole prompt at admission."""
+    s = Scheduler(TINY, num_blocks=100)
+    long = Seq(200, 5)
+    s.add(long)
+    held = []
+    while long.in_prefill:
+        s.step(0.0)
+        held.append(long.blocks)
+    assert held == [4, 8, 12, 13]  # 64, 128, 192, 200 tokens (+1 generated) in 16-token blocks
+    assert s.free_blocks == 100 - 13
+
+
+def test_no_waiting_request_is_admitted_in_a_step_that_preempted() -> None:
+    s = Scheduler(replace(TINY, max_num_batched_tokens=512), policy="priority", num_blocks=4)
+    a, b = Seq(16, 60, priority=2, arrival=0), Seq(16, 60, priority=2, arrival=1)
+    s.add(a)
+    s.add(b)
+    s.step(0.0)
+    late = Seq(4, 5, priority=1, arrival=2)  # ahead of b once b waits again
+    s.add(late)  # 1 block: fits only once b is preempted
+    for _ in range(100):
+        r = s.step(0.0)
+        if r.preempted:
+            break
+    assert r.preempted == 1 and b.preemptions == 1
+    assert s.running == [a] and s.free_blocks == 1  # room for `late`, and it still waits
+    assert late in s.waiting and b in s.waiting
+    s.step(0.0)
+    assert late in s.running  # admitted in the next step that preempted nothing
 
 
 def test_priority_admits_urgent_first_and_preempts_worst_newest() -> None:

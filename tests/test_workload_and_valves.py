@@ -38,3 +38,32 @@ async def test_queued_tokens_valve_sheds_instead_of_queueing() -> None:
     r.submit(Seq(10, 10))
     with pytest.raises(OverflowError, match="max_num_queued_reqs"):
         r.submit(Seq(10, 10))
+
+
+def test_bounds_follow_the_roofline_and_the_order() -> None:
+    """The benchmark's header: offered compute per class, and the most of a class any scheduler
+    serves in time behind the classes before it."""
+    from loadtest.capacity import bounds_line, demand, first_token_bound
+    from loadtest.workload import Req
+
+    p = PROFILES["a100-40gb-llama3-8b"]
+    per_token = 2 * p.params / p.flops_per_s
+    # 10 s of arrivals on 2 nodes: realtime 1,000 tokens/s, batch 3,000 tokens/s of compute units.
+    reqs = [Req(i / 10, "chat", "acme", "realtime", 900, 100) for i in range(100)]
+    reqs += [Req(i / 10, "doc", "etl", "batch", 2900, 100) for i in range(100)]
+    got = demand(p.name, reqs, nodes=2, seconds=10)
+    assert got["realtime"] == pytest.approx(100 * 1000 * per_token / 20)
+    assert got["batch"] == pytest.approx(3 * got["realtime"])
+    # Behind realtime, batch gets the window plus its target less realtime's part.
+    rt, b = got["realtime"], got["batch"]
+    assert first_token_bound(got, "batch", ["realtime"], 10, 5) == pytest.approx(
+        min(1.0, (15 - rt * 10) / (b * 10))
+    )
+    over = {"realtime": 0.9, "batch": 0.5}
+    assert first_token_bound(over, "batch", ["realtime"], 60, 10) == pytest.approx(
+        (70 - 54) / 30
+    )
+    assert first_token_bound(over, "batch", [], 60, 10) == 1.0
+    assert first_token_bound({"realtime": 2.0}, "batch", ["realtime"], 60, 10) == 1.0  # none sent
+    line = bounds_line(p.name, reqs, 2, 10, [("realtime", 1.0), ("batch", 5.0), ("offline", None)])
+    assert "batch in time behind realtime at most" in line and "offline" not in line
