@@ -60,9 +60,7 @@ def test_bounds_follow_the_roofline_and_the_order() -> None:
         min(1.0, (15 - rt * 10) / (b * 10))
     )
     over = {"realtime": 0.9, "batch": 0.5}
-    assert first_token_bound(over, "batch", ["realtime"], 60, 10) == pytest.approx(
-        (70 - 54) / 30
-    )
+    assert first_token_bound(over, "batch", ["realtime"], 60, 10) == pytest.approx((70 - 54) / 30)
     assert first_token_bound(over, "batch", [], 60, 10) == 1.0
     assert first_token_bound({"realtime": 2.0}, "batch", ["realtime"], 60, 10) == 1.0  # none sent
     line = bounds_line(p.name, reqs, 2, 10, [("realtime", 1.0), ("batch", 5.0), ("offline", None)])
