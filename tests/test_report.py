@@ -73,10 +73,12 @@ def test_summary_and_markdown(tmp_path: Path) -> None:
     assert rt["refused"] == {"queue_timeout": 1}
     assert s["throughput_tokens_per_s"] == pytest.approx(20.0)  # 200 tokens answered in 10 s
     assert s["goodput_tokens_per_s"] == pytest.approx(18.0)  # the 20 tokens of a late TTFT excluded
+    assert s["good_tokens"] == 180
     assert s["realtime_shares"]["a"]["served"] == pytest.approx(0.5)
     table = report.markdown([s])
     assert "| admission | realtime | 5 | 40.0% (≤1000 ms)" in table
     assert "81.0%" in table
+    assert "| admission | 18 | 180 | 10.0 | 20 |" in table  # goodput, good tokens, makespan
     report.write_json(tmp_path / "r.json", [s], [res])
     assert (tmp_path / "r.json").read_text().startswith("{")
     paths = report.plots(tmp_path, [res], [s])
