@@ -125,6 +125,32 @@ async def test_prefill_budget_and_drain_by_rate(redis: Any) -> None:
     assert 1400 < pending < 1900  # ~1,850, less whatever drained while a busy machine was slow
 
 
+async def test_lower_classes_get_only_idle_prefill_where_the_urgent_class_runs(
+    redis: Any,
+) -> None:
+    """With urgent KV booked on a node, a lower-class ask within its budget still waits until
+    the node's pending prefill has cleared; the urgent class itself is never gated by it."""
+    s = Scripts(redis)
+    batch = leases.Ask(100, 200, prefill_rate=1000.0, prefill_budget=1000)
+    assert leases.granted((await s.run(leases.take(NODE, ticket(1), 60, batch)))[0])
+    assert leases.granted((await s.run(leases.take(NODE, ticket(2), 60, batch)))[0])  # 200 < 1,000
+    await s.run(leases.give_back(ticket(1)))
+    await s.run(leases.give_back(ticket(2)))
+    await asyncio.sleep(0.25)  # the 200 pending tokens clear at 1,000 tokens/s
+    rt = leases.Ask(100, 200, prefill_rate=1000.0, urgent=True)
+    assert leases.granted((await s.run(leases.take(NODE, ticket(3), 60, rt)))[0])
+    res = (await s.run(leases.take(NODE, ticket(4), 60, batch)))[0]
+    assert leases.refusal(res) is not None and leases.refusal(res)[0] == "prefill"  # type: ignore[index]
+    assert leases.granted((await s.run(leases.take(NODE, ticket(5), 60, rt)))[0])  # never gated
+    await asyncio.sleep(0.3)  # 200 realtime tokens pending clear: the node's prefill is idle
+    assert leases.granted((await s.run(leases.take(NODE, ticket(4), 60, batch)))[0])
+    res = (await s.run(leases.take(NODE, ticket(6), 60, batch)))[0]  # one at a time
+    assert leases.refusal(res) is not None and leases.refusal(res)[0] == "prefill"  # type: ignore[index]
+    await s.run(leases.give_back(ticket(3)))
+    await s.run(leases.give_back(ticket(5)))  # no urgent KV left: the budget again
+    assert leases.granted((await s.run(leases.take(NODE, ticket(6), 60, batch)))[0])
+
+
 async def test_urgent_reserve_keeps_lower_classes_off_what_realtime_needs(redis: Any) -> None:
     """Lower classes keep their KV + the urgent reserve (realtime's recent peak, or what it has
     plus what of it waits) below the reserve limit; realtime itself is not held by it."""

@@ -14,7 +14,10 @@ Two limits, both from the node's own figures (no per-engine constant):
 - prefill: classes admitted until `hold` go to a node only while its pending prefill stays
   within what it clears in the target TTFT (the most urgent class's `slo.ttft_ms`), from its
   measured prefill rate: the backlog stays in the sidecar, where fairness and SLO order apply,
-  not inside vLLM;
+  not inside vLLM. While the urgent class has KV booked on the node, lower classes get only its
+  idle prefill (one goes there when the prefill booked has cleared): vLLM does not preempt a
+  prefill that has started, every lower-class prompt slows the urgent class's decode and
+  queueing, and routing by pending prefill then sees the urgent class's own backlog;
 - decode: nor while the node's measured time per output token is above the most urgent
   class's `slo.tpot_ms` (lower-class prefill chunks and KV slow every running decode);
 - urgent reserve: other classes keep their KV + the urgent class's recent peak on the node
@@ -228,9 +231,15 @@ def why_not(
     if not keeps_reserve(v, ask, now):
         return "reserve"
     pending = v.pending_now(now)
-    if ask.prefill_budget > 0 and pending > 0 and pending + ask.prompt_tokens > ask.prefill_budget:
+    if ask.prefill_budget > 0 and pending > 0 and pending + ask.prompt_tokens > prefill_room(v, ask):
         return "prefill"
     return None
+
+
+def prefill_room(v: NodeView, ask: Ask) -> int:
+    """Pending prefill a lower-class ask may bring a busy node to: its budget, or none while the
+    urgent class has KV booked there (only idle prefill; lease.lua decides the same)."""
+    return 0 if v.kv_urgent > 0 else ask.prefill_budget
 
 
 def pool_rank(
