@@ -231,7 +231,11 @@ def why_not(
     if not keeps_reserve(v, ask, now):
         return "reserve"
     pending = v.pending_now(now)
-    if ask.prefill_budget > 0 and pending > 0 and pending + ask.prompt_tokens > prefill_room(v, ask):
+    if (
+        ask.prefill_budget > 0
+        and pending > 0
+        and pending + ask.prompt_tokens > prefill_room(v, ask)
+    ):
         return "prefill"
     return None
 
