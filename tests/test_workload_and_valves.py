@@ -41,27 +41,33 @@ async def test_queued_tokens_valve_sheds_instead_of_queueing() -> None:
 
 
 def test_bounds_follow_the_roofline_and_the_order() -> None:
-    """The benchmark's header: offered compute per class, and the most of a class any scheduler
-    serves in time behind the classes before it."""
+    """The benchmark's header: offered compute per class, and the most of a class any order
+    gives a first token in time behind the classes before it (shortest first, prefill only)."""
     from loadtest.capacity import bounds_line, demand, first_token_bound
     from loadtest.workload import Req
 
     p = PROFILES["a100-40gb-llama3-8b"]
     per_token = 2 * p.params / p.flops_per_s
-    # 10 s of arrivals on 2 nodes: realtime 1,000 tokens/s, batch 3,000 tokens/s of compute units.
+    # 10 s of arrivals on 2 nodes: 100 realtime requests of 900 + 100 tokens, 100 batch ones.
     reqs = [Req(i / 10, "chat", "acme", "realtime", 900, 100) for i in range(100)]
     reqs += [Req(i / 10, "doc", "etl", "batch", 2900, 100) for i in range(100)]
     got = demand(p.name, reqs, nodes=2, seconds=10)
     assert got["realtime"] == pytest.approx(100 * 1000 * per_token / 20)
     assert got["batch"] == pytest.approx(3 * got["realtime"])
-    # Behind realtime, batch gets the window plus its target less realtime's part.
-    rt, b = got["realtime"], got["batch"]
-    assert first_token_bound(got, "batch", ["realtime"], 10, 5) == pytest.approx(
-        min(1.0, (15 - rt * 10) / (b * 10))
-    )
-    over = {"realtime": 0.9, "batch": 0.5}
-    assert first_token_bound(over, "batch", ["realtime"], 60, 10) == pytest.approx((70 - 54) / 30)
-    assert first_token_bound(over, "batch", [], 60, 10) == 1.0
-    assert first_token_bound({"realtime": 2.0}, "batch", ["realtime"], 60, 10) == 1.0  # none sent
+    # Prefill room until 10 s + the 5 s target on 2 nodes, less realtime's prompts, in batch
+    # prompts of 2,900 tokens: the bound counts whole requests.
+    room = 2 * 15 - 100 * 900 * per_token
+    fits = min(100, int(room // (2900 * per_token)))
+    assert first_token_bound(p.name, reqs, "batch", ["realtime"], 2, 10, 5) == fits / 100
+    assert first_token_bound(p.name, reqs, "batch", [], 2, 10, 5) >= fits / 100
+    assert first_token_bound(p.name, reqs, "offline", ["realtime"], 2, 10, 5) == 1.0  # none sent
+    # Shortest first: with room for one long or three short prompts, three of four fit.
+    mixed = [Req(0, "d", "etl", "batch", n, 1) for n in (1000, 1000, 1000, 3000)]
+    tight = 3000 * per_token  # 1 node, 0 s window, the target as room
+    assert first_token_bound(p.name, mixed, "batch", [], 1, 0, tight) == 0.75
+    # Realtime that alone needs more than the cluster: nothing of batch fits behind it.
+    flood = reqs + [Req(0, "chat", "acme", "realtime", 100_000, 1) for _ in range(10)]
+    assert first_token_bound(p.name, flood, "batch", ["realtime"], 2, 10, 5) == 0.0
     line = bounds_line(p.name, reqs, 2, 10, [("realtime", 1.0), ("batch", 5.0), ("offline", None)])
-    assert "batch in time behind realtime at most" in line and "offline" not in line
+    assert "batch with a first token in time behind realtime: at most" in line
+    assert "offline" not in line
