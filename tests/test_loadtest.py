@@ -41,6 +41,10 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
         assert s["classes"]["realtime"]["sent"] > 0
         assert s["goodput_tokens_per_s"] > 0
     assert "| admission | realtime |" in (out / "report.md").read_text()
+    assert "offered compute, share of the cluster at roofline cost: realtime" in proc.stdout
+    assert "batch with a first token in time behind realtime: at most" in proc.stdout
+    for s in doc["summaries"]:
+        assert s["good_tokens"] == pytest.approx(s["goodput_tokens_per_s"] * s["seconds"])
     for name in ("ttft_cdf.png", "shares.png", "timeline.png"):
         assert (out / name).stat().st_size > 1000
 
