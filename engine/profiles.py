@@ -48,6 +48,11 @@ class Profile:
     def num_blocks(self) -> int:
         return self.kv_pool_bytes // (self.kv_bytes_per_token * self.block_size)
 
+    @property
+    def compute_s_per_token(self) -> float:
+        """Seconds of compute one prefilled or decoded token takes: 2 x params FLOPs."""
+        return 2 * self.params / self.flops_per_s
+
     def step_s(self, prefill_tokens: int, context_tokens: int, decode_tokens: int = 0) -> float:
         """Seconds one engine step takes, roofline style: the step is bound by the slower of
         memory (weights read once + every running sequence's KV) and compute (2 × params
@@ -55,7 +60,7 @@ class Profile:
         memory = (
             self.weights_bytes + context_tokens * self.kv_bytes_per_token
         ) / self.hbm_bytes_per_s
-        compute = (prefill_tokens + decode_tokens) * 2 * self.params / self.flops_per_s
+        compute = (prefill_tokens + decode_tokens) * self.compute_s_per_token
         return self.step_overhead_s + max(memory, compute)
 
 

@@ -106,6 +106,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            before = preempted
             chunk = seq.in_prefill
             n = min(budget, seq.prompt_tokens - seq.computed) if chunk else 1
             while self._blocks_for(seq.context + n) - seq.blocks > self.free_blocks:
@@ -119,30 +120,29 @@ class Scheduler:
                         break
                 if victim is seq:
                     break
-            if seq not in self.running:
+            if preempted > before and seq not in self.running:
                 break
             self._grow(seq, seq.context + n)
             plan.append((seq, n, chunk))
             budget -= n
-            i = self.running.index(seq) + 1
+            # A victim taken from earlier in the list moved this one up.
+            i = self.running.index(seq) + 1 if preempted > before else i + 1
         # 2. waiting sequences, in policy order, only in a step that preempted nothing: each
         #    needs blocks for its first chunk only; stop at the first that does not fit (vLLM's
         #    head-of-line behaviour).
         if not preempted:
             self.waiting.sort(key=self._order)
-        while not preempted and self.waiting and budget > 0:
-            if len(self.running) >= self.p.max_num_seqs:
-                break
-            seq = self.waiting[0]
-            n = min(budget, seq.prompt_tokens - seq.computed)
-            if self._blocks_for(seq.context + n) - seq.blocks > self.free_blocks:
-                break
-            self.waiting.pop(0)
-            self._grow(seq, seq.context + n)
-            seq.scheduled_at = seq.scheduled_at if seq.scheduled_at is not None else now
-            self.running.append(seq)
-            plan.append((seq, n, True))
-            budget -= n
+            while self.waiting and budget > 0 and len(self.running) < self.p.max_num_seqs:
+                seq = self.waiting[0]
+                n = min(budget, seq.prompt_tokens - seq.computed)
+                if self._blocks_for(seq.context + n) - seq.blocks > self.free_blocks:
+                    break
+                self.waiting.pop(0)
+                self._grow(seq, seq.context + n)
+                seq.scheduled_at = seq.scheduled_at if seq.scheduled_at is not None else now
+                self.running.append(seq)
+                plan.append((seq, n, True))
+                budget -= n
         decoded: list[Seq] = []
         prefill = 0
         for seq, n, chunk in plan:

@@ -66,8 +66,7 @@ def demand(profile: str, reqs: Iterable[Req], nodes: int, seconds: float) -> dic
     """Compute each class offers over the arrival window, as a fraction of the cluster's: every
     prompt and output token at the profile's roofline cost (2 x params FLOPs), a lower bound on
     what serving it takes (memory-bound decode steps and per-step overhead cost more)."""
-    p = PROFILES[profile]
-    per_token = 2 * p.params / p.flops_per_s
+    per_token = PROFILES[profile].compute_s_per_token
     spent: dict[str, float] = defaultdict(float)
     for r in reqs:
         spent[r.cls] += (r.prompt_tokens + r.max_tokens) * per_token
@@ -84,8 +83,7 @@ def first_token_bound(
     served part of `cls` fit in the cluster's compute until then; the most requests fit
     shortest first. Prefill only, at roofline cost (decode and per-step overhead left out), so
     it is an upper bound: a target above it cannot be met by any scheduler."""
-    p = PROFILES[profile]
-    per_token = 2 * p.params / p.flops_per_s
+    per_token = PROFILES[profile].compute_s_per_token
     ahead = set(before)
     mine = sorted(r.prompt_tokens * per_token for r in reqs if r.cls == cls)
     if not mine:

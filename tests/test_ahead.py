@@ -36,6 +36,16 @@ def ahead(d: Dispatcher, result: str) -> float:
     return v or 0.0
 
 
+async def waits_for_redis(d: Dispatcher, p: Policy) -> Admission:
+    """Send `one` request with Redis held: its answer must wait for the round trip."""
+    gate = Gate(d)
+    task = asyncio.ensure_future(one(d, p))
+    await asyncio.sleep(0.1)
+    assert not task.done()
+    gate.open.set()
+    return await task
+
+
 class Gate:
     """Holds every Redis script round trip of a dispatcher until opened (or fails them)."""
 
@@ -86,12 +96,7 @@ async def test_without_room_for_one_more_the_answer_waits(
     )
     d, client = make(p)
     await one(d, p)
-    gate = Gate(d)
-    task = asyncio.ensure_future(one(d, p))
-    await asyncio.sleep(0.1)
-    assert not task.done()
-    gate.open.set()
-    await task
+    await waits_for_redis(d, p)
     with pytest.raises(Throttled):
         await one(d, p)
     assert ahead(d, "confirmed") == 0
@@ -106,12 +111,7 @@ async def test_policy_can_make_every_answer_wait(redis: Any, redis_server: Redis
     assert not p.redis.answer_ahead
     d, client = make(p)
     await one(d, p)
-    gate = Gate(d)
-    task = asyncio.ensure_future(one(d, p))
-    await asyncio.sleep(0.1)
-    assert not task.done()
-    gate.open.set()
-    await task
+    await waits_for_redis(d, p)
     await client.aclose()
 
 

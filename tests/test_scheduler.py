@@ -39,14 +39,19 @@ def test_continuous_batching_runs_sequences_together() -> None:
     assert s.free_blocks == 100
 
 
-def test_chunked_prefill_respects_the_token_budget() -> None:
+def test_chunked_prefill_respects_the_budget_and_takes_blocks_per_chunk() -> None:
+    """Chunks within the step's token budget; vLLM V1 allocates KV blocks for each scheduled
+    chunk, not for the whole prompt at admission."""
     s = Scheduler(TINY, num_blocks=100)
     long = Seq(200, 5)
     s.add(long)
-    budgets = []
+    budgets, held = [], []
     while long.in_prefill:
         budgets.append(s.step(0.0).prefill_tokens)
+        held.append(long.blocks)
     assert budgets == [64, 64, 64, 8]
+    assert held == [4, 8, 12, 13]  # 64, 128, 192, 200 tokens (+1 generated) in 16-token blocks
+    assert s.free_blocks == 100 - 13
 
 
 def test_head_of_line_blocking_like_vllm() -> None:
@@ -61,19 +66,6 @@ def test_head_of_line_blocking_like_vllm() -> None:
     s.add(small)
     s.step(0.0)
     assert s.running == [hog]  # stops at the first request that does not fit
-
-
-def test_kv_blocks_are_taken_per_prefill_chunk() -> None:
-    """vLLM V1 allocates blocks for each scheduled chunk, not the whole prompt at admission."""
-    s = Scheduler(TINY, num_blocks=100)
-    long = Seq(200, 5)
-    s.add(long)
-    held = []
-    while long.in_prefill:
-        s.step(0.0)
-        held.append(long.blocks)
-    assert held == [4, 8, 12, 13]  # 64, 128, 192, 200 tokens (+1 generated) in 16-token blocks
-    assert s.free_blocks == 100 - 13
 
 
 def test_no_waiting_request_is_admitted_in_a_step_that_preempted() -> None:

@@ -47,7 +47,7 @@ def test_bounds_follow_the_roofline_and_the_order() -> None:
     from loadtest.workload import Req
 
     p = PROFILES["a100-40gb-llama3-8b"]
-    per_token = 2 * p.params / p.flops_per_s
+    per_token = p.compute_s_per_token
     # 10 s of arrivals on 2 nodes: 100 realtime requests of 900 + 100 tokens, 100 batch ones.
     reqs = [Req(i / 10, "chat", "acme", "realtime", 900, 100) for i in range(100)]
     reqs += [Req(i / 10, "doc", "etl", "batch", 2900, 100) for i in range(100)]

@@ -73,7 +73,7 @@ class Ahead:
     ) -> None:
         self.limiter, self.backlog, self.metrics, self.clock = limiter, backlog, metrics, clock
         self._out: dict[str, asyncio.Task[None]] = {}  # ticket → its booking
-        self._on_node: dict[str, int] = {}  # node → bookings out (one at a time, see `may`)
+        self._on_node: dict[str, int] = {}  # node → bookings out (`room_for_twice` counts them)
 
     def may(
         self, policy: Policy, tenant: Tenant, cls: str, tokens: int, v: NodeView, ask: Ask,
