@@ -186,6 +186,34 @@ def test_fallbacks_include_live_nodes_that_are_not_eligible(redis_server: RedisS
     assert fallbacks(chosen, list(views.values()), "m") == [("n2", "http://127.0.0.1:2")]
 
 
+def test_lower_classes_go_first_where_the_urgent_class_has_no_kv(
+    redis_server: RedisServer,
+) -> None:
+    # n1 has realtime KV booked and nothing pending; n2 has no realtime and some batch prefill
+    # pending. Batch goes to n2 first (the whole budget there, no realtime decode slowed);
+    # realtime goes where its prefill starts soonest: n1.
+    text = BASE_POLICY.replace("deadline_s: 5}", "deadline_s: 5, admit_until: drain}").replace(
+        'nodes:\n  n1: {url: "http://127.0.0.1:1", models: [m], memory_source: kv, max_inflight: 4}',
+        "nodes:\n" + "".join(
+            f'  n{i}: {{url: "http://127.0.0.1:{i}", models: [m], memory_source: kv}}\n'
+            for i in (1, 2)
+        ),
+    )  # fmt: skip
+    p = make_policy(redis_server.url, text)
+    views = [NodeView(p.nodes[n], state=Status.OPEN, per_token=0.0001, prefill_rate=1000.0)
+             for n in ("n1", "n2")]  # fmt: skip
+    views[0].ledger(0.0, 50, 1, 0.0, urgent=50, reserve=50.0)
+    views[1].ledger(300.0, 300, 1, 0.0, urgent=0, reserve=0.0)
+
+    def order(cls: str) -> list[str]:
+        return [v.node.id for v, _ask in eligible(views, p, "m", cls, 10, 20, 0.0)]
+
+    assert order("batch") == ["n2", "n1"]
+    assert order("realtime") == ["n1", "n2"]
+    views[0].ledger(0.0, 0, 0, 0.0, urgent=0, reserve=0.0)  # realtime gone from n1
+    assert order("batch") == ["n1", "n2"]  # then the soonest prefill decides again
+
+
 def test_lower_classes_leave_the_urgent_reserve_free(redis_server: RedisServer) -> None:
     # 1,000 KV tokens; hold 0.80 = 800, drain 0.85 = 850. Realtime (admitted until drain) is
     # not held by the reserve; batch keeps its KV + max(realtime's recent peak, what realtime

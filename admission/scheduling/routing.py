@@ -285,8 +285,9 @@ def eligible(
     urgent_waiting: int = 0, gate: Counter[tuple[str, str, str]] | None = None,
 ) -> list[tuple[NodeView, Ask]]:  # fmt: skip
     """Nodes serving `model` that would take this request now, with their asks: the tenant's
-    own pool first, then shared nodes, then idle pools on loan (`pool_rank`); within each, the
-    one whose booked prefill clears soonest first (then the least projected memory).
+    own pool first, then shared nodes, then idle pools on loan (`pool_rank`); within each, for
+    lower classes the nodes where the urgent class has no KV booked first; then the one whose
+    booked prefill clears soonest (then the least projected memory).
     `gate`: counts (node, class, reason) of every node that said no."""
     ok = []
     share = 0  # waiting urgent KV, spread over the live nodes serving the model
@@ -307,7 +308,12 @@ def eligible(
             ok.append((rank, v, ask))
         elif gate is not None:
             gate[(v.node.id, cls or "", reason)] += 1
-    ok.sort(key=lambda rva: (rva[0], rva[1].wait_s(now), rva[1].projected(), rva[1].node.id))
+    # Lower classes go first where the urgent class has no KV booked: there they take the whole
+    # prefill budget and slow no urgent decode, and the nodes where it runs keep their idle
+    # prefill for it. The urgent class goes where its prefill starts soonest.
+    apart = not urgent(policy, cls)
+    ok.sort(key=lambda rva: (rva[0], apart and rva[1].kv_urgent > 0, rva[1].wait_s(now),
+                             rva[1].projected(), rva[1].node.id))  # fmt: skip
     return [(v, ask) for _rank, v, ask in ok]
 
 
