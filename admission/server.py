@@ -196,9 +196,8 @@ async def decide(app: web.Application, raw: bytes) -> dict[str, Any]:
                                     adm.queued_s if outcome == "admitted" else 0.0)  # fmt: skip
 
 
-def _release_args(body: Any) -> tuple[str, int, bool]:
-    """(ticket, actual tokens (-1 = unknown), the edge could not reach the ticket's node) of
-    one release; BadRequest when malformed."""
+def _release_args(body: Any) -> tuple[str, int, bool, int]:
+    """(ticket, tokens, node unreachable, output tokens; -1: unknown) or BadRequest."""
     if not isinstance(body, dict):
         raise BadRequest("a release must be a JSON object", code="invalid_json")
     if unknown := sorted(set(body) - RELEASE_KEYS):
@@ -223,14 +222,14 @@ def _release_args(body: Any) -> tuple[str, int, bool]:
             raise BadRequest(
                 "usage.prompt_tokens and usage.completion_tokens must be integers >= 0"
             )
-        return ticket, p + c, failed
+        return ticket, p + c, failed, c
     if usage is not None:
         raise BadRequest("usage must be an object or null")
     if status in NOTHING_RAN:
-        return ticket, 0, failed  # no engine took it (connect refused, shed): nothing consumed
+        return ticket, 0, failed, -1  # no engine took it (connect refused, shed): nothing used
     # Unknown: keep the reservation as charged. That includes 500 and 504 without usage: the
     # engine may have generated up to the cap before it failed or the proxy timed out.
-    return ticket, -1, failed
+    return ticket, -1, failed, -1
 
 
 async def release(request: web.Request) -> web.Response:
@@ -241,7 +240,8 @@ async def release(request: web.Request) -> web.Response:
     body = await _json_body(request)
     dispatcher = request.app[DISPATCHER]
     if not isinstance(body, list):
-        ticket, actual, failed = _release_args(body)
+        ticket, actual, failed, out = _release_args(body)
+        dispatcher.nodes.outputs.answered(ticket, out)
         refunded = await dispatcher.release(ticket, actual, failed)
         return _json({"released": True, "refunded_tokens": refunded})
     if len(body) > MAX_RELEASE_BATCH:
@@ -251,7 +251,9 @@ async def release(request: web.Request) -> web.Response:
     good: list[tuple[str, int, bool]] = []
     for entry in body:  # a malformed entry is answered on its own
         try:
-            good.append(_release_args(entry))
+            ticket, actual, failed, out = _release_args(entry)
+            dispatcher.nodes.outputs.answered(ticket, out)
+            good.append((ticket, actual, failed))
             results.append({})
         except BadRequest as exc:
             results.append({"error": {"message": exc.message, "code": exc.code}})

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+from admission.scheduling.outputs import decode_limit_s
+
 WINDOW_S = 60.0  # wait percentiles over this much recent history
 
 
@@ -90,8 +92,18 @@ def snapshot(
         "waits": recent.wait_percentiles(now),
         "nodes": dispatcher.nodes.snapshot(),
         "pressure": dispatcher.nodes.pressure_snapshot(),
+        "decode_guard": _decode_guard(dispatcher),
         "refusals": _grouped(recent.refusals),
     }
+
+
+def _decode_guard(dispatcher: Any) -> dict[str, Any]:
+    """The urgent class's mean answer length as learned, and the decode speed it asks of a
+    node before lower classes may go there (outputs.py; null: no tpot target)."""
+    mean = dispatcher.nodes.outputs.mean
+    limit = decode_limit_s(dispatcher.policy(), mean)
+    return {"urgent_output_tokens": round(mean, 1),
+            "limit_ms": None if limit is None else round(limit * 1000, 1)}  # fmt: skip
 
 
 def _grouped(refusals: deque[Refusal]) -> list[dict[str, Any]]:

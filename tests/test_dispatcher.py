@@ -214,6 +214,37 @@ def test_lower_classes_go_first_where_the_urgent_class_has_no_kv(
     assert order("batch") == ["n1", "n2"]  # then the soonest prefill decides again
 
 
+def test_decode_guard_follows_what_the_urgent_class_answers_need(
+    redis_server: RedisServer,
+) -> None:
+    from admission.scheduling.outputs import MAX_OPEN, UrgentOutputs, decode_limit_s
+
+    slo = "slo: {ttft_ms: 1000, e2e_ms: 10000, tpot_ms: 60}"
+    text = BASE_POLICY.replace("deadline_s: 5}", f"deadline_s: 5, admit_until: drain, {slo}}}")
+    p = make_policy(redis_server.url, text)
+    assert decode_limit_s(p) == decode_limit_s(p, 90) == pytest.approx(0.060)  # short answers
+    assert decode_limit_s(p, 300) == pytest.approx(0.030)  # 9 s for 300 tokens
+    assert decode_limit_s(p, 5000) == pytest.approx(0.030)  # never below half of tpot_ms
+    assert decode_limit_s(make_policy(redis_server.url)) is None  # no tpot target: no guard
+    v = NodeView(p.nodes["n1"], state=Status.OPEN, per_token=0.0001, prefill_rate=1000.0)
+    v.tpot_s = 0.040  # what lower-class prefill chunks leave realtime's decode now
+    assert eligible([v], p, "m", "batch", 10, 20, 0.0)  # within 60 ms
+    assert not eligible([v], p, "m", "batch", 10, 20, 0.0, output_tokens=300)  # 40 > 30 ms
+    assert eligible([v], p, "m", "realtime", 10, 20, 0.0, output_tokens=300)  # never itself
+
+    o = UrgentOutputs()
+    o.answered("t0", 100)  # not admitted here (or not urgent): not counted
+    assert o.mean == 0
+    for i in range(MAX_OPEN + 1):
+        o.admitted(f"t{i}")
+    o.answered("t0", 100)  # forgotten: the oldest beyond MAX_OPEN
+    o.answered("t1", -1)  # the engine reported no usage
+    assert o.mean == 0
+    o.answered("t2", 100)
+    o.answered("t3", 300)
+    assert o.mean == pytest.approx(0.95 * 100 + 0.05 * 300)
+
+
 def test_lower_classes_leave_the_urgent_reserve_free(redis_server: RedisServer) -> None:
     # 1,000 KV tokens; hold 0.80 = 800, drain 0.85 = 850. Realtime (admitted until drain) is
     # not held by the reserve; batch keeps its KV + max(realtime's recent peak, what realtime

@@ -435,3 +435,45 @@ def test_serve_refuses_a_public_admin_port_without_a_token(
                        capture_output=True, text=True, timeout=60)  # fmt: skip
     assert r.returncode == 2, r.stderr
     assert "admin" in r.stderr
+
+
+async def test_releases_teach_the_decode_guard_how_long_urgent_answers_are(
+    redis: Any, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    # Realtime (admitted until drain) answers of 300 output tokens with e2e 10 s and TTFT 1 s:
+    # lower classes must leave decode at ≤ 30 ms/token, not tpot_ms's 60. Only the engine's
+    # usage counts, only for tickets admitted as urgent; batch answers and unknown usage do not.
+    from admission.server import DISPATCHER
+
+    slo = "slo: {ttft_ms: 1000, e2e_ms: 10000, tpot_ms: 60}"
+    text = BASE_POLICY.replace("deadline_s: 5}", f"deadline_s: 5, admit_until: drain, {slo}}}")
+    path = tmp_path / "policies.yaml"
+    path.write_text(text.replace("REDIS_URL", redis_server.url))
+    await set_node(redis, "n1")
+    app = build_app(PolicyHolder(path, load_policy(path), Metrics()), edge_table=tmp_path / "e")
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    try:
+        outputs = app[DISPATCHER].nodes.outputs
+        rt = [(await (await client.post("/admit", json=admit_body())).json())["ticket"]
+              for _ in range(2)]  # fmt: skip
+        batch = await (await client.post("/admit", json=admit_body(**{"class": "batch"}))).json()
+        assert batch["class"] == "batch"
+
+        def usage(ticket: str, out: int) -> dict[str, Any]:
+            return {"ticket": ticket, "status": 200,
+                    "usage": {"prompt_tokens": 10, "completion_tokens": out}}  # fmt: skip
+
+        await client.post("/release", json=usage(batch["ticket"], 5))
+        assert outputs.mean == 0  # not an urgent answer
+        await client.post("/release", json={"ticket": rt[0], "status": 499})  # no usage
+        assert outputs.mean == 0
+        rt.append((await (await client.post("/admit", json=admit_body())).json())["ticket"])
+        await client.post("/release", json=[usage(rt[1], 300), usage(rt[2], 100)])
+        assert outputs.mean == pytest.approx(0.05 * 100 + 0.95 * 300)
+        await client.post("/release", json=usage(rt[1], 5000))  # released twice: counted once
+        assert outputs.mean == pytest.approx(290)
+        data = await (await client.get("/status.json")).json()  # what an operator sees
+        assert data["decode_guard"] == {"urgent_output_tokens": 290.0, "limit_ms": 31.0}
+    finally:
+        await client.close()

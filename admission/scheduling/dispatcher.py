@@ -153,8 +153,7 @@ class Dispatcher:
                     prompt=prompt)  # fmt: skip
 
     async def release(self, ticket: str, actual_tokens: int, node_failed: bool = False) -> int:
-        """Give the lease back and settle (tokens refunded); `node_failed`: the edge could not
-        reach the ticket's node (health ejection)."""
+        """Give the lease back, settle (tokens refunded); `node_failed`: the node was unreachable."""
         return (await self.release_many([(ticket, actual_tokens, node_failed)]))[0]
 
     async def release_many(self, entries: list[tuple[str, int, bool]]) -> list[int]:
@@ -358,6 +357,8 @@ class Dispatcher:
         chosen, ask = nodes[0]
         now = self.clock()
         chosen.booked(ask, now)
+        if ask.urgent:
+            self.nodes.outputs.admitted(ticket)
         self.metrics.queue_wait_seconds.labels(item.cls).observe(now - item.enqueued_at)
         return Admission(
             ticket=ticket,

@@ -57,6 +57,8 @@ class Ask:
     urgent: bool = False  # the class admitted until drain: its KV builds the urgent reserve
     reserve_limit: int = -1  # other classes: their KV + this + the urgent reserve stay below
     urgent_waiting: int = 0  # urgent KV the caller has waiting for this node
+    decode_limit_s: float = 0.0  # lower classes: the node's measured s/token must not be above
+    # (0: no guard); checked by the sidecar only (routing.why_not), not sent to Redis
 
 
 def take(node: Node, ticket: str, ttl_s: float, ask: Ask, force: bool = False) -> Call:

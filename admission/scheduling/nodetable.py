@@ -15,6 +15,7 @@ from admission.metrics import Metrics
 from admission.nodes.state import NodeState, Status
 from admission.policy import FailureMode, Policy
 from admission.scheduling.leases import Ask
+from admission.scheduling.outputs import UrgentOutputs
 from admission.scheduling.routing import (
     RESERVE_HALF_S,
     NodeView,
@@ -46,6 +47,7 @@ class NodeTable:
         self._read_at = float("inf")  # when the last refresh started (never: views as set)
         self._reading: asyncio.Future[None] | None = None
         self._bad_state_logged: set[str] = set()
+        self.outputs = UrgentOutputs()  # the urgent class's answer lengths: the decode guard
         self.set_policy(policy())
 
     def set_policy(self, policy: Policy) -> None:
@@ -75,7 +77,7 @@ class NodeTable:
             else _NONE
         )
         return eligible(list(self.views.values()), policy, model, cls, prompt, kv, self.clock(),
-                        tenant, blocked, urgent_kv, self.metrics.gate)  # fmt: skip
+                        tenant, blocked, urgent_kv, self.metrics.gate, self.outputs.mean)  # fmt: skip
 
     def fallbacks(self, nodes: list[NodeView], model: str, tenant: str) -> list[tuple[str, str]]:
         policy = self.policy()

@@ -18,8 +18,10 @@ Two limits, both from the node's own figures (no per-engine constant):
   idle prefill (one goes there when the prefill booked has cleared): vLLM does not preempt a
   prefill that has started, every lower-class prompt slows the urgent class's decode and
   queueing, and routing by pending prefill then sees the urgent class's own backlog;
-- decode: nor while the node's measured time per output token is above the most urgent
-  class's `slo.tpot_ms` (lower-class prefill chunks and KV slow every running decode);
+- decode: nor while the node's measured time per output token is above what the most urgent
+  class may see: its `slo.tpot_ms`, tightened to what its `slo.e2e_ms` asks of its answers as
+  long as they really are (outputs.py); lower-class prefill chunks and KV slow every running
+  decode;
 - urgent reserve: other classes keep their KV + the urgent class's recent peak on the node
   (or what it has now plus what of it waits) below the drain watermark, so realtime is never
   held behind work that vLLM would have to preempt for it, however few requests the band
@@ -36,6 +38,7 @@ from typing import Any
 from admission.nodes.state import NodeState, Status
 from admission.policy import AdmitUntil, Node, Policy
 from admission.scheduling.leases import Ask
+from admission.scheduling.outputs import decode_limit_s
 
 MAX_FALLBACKS = 2
 _LIVE = (Status.OPEN, Status.HOLD)
@@ -170,21 +173,14 @@ def target_ttft_s(policy: Policy) -> float:
     return DEFAULT_TARGET_TTFT_S
 
 
-def target_tpot_s(policy: Policy) -> float | None:
-    """The decode speed lower classes must leave to the most urgent class (its slo.tpot_ms)."""
-    for c in policy.classes.values():
-        if c.slo_tpot_ms:
-            return c.slo_tpot_ms / 1000
-    return None
-
-
 def ask_for(
     v: NodeView, policy: Policy, cls: str | None, prompt: int, kv: int, lent: bool = False,
-    urgent_waiting: int = 0,
+    urgent_waiting: int = 0, decode_s: float | None = None,
 ) -> Ask:  # fmt: skip
     """The lease request for a node: this request's ledger entry and its class's limits there.
     `lent`: the node is another tenant's pool's, on loan: never urgent there.
-    `urgent_waiting`: urgent KV waiting in this sidecar's queue, this node's share."""
+    `urgent_waiting`: urgent KV waiting in this sidecar's queue, this node's share.
+    `decode_s`: the decode guard's limit for lower classes (outputs.decode_limit_s)."""
     wm = policy.watermarks
 
     def tokens(fraction: float) -> int:
@@ -194,7 +190,8 @@ def ask_for(
     budget = 0 if hurry or v.prefill_rate <= 0 else int(v.prefill_rate * target_ttft_s(policy))
     return Ask(prompt, kv, v.prefill_rate, budget, tokens(wm.drain if hurry else wm.hold),
                urgent=hurry, reserve_limit=-1 if hurry else tokens(wm.drain),
-               urgent_waiting=0 if hurry else urgent_waiting)  # fmt: skip
+               urgent_waiting=0 if hurry else urgent_waiting,
+               decode_limit_s=0.0 if hurry or decode_s is None else decode_s)  # fmt: skip
 
 
 def keeps_reserve(v: NodeView, ask: Ask, now: float) -> bool:
@@ -226,7 +223,7 @@ def why_not(
         return "measured"
     if v.per_token > 0 and v.projected(ask.kv_tokens, urgent=hurry) >= limit:
         return "booked"
-    if not hurry and (tpot := target_tpot_s(policy)) and v.tpot_s > tpot:
+    if not hurry and ask.decode_limit_s and v.tpot_s > ask.decode_limit_s:
         return "decode"  # decode is already as slow as the urgent class may see: no more batch
     if not keeps_reserve(v, ask, now):
         return "reserve"
@@ -283,13 +280,16 @@ def eligible(
     views: list[NodeView], policy: Policy, model: str, cls: str | None, prompt: int, kv: int,
     now: float, tenant: str | None = None, blocked: frozenset[str] = frozenset(),
     urgent_waiting: int = 0, gate: Counter[tuple[str, str, str]] | None = None,
+    output_tokens: float = 0.0,
 ) -> list[tuple[NodeView, Ask]]:  # fmt: skip
     """Nodes serving `model` that would take this request now, with their asks: the tenant's
     own pool first, then shared nodes, then idle pools on loan (`pool_rank`); within each, for
     lower classes the nodes where the urgent class has no KV booked first; then the one whose
     booked prefill clears soonest (then the least projected memory).
-    `gate`: counts (node, class, reason) of every node that said no."""
+    `gate`: counts (node, class, reason) of every node that said no. `output_tokens`: the
+    urgent class's mean answer length as learned (outputs.UrgentOutputs; 0: not yet)."""
     ok = []
+    decode_s = decode_limit_s(policy, output_tokens)
     share = 0  # waiting urgent KV, spread over the live nodes serving the model
     if urgent_waiting:
         live = sum(1 for v in views if model in v.node.models and v.state in _LIVE)
@@ -302,7 +302,8 @@ def eligible(
             continue
         # Borrowed capacity is held to the hold watermark and the prefill budget even for an
         # urgent class: the band above hold and the prefill room stay the owners'.
-        ask = ask_for(v, policy, cls, prompt, kv, lent=rank == 2, urgent_waiting=share)
+        ask = ask_for(v, policy, cls, prompt, kv, lent=rank == 2, urgent_waiting=share,
+                      decode_s=decode_s)  # fmt: skip
         reason = why_not(v, ask, policy, cls, now, lent=rank == 2)
         if reason is None:
             ok.append((rank, v, ask))

@@ -1,0 +1,56 @@
+"""How long the urgent class's answers really are, and the decode speed that its targets ask.
+
+The decode guard holds lower classes off a node whose measured time per output token is above
+what the most urgent class may see. Its `slo.tpot_ms` alone assumes answers short enough for
+its `slo.e2e_ms`; with longer answers (agents, tool calls: hundreds of tokens) a request can meet
+tpot_ms and still miss e2e_ms. So the guard's limit is the tighter of tpot_ms and
+(e2e_ms − ttft_ms) ÷ the mean output of the urgent class's recent answers, learned from the
+edge's releases (the engine's own `usage.completion_tokens`, not the client's `max_tokens` cap,
+which is often generous) — never below half of tpot_ms: a target that asks more of decode than
+that is not one lower classes could buy back by waiting, and they must not starve for it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from admission.policy import Policy
+
+MAX_OPEN = 10_000  # urgent tickets remembered until their release (a release may go elsewhere)
+ALPHA = 0.05  # EWMA weight of one answer (≈ the last 20–40 answers)
+
+
+class UrgentOutputs:
+    """Mean output tokens of the urgent class's answers: of the requests this sidecar admitted
+    as urgent, those whose release it receives (the edge spreads releases over the sidecars:
+    each learns from a sample)."""
+
+    def __init__(self) -> None:
+        self._open: OrderedDict[str, None] = OrderedDict()
+        self.mean = 0.0  # 0: nothing learned yet
+
+    def admitted(self, ticket: str) -> None:
+        self._open[ticket] = None
+        if len(self._open) > MAX_OPEN:
+            self._open.popitem(last=False)  # its release went to another sidecar, or was lost
+
+    def answered(self, ticket: str, completion_tokens: int) -> None:
+        """A release; `completion_tokens` < 0: the engine reported no usage (not counted)."""
+        if self._open.pop(ticket, 0) is None and completion_tokens >= 0:
+            n = float(completion_tokens)
+            self.mean = n if self.mean == 0 else ALPHA * n + (1 - ALPHA) * self.mean
+
+
+def decode_limit_s(policy: Policy, mean_output: float = 0.0) -> float | None:
+    """Seconds per output token above which lower classes stay off a node (None: no guard):
+    the most urgent class's slo.tpot_ms, tightened to what its e2e_ms asks of answers of
+    `mean_output` tokens, never below half of tpot_ms."""
+    for c in policy.classes.values():
+        if not c.slo_tpot_ms:
+            continue
+        tpot = c.slo_tpot_ms / 1000
+        if c.slo_e2e_ms and mean_output > 0:
+            e2e = (c.slo_e2e_ms - (c.slo_ttft_ms or 0)) / 1000 / mean_output
+            return max(tpot / 2, min(tpot, e2e))
+        return tpot
+    return None
