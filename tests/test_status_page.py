@@ -122,4 +122,4 @@ async def test_status_json_is_read_only_and_carries_no_secrets(sidecar: Any) -> 
     body = await (await client.get("/status.json")).text()
     assert "sk-acme" not in body and "plain:" not in body
     assert set(json.loads(body)) == {"now", "policy", "redis", "queue", "waits", "nodes",
-                                     "pressure", "refusals"}  # fmt: skip
+                                     "pressure", "decode_guard", "refusals"}  # fmt: skip
