@@ -74,7 +74,7 @@ http {{
   fastcgi_temp_path {run}/fc; uwsgi_temp_path {run}/uw; scgi_temp_path {run}/sc;
   limit_req_status 429;
   {limit_http}
-  upstream nodes {{ {balance} {servers} keepalive 256; }}
+  upstream nodes {{ {balance} {servers} keepalive 256; keepalive_timeout 4s; }}
   server {{
     listen 127.0.0.1:{port} backlog=4096;
     client_max_body_size 1m; client_body_buffer_size 1m;

@@ -342,6 +342,22 @@ def test_edge_without_its_tenant_table_answers_503_not_401(stack: Stack, tmp_pat
         stop_process(proc)
 
 
+def test_edge_drops_idle_engine_connections_before_vllm_does(stack: Stack) -> None:
+    """vLLM closes an idle HTTP connection after VLLM_HTTP_TIMEOUT_KEEP_ALIVE (5 s): the edge
+    must drop it first, or a request sent as the engine closes it is a 502 (POSTs are not
+    retried). Read from the configuration NGINX runs with, against vLLM's own default."""
+    import re
+
+    from vllm import envs
+
+    conf = (stack.run_dir / "admission_http.conf").read_text()
+    block = conf[conf.index("upstream admission_backend") :]
+    block = block[: block.index("\n}")]
+    m = re.search(r"^\s*keepalive_timeout\s+(\d+)s;", block, re.M)
+    assert m is not None, "the engine upstream keeps idle connections for NGINX's 60 s default"
+    assert int(m.group(1)) < envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
+
+
 def test_zz_sidecars_gone_fail_closed(stack: Stack) -> None:
     """Runs last in this module: with no sidecar left, the policy's fail-closed answers 503."""
     for name, proc in stack.procs:
