@@ -240,20 +240,16 @@ async def release(request: web.Request) -> web.Response:
     body = await _json_body(request)
     dispatcher = request.app[DISPATCHER]
     if not isinstance(body, list):
-        ticket, actual, failed, out = _release_args(body)
-        dispatcher.nodes.outputs.answered(ticket, out)
-        refunded = await dispatcher.release(ticket, actual, failed)
+        refunded = await dispatcher.release(*_release_args(body))
         return _json({"released": True, "refunded_tokens": refunded})
     if len(body) > MAX_RELEASE_BATCH:
         raise BadRequest(f"at most {MAX_RELEASE_BATCH} releases per batch", code="batch_too_large")
 
     results: list[dict[str, Any]] = []
-    good: list[tuple[str, int, bool]] = []
+    good: list[tuple[str, int, bool, int]] = []
     for entry in body:  # a malformed entry is answered on its own
         try:
-            ticket, actual, failed, out = _release_args(entry)
-            dispatcher.nodes.outputs.answered(ticket, out)
-            good.append((ticket, actual, failed))
+            good.append(_release_args(entry))
             results.append({})
         except BadRequest as exc:
             results.append({"error": {"message": exc.message, "code": exc.code}})

@@ -235,8 +235,11 @@ def test_decode_guard_follows_what_the_urgent_class_answers_need(
     o = UrgentOutputs()
     o.answered("t0", 100)  # not admitted here (or not urgent): not counted
     assert o.mean == 0
+    o.admitted("t0", urgent=False)  # batch: not learned from
+    o.answered("t0", 100)
+    assert o.mean == 0
     for i in range(MAX_OPEN + 1):
-        o.admitted(f"t{i}")
+        o.admitted(f"t{i}", urgent=True)
     o.answered("t0", 100)  # forgotten: the oldest beyond MAX_OPEN
     o.answered("t1", -1)  # the engine reported no usage
     assert o.mean == 0

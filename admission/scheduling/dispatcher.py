@@ -152,16 +152,18 @@ class Dispatcher:
                     deadline_at=arrived + self.policy().classes[cls].deadline_s, rid=rid,
                     prompt=prompt)  # fmt: skip
 
-    async def release(self, ticket: str, actual_tokens: int, node_failed: bool = False) -> int:
-        """Give the lease back, settle (tokens refunded); `node_failed`: the node was unreachable."""
-        return (await self.release_many([(ticket, actual_tokens, node_failed)]))[0]
+    async def release(self, ticket: str, actual: int, failed: bool = False, out: int = -1) -> int:
+        """Give the lease back and settle (tokens refunded); `failed`: the node was unreachable;
+        `out`: output tokens the engine reported (-1: unknown), for the decode guard."""
+        return (await self.release_many([(ticket, actual, failed, out)]))[0]
 
-    async def release_many(self, entries: list[tuple[str, int, bool]]) -> list[int]:
-        """`release` for an edge's batch of (ticket, actual tokens, node failed): one round trip."""
+    async def release_many(self, entries: list[tuple[str, int, bool, int]]) -> list[int]:
+        """`release` for an edge's batch of (ticket, tokens, node failed, output): one round trip."""
         items: list[tuple[Tenant | None, str, int, Call | None, bool]] = []
         nodes, tenants = [], self.policy().tenants
-        await self.ahead.settled(ticket for ticket, _a, _f in entries)  # booked before released
-        for ticket, actual, failed in entries:
+        await self.ahead.settled(ticket for ticket, *_rest in entries)  # booked before released
+        for ticket, actual, failed, out in entries:
+            self.nodes.outputs.answered(ticket, out)
             rid, node, tid = leases.parse_ticket(ticket)
             await self.nodes.proxied(node, failed)
             first = leases.answered_ahead(ticket)  # its release may come before its booking
@@ -314,8 +316,7 @@ class Dispatcher:
                 self.metrics.late_refused.labels(name).inc()
 
     async def _lease(self, item: Item, nodes: list[tuple[NodeView, Ask]]) -> Admission | None:
-        """Take a lease on the best node; None if its ledger refused (another sidecar booked
-        it meanwhile)."""
+        """Take a lease on the best node; None if its ledger refused (another sidecar booked)."""
         node, ask = nodes[0]
         ticket = leases.make_ticket(item.rid, node.node.id, item.tenant)
         try:
@@ -357,8 +358,7 @@ class Dispatcher:
         chosen, ask = nodes[0]
         now = self.clock()
         chosen.booked(ask, now)
-        if ask.urgent:
-            self.nodes.outputs.admitted(ticket)
+        self.nodes.outputs.admitted(ticket, ask.urgent)
         self.metrics.queue_wait_seconds.labels(item.cls).observe(now - item.enqueued_at)
         return Admission(
             ticket=ticket,

@@ -29,7 +29,10 @@ class UrgentOutputs:
         self._open: OrderedDict[str, None] = OrderedDict()
         self.mean = 0.0  # 0: nothing learned yet
 
-    def admitted(self, ticket: str) -> None:
+    def admitted(self, ticket: str, urgent: bool) -> None:
+        """A request sent to a node; only the urgent class's answers are learned."""
+        if not urgent:
+            return
         self._open[ticket] = None
         if len(self._open) > MAX_OPEN:
             self._open.popitem(last=False)  # its release went to another sidecar, or was lost

@@ -175,12 +175,13 @@ def target_ttft_s(policy: Policy) -> float:
 
 def ask_for(
     v: NodeView, policy: Policy, cls: str | None, prompt: int, kv: int, lent: bool = False,
-    urgent_waiting: int = 0, decode_s: float | None = None,
+    urgent_waiting: int = 0, *, decode_s: float | None,
 ) -> Ask:  # fmt: skip
     """The lease request for a node: this request's ledger entry and its class's limits there.
     `lent`: the node is another tenant's pool's, on loan: never urgent there.
     `urgent_waiting`: urgent KV waiting in this sidecar's queue, this node's share.
-    `decode_s`: the decode guard's limit for lower classes (outputs.decode_limit_s)."""
+    `decode_s`: the decode guard's limit for lower classes (outputs.decode_limit_s; None:
+    no guard) — required, so that no caller drops the guard by leaving it out."""
     wm = policy.watermarks
 
     def tokens(fraction: float) -> int:
