@@ -221,16 +221,32 @@ def test_decode_guard_follows_what_the_urgent_class_answers_need(
 
     slo = "slo: {ttft_ms: 1000, e2e_ms: 10000, tpot_ms: 60}"
     text = BASE_POLICY.replace("deadline_s: 5}", f"deadline_s: 5, admit_until: drain, {slo}}}")
+    text = text.replace(
+        'nodes:\n  n1: {url: "http://127.0.0.1:1", models: [m], memory_source: kv, max_inflight: 4}',
+        'nodes:\n  n1: {url: "http://127.0.0.1:1", models: [m], memory_source: kv}\n'
+        '  n2: {url: "http://127.0.0.1:2", models: [m], memory_source: kv}',
+    )
     p = make_policy(redis_server.url, text)
     assert decode_limit_s(p) == decode_limit_s(p, 90) == pytest.approx(0.060)  # short answers
     assert decode_limit_s(p, 300) == pytest.approx(0.030)  # 9 s for 300 tokens
     assert decode_limit_s(p, 5000) == pytest.approx(0.030)  # never below half of tpot_ms
     assert decode_limit_s(make_policy(redis_server.url)) is None  # no tpot target: no guard
-    v = NodeView(p.nodes["n1"], state=Status.OPEN, per_token=0.0001, prefill_rate=1000.0)
+    v, w = (NodeView(p.nodes[n], state=Status.OPEN, per_token=0.0001, prefill_rate=1000.0)
+            for n in ("n1", "n2"))  # fmt: skip
+    w.ledger(0.0, 50, 1, 0.0, urgent=50, reserve=50.0)  # realtime runs on n2 (KV booked)
     v.tpot_s = 0.040  # what lower-class prefill chunks leave realtime's decode now
-    assert eligible([v], p, "m", "batch", 10, 20, 0.0)  # within 60 ms
-    assert not eligible([v], p, "m", "batch", 10, 20, 0.0, output_tokens=300)  # 40 > 30 ms
+
+    def batch_on_n1(**kw: float) -> bool:
+        return any(n is v for n, _ask in eligible([v, w], p, "m", "batch", 10, 20, 0.0, **kw))
+
+    assert batch_on_n1()  # within 60 ms
+    assert not batch_on_n1(output_tokens=300)  # 40 > 30 ms
     assert eligible([v], p, "m", "realtime", 10, 20, 0.0, output_tokens=300)  # never itself
+    # Realtime nowhere (no KV booked on any node, none waiting): nothing to protect, lower
+    # classes take the node's whole decode; it waiting is enough to bring the guard back.
+    w.ledger(0.0, 0, 0, 0.0, urgent=0, reserve=0.0)
+    assert batch_on_n1(output_tokens=300)
+    assert not batch_on_n1(output_tokens=300, urgent_waiting=10)
 
     o = UrgentOutputs()
     o.answered("t0", 100)  # not admitted here (or not urgent): not counted
@@ -327,10 +343,10 @@ def test_every_node_that_says_no_is_counted_with_its_reason(redis_server: RedisS
     assert no("batch") == "prefill"
     v.ledger(0.0, 20, 0, 0.0)
     assert eligible([v], p, "m", "batch", 10, 10, 0.0)  # its pending cleared: one may go
-    v.kv_urgent = v.kv_reserved = 0
-    v.ledger(900.0, 0, 0, 0.0)
+    v.ledger(900.0, 20, 1, 0.0, urgent=20, reserve=20.0)
     v.tpot_s = 1.0
-    assert no("batch") == "decode"
+    assert no("batch") == "decode"  # realtime has KV here (the guard needs it somewhere)
+    v.kv_urgent = v.kv_reserved = 0
     v.memory = 0.9
     assert no("realtime") == "measured"
     v.state = Status.HOLD

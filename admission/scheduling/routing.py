@@ -21,7 +21,8 @@ Two limits, both from the node's own figures (no per-engine constant):
 - decode: nor while the node's measured time per output token is above what the most urgent
   class may see: its `slo.tpot_ms`, tightened to what its `slo.e2e_ms` asks of its answers as
   long as they really are (outputs.py); lower-class prefill chunks and KV slow every running
-  decode;
+  decode. Only while the urgent class is present (KV booked on a node serving the model, or
+  waiting): with none, lower classes take the whole cluster;
 - urgent reserve: other classes keep their KV + the urgent class's recent peak on the node
   (or what it has now plus what of it waits) below the drain watermark, so realtime is never
   held behind work that vLLM would have to preempt for it, however few requests the band
@@ -290,7 +291,12 @@ def eligible(
     `gate`: counts (node, class, reason) of every node that said no. `output_tokens`: the
     urgent class's mean answer length as learned (outputs.UrgentOutputs; 0: not yet)."""
     ok = []
-    decode_s = decode_limit_s(policy, output_tokens)
+    # The decode guard protects the urgent class where it runs or may land: while it has KV
+    # booked on any node serving the model, or waits. With none (a quiet spell, the end of a
+    # burst), lower classes take the whole cluster's decode.
+    present = urgent_waiting > 0 or any(
+        v.kv_urgent > 0 for v in views if model in v.node.models)  # fmt: skip
+    decode_s = decode_limit_s(policy, output_tokens) if present else None
     share = 0  # waiting urgent KV, spread over the live nodes serving the model
     if urgent_waiting:
         live = sum(1 for v in views if model in v.node.models and v.state in _LIVE)
