@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from engine.emulator import Engine
 from engine.profiles import PROFILES
@@ -26,6 +27,21 @@ def test_workload_file_defines_the_mix(tmp_path: Path) -> None:
     f.write_text("kinds:\n  - {name: x}\n")
     with pytest.raises(SystemExit, match="kinds\\[0\\]"):
         load_kinds(str(f))
+
+
+def test_shipped_workloads_load_and_use_the_bench_policys_classes_and_tenants() -> None:
+    from loadtest.bench import BENCH_POLICY
+
+    policy = yaml.safe_load(Path(BENCH_POLICY).read_text())
+    files = sorted((Path(__file__).parent.parent / "loadtest" / "workloads").glob("*.yaml"))
+    assert {f.stem for f in files} >= {"agents", "rag", "nightly"}
+    for f in files:
+        kinds = load_kinds(str(f))
+        assert kinds, f
+        for k in kinds:
+            assert k.cls in policy["classes"], (f, k.name)
+            for t in k.tenants:
+                assert k.cls in policy["tenants"][t]["classes"], (f, k.name, t)
 
 
 async def test_queued_tokens_valve_sheds_instead_of_queueing() -> None:
