@@ -16,6 +16,7 @@ from importlib import resources
 from typing import Any
 
 from admission.scheduling.outputs import decode_limit_s
+from admission.scheduling.routing import urgent, urgent_present
 
 WINDOW_S = 60.0  # wait percentiles over this much recent history
 
@@ -98,12 +99,19 @@ def snapshot(
 
 
 def _decode_guard(dispatcher: Any) -> dict[str, Any]:
-    """The urgent class's mean answer length as learned, and the decode speed it asks of a
-    node before lower classes may go there (outputs.py; null: no tpot target)."""
+    """The urgent class's mean answer length as learned, the decode speed it asks of a node
+    before lower classes may go there (outputs.py; null: no tpot target), and whether the
+    guard acts now: the urgent class has KV booked on some node (as of this sidecar's last
+    read of the ledger) or waits here."""
+    policy = dispatcher.policy()
     mean = dispatcher.nodes.outputs.mean
-    limit = decode_limit_s(dispatcher.policy(), mean)
+    limit = decode_limit_s(policy, mean)
+    waiting = sum(dispatcher.queue.waiting_kv(c) for c in policy.classes if urgent(policy, c))
+    active = limit is not None and urgent_present(
+        list(dispatcher.nodes.views.values()), None, waiting
+    )
     return {"urgent_output_tokens": round(mean, 1),
-            "limit_ms": None if limit is None else round(limit * 1000, 1)}  # fmt: skip
+            "limit_ms": None if limit is None else round(limit * 1000, 1), "active": active}  # fmt: skip
 
 
 def _grouped(refusals: deque[Refusal]) -> list[dict[str, Any]]:

@@ -473,7 +473,12 @@ async def test_releases_teach_the_decode_guard_how_long_urgent_answers_are(
         assert outputs.mean == pytest.approx(0.05 * 100 + 0.95 * 300)
         await client.post("/release", json=usage(rt[1], 5000))  # released twice: counted once
         assert outputs.mean == pytest.approx(290)
+        await app[DISPATCHER].nodes.refresh()  # the ledger as Redis has it: all released
         data = await (await client.get("/status.json")).json()  # what an operator sees
-        assert data["decode_guard"] == {"urgent_output_tokens": 290.0, "limit_ms": 31.0}
+        guard = {"urgent_output_tokens": 290.0, "limit_ms": 31.0, "active": False}
+        assert data["decode_guard"] == guard  # no realtime booked anywhere: lower classes free
+        await client.post("/admit", json=admit_body())  # realtime runs on n1 again
+        data = await (await client.get("/status.json")).json()
+        assert data["decode_guard"] == {**guard, "active": True}
     finally:
         await client.close()

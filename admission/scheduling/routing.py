@@ -278,6 +278,14 @@ def engine_priority(
     return prio
 
 
+def urgent_present(views: list[NodeView], model: str | None, urgent_waiting: int) -> bool:
+    """Whether the decode guard acts: the urgent class has KV booked on a node serving `model`
+    (None: any model), or waits. With neither (a quiet spell, the end of a burst) there is
+    nothing to protect, and lower classes take the whole cluster's decode."""
+    return urgent_waiting > 0 or any(
+        v.kv_urgent > 0 for v in views if model is None or model in v.node.models)  # fmt: skip
+
+
 def eligible(
     views: list[NodeView], policy: Policy, model: str, cls: str | None, prompt: int, kv: int,
     now: float, tenant: str | None = None, blocked: frozenset[str] = frozenset(),
@@ -291,11 +299,7 @@ def eligible(
     `gate`: counts (node, class, reason) of every node that said no. `output_tokens`: the
     urgent class's mean answer length as learned (outputs.UrgentOutputs; 0: not yet)."""
     ok = []
-    # The decode guard protects the urgent class where it runs or may land: while it has KV
-    # booked on any node serving the model, or waits. With none (a quiet spell, the end of a
-    # burst), lower classes take the whole cluster's decode.
-    present = urgent_waiting > 0 or any(
-        v.kv_urgent > 0 for v in views if model in v.node.models)  # fmt: skip
+    present = urgent_present(views, model, urgent_waiting)
     decode_s = decode_limit_s(policy, output_tokens) if present else None
     share = 0  # waiting urgent KV, spread over the live nodes serving the model
     if urgent_waiting:
