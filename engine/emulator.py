@@ -21,7 +21,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from engine.profiles import PROFILES, Profile
-from engine.scheduler import Scheduler, Seq
+from engine.scheduler import Scheduler, Seq, block_hashes
 
 LAT = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -31,14 +31,14 @@ class Engine:
 
     def __init__(self, profile: Profile, policy: str = "priority", num_blocks: int | None = None,
                  model_name: str | None = None, max_queued_tokens: int = 0,
-                 max_queued_reqs: int = 0) -> None:  # fmt: skip
+                 max_queued_reqs: int = 0, prefix_caching: bool = True) -> None:  # fmt: skip
         self.profile = profile
         # vLLM 0.32's admission valves (0 = off): requests waiting + running, and prompt tokens
         # still to prefill; past either, a new request is answered 503 (shed, not queued).
         self.max_queued_tokens = max_queued_tokens
         self.max_queued_reqs = max_queued_reqs
         self.model = model_name or profile.model
-        self.sched = Scheduler(profile, policy, num_blocks)
+        self.sched = Scheduler(profile, policy, num_blocks, prefix_caching)
         self.wake = asyncio.Event()
         self.leak_bytes = 0
         self.hang = False
@@ -51,6 +51,9 @@ class Engine:
         def g(name: str, doc: str) -> Any:
             return Gauge(name, doc, names, registry=r).labels(**lab)
 
+        def c(name: str, doc: str) -> Any:
+            return Counter(name, doc, names, registry=r).labels(**lab)
+
         self.m_running = g(
             "vllm:num_requests_running", "Number of requests in model execution batches."
         )
@@ -58,15 +61,11 @@ class Engine:
             "vllm:num_requests_waiting", "Number of requests waiting to be processed."
         )
         self.m_kv = g("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.m_preempt = Counter(
-            "vllm:num_preemptions", "Cumulative preemptions.", names, registry=r
-        ).labels(**lab)
-        self.m_prompt = Counter(
-            "vllm:prompt_tokens", "Prefill tokens processed.", names, registry=r
-        ).labels(**lab)
-        self.m_gen = Counter(
-            "vllm:generation_tokens", "Generation tokens processed.", names, registry=r
-        ).labels(**lab)
+        self.m_preempt = c("vllm:num_preemptions", "Cumulative preemptions.")
+        self.m_prompt = c("vllm:prompt_tokens", "Prompt tokens of prefilled requests.")
+        self.m_cache_q = c("vllm:prefix_cache_queries", "Prompt tokens looked up in the cache.")
+        self.m_cache_hit = c("vllm:prefix_cache_hits", "Prompt tokens found in the cache.")
+        self.m_gen = c("vllm:generation_tokens", "Generation tokens processed.")
         self.m_success = Counter(
             "vllm:request_success", "Finished requests.", [*names, "finished_reason"], registry=r
         )
@@ -74,10 +73,7 @@ class Engine:
             "ttft": ("vllm:time_to_first_token_seconds", "Time to first token."),
             "itl": ("vllm:inter_token_latency_seconds", "Inter-token latency (mean per request)."),
             "e2e": ("vllm:e2e_request_latency_seconds", "End-to-end request latency."),
-            "queue": (
-                "vllm:request_queue_time_seconds",
-                "Time spent waiting before first scheduled.",
-            ),
+            "queue": ("vllm:request_queue_time_seconds", "Time waiting before first scheduled."),
         }
         # Not a vLLM metric: lets tests see the priority field the edge delivered.
         # Not a vLLM metric: lets edge tests prove that client-sent internal headers never
@@ -111,7 +107,9 @@ class Engine:
                 continue
             started = loop.time()
             res = self.sched.step(time.monotonic())
-            self.m_prompt.inc(res.prefill_tokens)
+            self.m_prompt.inc(res.prefill_tokens + res.cached)  # vLLM counts whole prompts
+            self.m_cache_q.inc(res.queried)
+            self.m_cache_hit.inc(res.cached)
             self.m_gen.inc(len(res.decoded))
             self.m_preempt.inc(res.preempted)
             self.m_running.set(len(self.sched.running))
@@ -168,7 +166,9 @@ class Engine:
 ENGINE = web.AppKey("engine", Engine)
 
 
-def _prompt_tokens(body: dict[str, Any], chat: bool) -> int:
+def _prompt(body: dict[str, Any], chat: bool) -> tuple[int, str]:
+    """Prompt tokens as the emulator counts them (4 characters each, plus 4 per chat message),
+    and the text its prefix cache sees."""
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
@@ -176,13 +176,15 @@ def _prompt_tokens(body: dict[str, Any], chat: bool) -> int:
                 text=_err("messages must be a non-empty list"), content_type="application/json"
             )
         text = "".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
-        return max(1, len(text) // 4 + 4 * len(msgs))
+        return max(1, len(text) // 4 + 4 * len(msgs)), text
     prompt = body.get("prompt")
     if not isinstance(prompt, str | list):
         raise web.HTTPBadRequest(
             text=_err("prompt must be a string"), content_type="application/json"
         )
-    return max(1, len(prompt) // 4 if isinstance(prompt, str) else len(prompt))
+    if isinstance(prompt, str):
+        return max(1, len(prompt) // 4), prompt
+    return max(1, len(prompt)), " ".join(map(str, prompt))
 
 
 MAX_MODEL_LEN = 8192
@@ -225,8 +227,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise web.HTTPBadRequest(
             text=_err("max_tokens must be at least 1"), content_type="application/json"
         )
-    prompt = _prompt_tokens(body, chat)
+    prompt, text = _prompt(body, chat)
     seq = Seq(prompt, max_tokens, priority=int(body.get("priority", 0)), arrival=time.monotonic())
+    if engine.sched.prefix_caching:
+        seq.hashes = block_hashes(text, engine.profile.block_size)
     engine.m_prio.labels(str(seq.priority)).inc()
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -374,11 +378,11 @@ async def _version() -> web.Response:
 
 def serve(port: int, profile: str, policy: str, num_blocks: int | None, model: str | None,
           start_delay_s: float = 0.0, host: str = "127.0.0.1", max_queued_tokens: int = 0,
-          max_queued_reqs: int = 0) -> None:  # fmt: skip
+          max_queued_reqs: int = 0, prefix_caching: bool = True) -> None:  # fmt: skip
     if start_delay_s:
         time.sleep(start_delay_s)  # slow start: the port refuses connections meanwhile, like vLLM
     engine_args = (PROFILES[profile], policy, num_blocks, model, max_queued_tokens,
-                   max_queued_reqs)  # fmt: skip
+                   max_queued_reqs, prefix_caching)  # fmt: skip
 
     async def main() -> None:
         app = build_app(Engine(*engine_args))

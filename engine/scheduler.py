@@ -8,19 +8,36 @@ needs a block and none is free, the worst-priority newest running sequence is pr
 blocks are freed and it goes back to the front of the waiting queue to be recomputed. Only in a
 step that preempted nothing are waiting sequences admitted, in policy order (priority:
 (priority, arrival); fcfs: arrival), while a slot is free and their first chunk fits in free
-blocks, stopping at the first that does not (vLLM's head-of-line behaviour). Not modelled:
-prefix caching (every prompt costs its full KV).
+blocks, stopping at the first that does not (vLLM's head-of-line behaviour).
+
+Prefix caching (on by default, as in vLLM V1): a sequence carries the chained hashes of its
+prompt's full blocks; once a block is computed it is kept by hash, shared (reference-counted)
+by every later sequence whose prompt starts with the same blocks, which skips computing them
+(never the whole prompt: the last token is always computed). A cached block no sequence holds
+stays until its space is needed (least recently released first) and counts as free in
+`kv_usage`, as vLLM's block pool counts it.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.profiles import Profile
 
 _ids = itertools.count()
+
+
+def block_hashes(text: str, block_size: int) -> tuple[int, ...]:
+    """Chained hashes of a prompt's full KV blocks (4 characters a token), as vLLM keys its
+    prefix cache: a block matches only when every block before it matched too."""
+    width, h, out = 4 * block_size, 0, []
+    for i in range(len(text) // width):
+        h = hash((h, text[i * width : (i + 1) * width]))
+        out.append(h)
+    return tuple(out)
 
 
 @dataclass(eq=False)
@@ -39,6 +56,8 @@ class Seq:
     finish_reason: str | None = None
     preemptions: int = 0
     on_token: Callable[[Seq], None] | None = None
+    hashes: tuple[int, ...] = ()  # chained hashes of the prompt's full blocks (prefix caching)
+    cached: list[int] = field(default_factory=list)  # leading blocks it shares from the cache
 
     @property
     def context(self) -> int:
@@ -56,16 +75,23 @@ class StepResult:
     decoded: list[Seq]
     finished: list[Seq]
     preempted: int
+    cached: int = 0  # prompt tokens of sequences started this step found in the prefix cache
+    queried: int = 0  # prompt tokens of those sequences looked up in it
 
 
 class Scheduler:
     def __init__(
-        self, profile: Profile, policy: str = "priority", num_blocks: int | None = None
-    ) -> None:
+        self, profile: Profile, policy: str = "priority", num_blocks: int | None = None,
+        prefix_caching: bool = True,
+    ) -> None:  # fmt: skip
         self.p = profile
         self.policy = policy
         self.num_blocks = num_blocks if num_blocks is not None else profile.num_blocks
-        self.free_blocks = self.num_blocks
+        self.free_blocks = self.num_blocks  # neither held by a sequence nor cached
+        self.prefix_caching = prefix_caching
+        self.refs: dict[int, int] = {}  # cached block (by hash) → sequences sharing it
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # cached, shared by none (LRU)
+        self._hits = self._queries = 0  # this step's prefix-cache lookups, in tokens
         self.waiting: list[Seq] = []
         self.running: list[Seq] = []
         self.preemptions_total = 0
@@ -87,7 +113,8 @@ class Scheduler:
 
     @property
     def kv_usage(self) -> float:
-        return 1.0 - self.free_blocks / self.num_blocks if self.num_blocks else 0.0
+        free = self.free_blocks + len(self.evictable)
+        return 1.0 - free / self.num_blocks if self.num_blocks else 0.0
 
     def idle(self) -> bool:
         return not self.running and not self.waiting
@@ -95,6 +122,7 @@ class Scheduler:
     # -- one step ---------------------------------------------------------------------------
     def step(self, now: float) -> StepResult:
         budget = self.p.max_num_batched_tokens
+        self._hits = self._queries = 0
         preempted = 0
         # (sequence, tokens, prefill chunk?) scheduled this step, in order.
         plan: list[tuple[Seq, int, bool]] = []
@@ -109,10 +137,13 @@ class Scheduler:
             before = preempted
             chunk = seq.in_prefill
             n = min(budget, seq.prompt_tokens - seq.computed) if chunk else 1
-            while self._blocks_for(seq.context + n) - seq.blocks > self.free_blocks:
+            self._reclaim(self._need(seq, seq.context + n))
+            while self._need(seq, seq.context + n) > self.free_blocks:
                 victim = self._victim()
                 self._preempt(victim)
                 preempted += 1
+                if victim is not seq:  # its cached blocks may now be evictable
+                    self._reclaim(self._need(seq, seq.context + n))
                 for j, (q, m, _c) in enumerate(plan):
                     if q is victim:  # scheduled earlier this step: its tokens go back
                         budget += m
@@ -134,10 +165,15 @@ class Scheduler:
             self.waiting.sort(key=self._order)
             while self.waiting and budget > 0 and len(self.running) < self.p.max_num_seqs:
                 seq = self.waiting[0]
-                n = min(budget, seq.prompt_tokens - seq.computed)
-                if self._blocks_for(seq.context + n) - seq.blocks > self.free_blocks:
+                hit = self._lookup(seq)
+                skip = hit * self.p.block_size  # prompt tokens the cache holds
+                n = min(budget, seq.prompt_tokens - seq.computed - skip)
+                need = self._blocks_for(seq.context + skip + n) - hit - seq.blocks
+                self._reclaim(need, keep=seq)
+                if need > self.free_blocks:
                     break
                 self.waiting.pop(0)
+                self._share(seq, hit)
                 self._grow(seq, seq.context + n)
                 seq.scheduled_at = seq.scheduled_at if seq.scheduled_at is not None else now
                 self.running.append(seq)
@@ -149,6 +185,7 @@ class Scheduler:
             if chunk:
                 seq.computed += n
                 prefill += n
+                self._publish(seq)
             else:
                 decoded.append(seq)
         context = sum(s.context for s in self.running)
@@ -176,7 +213,8 @@ class Scheduler:
         for seq in finished:
             self.running.remove(seq)
             self._free(seq)
-        return StepResult(duration, prefill, decoded, finished, preempted)
+        return StepResult(duration, prefill, decoded, finished, preempted, self._hits,
+                          self._queries)  # fmt: skip
 
     # -- internals --------------------------------------------------------------------------
     def _order(self, s: Seq) -> tuple[float, float, int]:
@@ -187,8 +225,12 @@ class Scheduler:
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.p.block_size)
 
+    def _need(self, seq: Seq, tokens: int) -> int:
+        """Blocks `seq` must take to hold `tokens` (its own and the cached ones it shares)."""
+        return self._blocks_for(tokens) - seq.blocks - len(seq.cached)
+
     def _grow(self, seq: Seq, tokens: int) -> None:
-        need = self._blocks_for(tokens) - seq.blocks
+        need = self._need(seq, tokens)
         if need > 0:
             assert need <= self.free_blocks, "block accounting bug"
             seq.blocks += need
@@ -197,7 +239,64 @@ class Scheduler:
     def _free(self, seq: Seq) -> None:
         self.free_blocks += seq.blocks
         seq.blocks = 0
+        for h in seq.cached:
+            self.refs[h] -= 1
+            if self.refs[h] == 0:
+                self.evictable[h] = None  # kept until its space is needed
+        seq.cached = []
         assert 0 <= self.free_blocks <= self.num_blocks, "block accounting bug"
+
+    # -- prefix caching ---------------------------------------------------------------------
+    def _lookup(self, seq: Seq) -> int:
+        """How many leading prompt blocks of a sequence about to start are cached."""
+        if not self.prefix_caching or seq.computed or seq.cached:
+            return 0
+        limit = (seq.prompt_tokens - 1) // self.p.block_size  # the last token is computed
+        hit = 0
+        for h in seq.hashes[:limit]:
+            if h not in self.refs:
+                break
+            hit += 1
+        return hit
+
+    def _share(self, seq: Seq, hit: int) -> None:
+        for h in seq.hashes[:hit]:
+            self.refs[h] += 1
+            self.evictable.pop(h, None)
+            seq.cached.append(h)
+        seq.computed += hit * self.p.block_size
+        if self.prefix_caching and seq.hashes:
+            self._hits += hit * self.p.block_size
+            self._queries += seq.prompt_tokens
+
+    def _publish(self, seq: Seq) -> None:
+        """Hand the prompt blocks a sequence has fully computed to the cache (it keeps sharing
+        them). Only a leading run: a block another sequence cached meanwhile stays its own."""
+        if not self.prefix_caching:
+            return
+        full = min(seq.computed // self.p.block_size, len(seq.hashes))
+        while len(seq.cached) < full and seq.blocks > 0:
+            h = seq.hashes[len(seq.cached)]
+            if h in self.refs:
+                return
+            self.refs[h] = 1
+            seq.cached.append(h)
+            seq.blocks -= 1
+
+    def _reclaim(self, need: int, keep: Seq | None = None) -> None:
+        """Evict cached blocks no sequence holds (least recently released first) until `need`
+        blocks are free, sparing those `keep` is about to share."""
+        if self.free_blocks >= need or not self.evictable:
+            return
+        spare = set(keep.hashes) if keep is not None else set()
+        for h in list(self.evictable):
+            if self.free_blocks >= need:
+                return
+            if h in spare:
+                continue
+            del self.evictable[h]
+            del self.refs[h]
+            self.free_blocks += 1
 
     def _victim(self) -> Seq:
         # Worst priority, then newest (fcfs: newest).

@@ -145,7 +145,7 @@ def _has_token(event: bytes) -> bool:
 
 async def one(s: aiohttp.ClientSession, url: str, req: Req, key: str, priority: int | None, system: str,
               model: str, t0: float) -> report.Record:  # fmt: skip
-    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt_text(req.prompt_tokens, int(req.at_s * 1e6))}],
+    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt_text(req.prompt_tokens, int(req.at_s * 1e6), f"{req.kind}/{req.tenant}", req.prefix_tokens)}],
                             "max_tokens": req.max_tokens, "stream": True,
                             "stream_options": {"include_usage": True}}  # fmt: skip
     if priority is not None:

@@ -20,6 +20,9 @@ class Kind:
     share: float  # of arrivals
     prompt_tokens: tuple[int, int]  # uniform range
     output_tokens: tuple[int, int]
+    # The first this-many prompt tokens are the same for every request of this kind from one
+    # tenant (a system prompt, a template): an engine's prefix cache need not compute them again.
+    shared_prefix_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,7 @@ class Req:
     cls: str
     prompt_tokens: int
     max_tokens: int
+    prefix_tokens: int = 0  # of prompt_tokens, shared with the kind's other requests (tenant's)
 
 
 # Lengths are in tokens; the emulator counts one token per 4 characters of prompt.
@@ -64,18 +68,23 @@ def schedule(
                 kind=k.name,
                 tenant=rng.choice(k.tenants),
                 cls=k.cls,
-                prompt_tokens=rng.randint(*k.prompt_tokens),
+                prompt_tokens=(n := rng.randint(*k.prompt_tokens)),
                 max_tokens=rng.randint(*k.output_tokens),
+                prefix_tokens=min(k.shared_prefix_tokens, n),
             )
         )
         t += rng.expovariate(rate_per_s)
     return out
 
 
-def prompt_text(tokens: int, salt: int = 0) -> str:
+def prompt_text(tokens: int, salt: int = 0, prefix: str = "", prefix_tokens: int = 0) -> str:
     """A prompt the emulator (and the edge's estimate, 4 chars per token) counts as `tokens`.
     Prompts with different `salt` differ from their first characters, so an engine's prefix
-    cache cannot make one request's prompt free because another's was the same."""
+    cache cannot make one request's prompt free because another's was the same — except for
+    their first `prefix_tokens`, the same text for every prompt with the same `prefix` key."""
+    if prefix_tokens > 0:
+        head = (f"<{prefix}>" * (4 * prefix_tokens))[: 4 * prefix_tokens]
+        return head + prompt_text(tokens - prefix_tokens, salt) if tokens > prefix_tokens else head
     head = f"{salt:08x}"[:8] if tokens >= 3 else ""
     body = "lorem ipsum " * ((tokens - 2) // 3) if head else "lorem ipsum " * (tokens // 3)
     text = head + body
@@ -98,7 +107,8 @@ def load_kinds(path: str) -> tuple[Kind, ...]:
         try:
             kinds.append(Kind(str(k["name"]), str(k["class"]), tuple(k["tenants"]),
                               float(k["share"]), tuple(k["prompt_tokens"]),  # type: ignore[arg-type]
-                              tuple(k["output_tokens"])))  # type: ignore[arg-type]  # fmt: skip
+                              tuple(k["output_tokens"]),  # type: ignore[arg-type]
+                              int(k.get("shared_prefix_tokens", 0))))  # fmt: skip
         except (KeyError, TypeError, ValueError) as exc:
             raise SystemExit(f"{path}: kinds[{i}]: {exc!r}") from None
     if not kinds:

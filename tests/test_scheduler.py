@@ -119,7 +119,10 @@ def test_blocks_never_negative_or_over_capacity(
     reqs: list[tuple[int, int, int]], blocks: int, policy: str
 ) -> None:
     s = Scheduler(TINY, policy=policy, num_blocks=blocks)
-    seqs = [Seq(p, m, priority=pr, arrival=i) for i, (p, m, pr) in enumerate(reqs)]
+    # Prompts open with one of three shared prefixes (prefix caching shares their blocks).
+    seqs = [Seq(p, m, priority=pr, arrival=i,
+                hashes=tuple(hash((i % 3, b)) for b in range(min(p // 16, 2 + i % 3))))
+            for i, (p, m, pr) in enumerate(reqs)]  # fmt: skip
     for q in seqs:
         if -(-(q.prompt_tokens + q.max_tokens) // 16) <= blocks:  # could ever fit
             s.add(q)
@@ -130,10 +133,54 @@ def test_blocks_never_negative_or_over_capacity(
         r = s.step(0.0)
         generated += len(r.decoded)
         assert 0 <= s.free_blocks <= blocks
-        assert sum(q.blocks for q in s.running) == blocks - s.free_blocks
+        held = sum(q.blocks for q in s.running) + len(s.refs)  # own + cached (shared once)
+        assert held == blocks - s.free_blocks
+        assert all(n >= 0 for n in s.refs.values())
+        assert sum(s.refs.values()) == sum(len(q.cached) for q in s.running)
         assert len(s.running) <= TINY.max_num_seqs
-    assert s.idle() and s.free_blocks == blocks
+    assert s.idle() and s.free_blocks + len(s.evictable) == blocks
+    assert not any(s.refs.values())  # every shared block released
     assert generated == sum(q.max_tokens for q in seqs if q.finish_reason == "length")
+
+
+def test_prefix_caching_shares_computed_blocks_and_evicts_them_last() -> None:
+    """As vLLM V1 (prefix caching on by default): a prompt's full blocks, once computed, are
+    kept by chained hash; a later prompt starting with the same blocks shares them and skips
+    computing them (never its last token); a cached block no one holds counts as free and is
+    evicted only when its space is needed."""
+    from engine.scheduler import block_hashes
+
+    system = "s" * 64 * 4  # 4 blocks of 16 tokens (4 characters a token)
+    a_text, b_text = system + "a" * 40 * 4, system + "b" * 40 * 4
+    assert block_hashes(a_text, 16)[:4] == block_hashes(b_text, 16)[:4]
+    assert block_hashes(a_text, 16)[4:] != block_hashes(b_text, 16)[4:]
+    assert block_hashes("x" + a_text, 16)[0] != block_hashes(a_text, 16)[0]  # chained
+
+    s = Scheduler(TINY, num_blocks=20)
+    a = Seq(104, 3, hashes=block_hashes(a_text, 16))  # 6 full blocks + 8 tokens
+    s.add(a)
+    run(s)
+    assert s.free_blocks == 20 - 6 and s.kv_usage == 0.0  # 6 cached blocks, all free to evict
+    b = Seq(104, 3, hashes=block_hashes(b_text, 16))
+    s.add(b)
+    r = s.step(0.0)
+    assert (r.cached, r.queried, r.prefill_tokens) == (64, 104, 40)  # only its own 40 computed
+    assert len(b.cached) == 6 and b.blocks == 1  # 4 shared, 2 it computed and cached itself
+    run(s)
+    whole = Seq(64, 3, hashes=block_hashes(system, 16))  # the prefix alone: last token computed
+    s.add(whole)
+    assert s.step(0.0).prefill_tokens == 16 and len(whole.cached) == 3
+    run(s)
+    # A request that needs every block evicts the cache rather than wait or preempt.
+    big = Seq(300, 10)
+    s.add(big)
+    run(s)
+    assert big.finish_reason == "length" and big.preemptions == 0
+    assert s.free_blocks + len(s.evictable) == 20
+    off = Scheduler(TINY, num_blocks=20, prefix_caching=False)
+    for text in (a_text, b_text):
+        off.add(Seq(104, 3, hashes=block_hashes(text, 16)))
+    assert off.step(0.0).cached == 0
 
 
 def test_step_cost_model_matches_public_figures() -> None:

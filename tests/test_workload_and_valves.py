@@ -29,6 +29,31 @@ def test_workload_file_defines_the_mix(tmp_path: Path) -> None:
         load_kinds(str(f))
 
 
+def test_a_shared_prefix_is_what_the_engines_prefix_cache_sees(tmp_path: Path) -> None:
+    from engine.scheduler import block_hashes
+    from loadtest.workload import prompt_text
+
+    f = tmp_path / "mix.yaml"
+    f.write_text(
+        "kinds:\n"
+        "  - {name: rag, class: realtime, tenants: [acme, globex], share: 1.0,\n"
+        "     prompt_tokens: [100, 400], output_tokens: [20, 20], shared_prefix_tokens: 64}\n"
+    )
+    reqs = schedule(10, 5, seed=1, kinds=load_kinds(str(f)))
+    assert reqs and all(r.prefix_tokens == 64 for r in reqs)
+    texts = {t: [prompt_text(r.prompt_tokens, int(r.at_s * 1e6), f"rag/{t}", r.prefix_tokens)
+                 for r in reqs if r.tenant == t] for t in ("acme", "globex")}  # fmt: skip
+    for t, ts in texts.items():
+        assert all(
+            len(x) == 4 * r.prompt_tokens
+            for x, r in zip(ts, (q for q in reqs if q.tenant == t), strict=True)
+        )
+        hashes = [block_hashes(x, 16) for x in ts]
+        assert len({h[:4] for h in hashes}) == 1  # 64 tokens: 4 shared blocks
+        assert len({h[4] for h in hashes}) == len(ts)  # then each its own
+    assert block_hashes(texts["acme"][0], 16)[0] != block_hashes(texts["globex"][0], 16)[0]
+
+
 def test_shipped_workloads_load_and_use_the_bench_policys_classes_and_tenants() -> None:
     from loadtest.bench import BENCH_POLICY
 
