@@ -289,14 +289,17 @@ class Scheduler:
         if self.free_blocks >= need or not self.evictable:
             return
         spare = set(keep.hashes) if keep is not None else set()
-        for h in list(self.evictable):
-            if self.free_blocks >= need:
-                return
+        kept: list[int] = []
+        while self.free_blocks < need and self.evictable:
+            h, _ = self.evictable.popitem(last=False)
             if h in spare:
+                kept.append(h)
                 continue
-            del self.evictable[h]
             del self.refs[h]
             self.free_blocks += 1
+        for h in reversed(kept):  # back at the front: still the least recently released
+            self.evictable[h] = None
+            self.evictable.move_to_end(h, last=False)
 
     def _victim(self) -> Seq:
         # Worst priority, then newest (fcfs: newest).

@@ -2,7 +2,9 @@
 
 The engine core (`engine.scheduler`) runs the workload's arrivals at increasing rates; capacity
 is the highest steady-state completion rate. Benchmarks calibrate with this before every
-comparison, since "1.5x capacity" must mean the same thing for every system in the run.
+comparison, since "1.5x capacity" must mean the same thing for every system in the run. Prompts
+that share a prefix (`Kind.shared_prefix_tokens`) share its blocks here as in the emulated
+engine's prefix cache, so a mix that caches well is not under-calibrated.
 """
 
 from __future__ import annotations
@@ -24,7 +26,9 @@ def completed_rate(
     lo = seconds * 0.3
     while t < seconds:
         while i < len(reqs) and reqs[i].at_s <= t:
-            s.add(Seq(reqs[i].prompt_tokens, reqs[i].max_tokens, arrival=reqs[i].at_s))
+            r = reqs[i]
+            s.add(Seq(r.prompt_tokens, r.max_tokens, arrival=r.at_s,
+                      hashes=prefix_hashes(r, s.p.block_size)))  # fmt: skip
             i += 1
         if s.idle():
             t = reqs[i].at_s if i < len(reqs) else seconds
@@ -33,6 +37,18 @@ def completed_rate(
         t += max(r.duration_s, 1e-4)
         done += sum(1 for q in r.finished if lo <= t < seconds)
     return done / (seconds - lo)
+
+
+def prefix_hashes(r: Req, block_size: int) -> tuple[int, ...]:
+    """The block hashes of a request's shared prefix (its kind's, per tenant), as the engine's
+    prefix cache keys them; the rest of a prompt is its own and never matches."""
+    return tuple(hash((r.kind, r.tenant, i)) for i in range(r.prefix_tokens // block_size))
+
+
+def computed_prompt(r: Req, block_size: int) -> int:
+    """Prompt tokens an engine computes for `r` once its shared prefix is cached (whole blocks;
+    never the whole prompt: the last token is always computed)."""
+    return r.prompt_tokens - min(r.prefix_tokens // block_size * block_size, r.prompt_tokens - 1)
 
 
 def capacity(profile: str, seconds: float = 120, kinds: tuple[Kind, ...] = MIXED) -> float:
@@ -66,10 +82,10 @@ def demand(profile: str, reqs: Iterable[Req], nodes: int, seconds: float) -> dic
     """Compute each class offers over the arrival window, as a fraction of the cluster's: every
     prompt and output token at the profile's roofline cost (2 x params FLOPs), a lower bound on
     what serving it takes (memory-bound decode steps and per-step overhead cost more)."""
-    per_token = PROFILES[profile].compute_s_per_token
+    per_token, bs = PROFILES[profile].compute_s_per_token, PROFILES[profile].block_size
     spent: dict[str, float] = defaultdict(float)
-    for r in reqs:
-        spent[r.cls] += (r.prompt_tokens + r.max_tokens) * per_token
+    for r in reqs:  # a cached shared prefix is not computed again
+        spent[r.cls] += (computed_prompt(r, bs) + r.max_tokens) * per_token
     return {cls: s / (nodes * seconds) for cls, s in spent.items()}
 
 
@@ -83,13 +99,13 @@ def first_token_bound(
     served part of `cls` fit in the cluster's compute until then; the most requests fit
     shortest first. Prefill only, at roofline cost (decode and per-step overhead left out), so
     it is an upper bound: a target above it cannot be met by any scheduler."""
-    per_token = PROFILES[profile].compute_s_per_token
+    per_token, bs = PROFILES[profile].compute_s_per_token, PROFILES[profile].block_size
     ahead = set(before)
-    mine = sorted(r.prompt_tokens * per_token for r in reqs if r.cls == cls)
+    mine = sorted(computed_prompt(r, bs) * per_token for r in reqs if r.cls == cls)
     if not mine:
         return 1.0
     left = nodes * (seconds + target_s) - sum(
-        r.prompt_tokens * per_token for r in reqs if r.cls in ahead
+        computed_prompt(r, bs) * per_token for r in reqs if r.cls in ahead
     )
     served = 0
     for cost in mine:

@@ -112,3 +112,24 @@ def test_bounds_follow_the_roofline_and_the_order() -> None:
     line = bounds_line(p.name, reqs, 2, 10, [("realtime", 1.0), ("batch", 5.0), ("offline", None)])
     assert "batch with a first token in time behind realtime: at most" in line
     assert "offline" not in line
+
+
+def test_calibration_and_bounds_count_a_cached_prefix_once() -> None:
+    """A mix whose prompts share a prefix is served faster by an engine with prefix caching
+    (vLLM V1's default): calibrating without it would offer such a mix far below "1.5×"."""
+    from dataclasses import replace
+
+    from loadtest.capacity import completed_rate, computed_prompt, demand
+    from loadtest.workload import Kind, Req
+
+    r = Req(0.0, "chat", "acme", "realtime", 1000, 10, prefix_tokens=512)
+    assert computed_prompt(r, 16) == 488
+    assert computed_prompt(replace(r, prefix_tokens=1000), 16) == 8  # whole blocks only
+    assert computed_prompt(replace(r, prompt_tokens=512), 16) == 1  # the last token computed
+    got = demand("a100-40gb-llama3-8b", [r], nodes=1, seconds=1)["realtime"]
+    assert got == pytest.approx(demand("a100-40gb-llama3-8b",
+                                       [replace(r, prompt_tokens=488, prefix_tokens=0)], 1, 1)["realtime"])  # fmt: skip
+    shared = (Kind("chat", "realtime", ("acme", "globex"), 1.0, (1500, 2500), (40, 80), 1024),)
+    plain = (replace(shared[0], shared_prefix_tokens=0),)
+    profile = "a100-40gb-llama3-8b"
+    assert completed_rate(profile, 12, 40, shared) > 1.3 * completed_rate(profile, 12, 40, plain)
