@@ -154,6 +154,13 @@ class Metrics:
             ["node"],
             registry=r,
         )
+        self.node_prefix_hits = Gauge(
+            "admission_node_prefix_cache_hit_ratio",
+            "Share of prompt tokens the node's engine found in its prefix cache lately (the "
+            "ledger books whole prompts: high here means booked KV well above KV in use).",
+            ["node"],
+            registry=r,
+        )
         self.node_inflight = Gauge(
             "admission_node_inflight",
             "Requests this sidecar admitted to the node and not released.",

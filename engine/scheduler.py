@@ -265,7 +265,7 @@ class Scheduler:
             self.evictable.pop(h, None)
             seq.cached.append(h)
         seq.computed += hit * self.p.block_size
-        if self.prefix_caching and seq.hashes:
+        if self.prefix_caching:
             self._hits += hit * self.p.block_size
             self._queries += seq.prompt_tokens
 

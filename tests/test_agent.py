@@ -220,3 +220,28 @@ async def test_hung_or_failing_engine_is_down_then_recovers(
         await fault(node, error_rate=0.0)
         st = (await agent.tick(session))[0]
         assert st.state == "open"
+
+
+async def test_the_engines_prefix_cache_hit_ratio_reaches_the_node_state(
+    redis: Any, redis_server: RedisServer, node: int
+) -> None:
+    """The emulator caches prefixes as vLLM V1 does; the agent reads its counters: requests
+    that repeat a long prompt show up as a high hit ratio (what makes booked KV exceed KV in
+    use), published for the sidecars, /status.json and the node gauge."""
+    agent = Agent(redis, make(redis_server, node))
+    system = "You are a support assistant for ACME. " * 40  # ~1,500 characters, shared
+    async with aiohttp.ClientSession() as session:
+        await agent.tick(session)  # the counters' first reading
+
+        async def ask(text: str) -> None:
+            body = {"model": "tiny", "prompt": text, "max_tokens": 2}
+            async with session.post(f"http://127.0.0.1:{node}/v1/completions", json=body) as r:
+                assert r.status == 200
+
+        for i in range(5):  # the first computes the shared part, the next four find it
+            await ask(system + f"question {i}")
+        st = (await agent.tick(session))[0]
+        # 1,530 characters = 382 tokens; the shared 1,520 fill 23 whole 16-token blocks.
+        assert st.prefix_hit_ratio == pytest.approx(4 * 23 * 16 / (5 * 382), abs=0.01)
+        published = json.loads(await redis.get(keys.node_state("n1")))
+        assert published["prefix_hit_ratio"] == pytest.approx(st.prefix_hit_ratio)

@@ -37,7 +37,8 @@ async def sidecar(
     path = tmp_path / "policies.yaml"
     path.write_text(BASE_POLICY.replace("REDIS_URL", redis_server.url))
     holder = PolicyHolder(path, load_policy(path), Metrics())
-    st = NodeState(node="n1", seq=1, state=Status.OPEN, source="kv", healthy=True, memory=0.42)
+    st = NodeState(node="n1", seq=1, state=Status.OPEN, source="kv", healthy=True, memory=0.42,
+                   prefix_hit_ratio=0.625)  # fmt: skip
     await redis.set(keys.node_state("n1"), st.to_json(), px=60_000)
     client = TestClient(TestServer(build_app(holder), host="127.0.0.1"))
     await client.start_server()
@@ -101,6 +102,8 @@ async def check_page(client: Any, holder: PolicyHolder, tmp_path: Path) -> None:
     assert "batch acme 1" in text
     assert re.search(r"n1 open .*42\.0 %", text)  # node, state, measured memory
     assert "4 / 4" in text  # in flight / cap
+    assert re.search(r"4 / 4 \d+ 62\.5 %", text)  # pending prefill, the engine's prefix cache hits
+    assert data["nodes"][0]["prefix_cache_hit_ratio"] == 0.625
     assert "small realtime requests_per_s 1" in text  # the refusal, counted
     assert "never" not in text and "stale" not in text  # it did fetch, and recently
 

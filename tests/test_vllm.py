@@ -129,7 +129,8 @@ def test_emulator_exports_the_metric_names_admission_reads(vstack: Stack, emulat
              "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
              "vllm:request_success_total", "vllm:time_to_first_token_seconds_bucket",
              "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
-             "vllm:inter_token_latency_seconds_bucket", "vllm:cache_config_info"]  # fmt: skip
+             "vllm:inter_token_latency_seconds_bucket", "vllm:cache_config_info",
+             "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"]  # fmt: skip
     real = (
         urllib.request.urlopen(f"http://127.0.0.1:{vstack.node_ports[0]}/metrics").read().decode()
     )

@@ -76,6 +76,10 @@ vllm:num_requests_running{engine="0",model_name="tiny"} 3.0
 vllm:num_requests_waiting{engine="0",model_name="tiny"} 2.0
 # TYPE vllm:num_preemptions counter
 vllm:num_preemptions_total{engine="0",model_name="tiny"} 7.0
+# TYPE vllm:prefix_cache_queries counter
+vllm:prefix_cache_queries_total{engine="0",model_name="tiny"} 4000.0
+# TYPE vllm:prefix_cache_hits counter
+vllm:prefix_cache_hits_total{engine="0",model_name="tiny"} 3000.0
 # TYPE vllm:cache_config_info gauge
 vllm:cache_config_info{block_size="16",engine="0",gpu_memory_utilization="0.9",num_gpu_blocks="1000",kv_cache_memory_bytes="2097152000"} 1.0
 """
@@ -85,6 +89,18 @@ def test_parse_vllm_metrics() -> None:
     s = parse_vllm_metrics(VLLM_METRICS)
     assert (s.kv_usage, s.running, s.waiting, s.preemptions) == (0.25, 3, 2, 7.0)
     assert s.kv_tokens == 16_000 and s.kv_pool_bytes == 2_097_152_000
+    assert (s.prefix_queries, s.prefix_hits) == (4000.0, 3000.0)
+
+
+def test_prefix_hit_ratio_is_recent_hits_over_queries() -> None:
+    from admission.nodes.agent import PrefixHits
+
+    h = PrefixHits()
+    assert h.update(None, None) is None  # an engine that does not report it
+    assert h.update(1000.0, 0.0) is None  # one sample: no interval yet
+    assert h.update(2000.0, 750.0) == pytest.approx(0.75)  # 750 of 1,000 looked up were cached
+    assert h.update(2000.0, 750.0) == pytest.approx(0.75)  # nothing looked up: unchanged
+    assert h.update(3000.0, 750.0) == pytest.approx(0.8 * 0.75)  # none cached since: smoothed
 
 
 def test_nvml_reader_against_pynvml() -> None:

@@ -37,6 +37,8 @@ class EngineSample:
     kv_tokens: int | None = None  # KV pool capacity in tokens (blocks × block size)
     prompt_tokens: float | None = None  # vllm:prompt_tokens_total (prefill tokens processed)
     generation_tokens: float | None = None  # vllm:generation_tokens_total
+    prefix_queries: float | None = None  # vllm:prefix_cache_queries_total (prompt tokens)
+    prefix_hits: float | None = None  # vllm:prefix_cache_hits_total (of those, found cached)
 
 
 def parse_vllm_metrics(text: str) -> EngineSample:
@@ -54,6 +56,10 @@ def parse_vllm_metrics(text: str) -> EngineSample:
                 s.generation_tokens = (s.generation_tokens or 0.0) + sm.value
             elif sm.name == "vllm:prompt_tokens_total":
                 s.prompt_tokens = (s.prompt_tokens or 0.0) + sm.value
+            elif sm.name == "vllm:prefix_cache_queries_total":
+                s.prefix_queries = (s.prefix_queries or 0.0) + sm.value
+            elif sm.name == "vllm:prefix_cache_hits_total":
+                s.prefix_hits = (s.prefix_hits or 0.0) + sm.value
             elif sm.name == "vllm:num_preemptions_total":
                 s.preemptions += sm.value
             elif sm.name == "vllm:cache_config_info":
@@ -126,6 +132,33 @@ class Tpot:
         return self.tpot_s
 
 
+class PrefixHits:
+    """The share of prompt tokens the engine found in its prefix cache lately (None: the
+    engine does not report it, or has looked nothing up yet), smoothed over samples. High on a
+    node whose prompts share prefixes: its KV in use is then well below what the ledger books
+    (each request's whole prompt), which is why `booked` can hold a node at lower measured
+    memory."""
+
+    ALPHA = 0.2
+
+    def __init__(self) -> None:
+        self.ratio: float | None = None
+        self._last: tuple[float, float] | None = None
+
+    def update(self, queries: float | None, hits: float | None) -> float | None:
+        if queries is None or hits is None:
+            return self.ratio
+        if self._last is not None:
+            dq, dh = queries - self._last[0], hits - self._last[1]
+            if dq > 0:
+                seen = min(1.0, max(0.0, dh / dq))
+                self.ratio = seen if self.ratio is None else (
+                    self.ALPHA * seen + (1 - self.ALPHA) * self.ratio
+                )  # fmt: skip
+        self._last = (queries, hits)
+        return self.ratio
+
+
 class NodeProbe:
     """Samples one node and keeps its watermark state between samples."""
 
@@ -140,6 +173,7 @@ class NodeProbe:
         self.seq = 0
         self.prefill = PrefillRate()
         self.tpot = Tpot()
+        self.prefix = PrefixHits()
         self._warned: set[str] = set()
 
     async def sample(self, policy: Policy) -> NodeState:
@@ -186,6 +220,7 @@ class NodeProbe:
                 self.tpot.update(time.monotonic(), engine.generation_tokens, engine.running), 5
             ),
             kv_usage=engine.kv_usage,
+            prefix_hit_ratio=self.prefix.update(engine.prefix_queries, engine.prefix_hits),
             running=engine.running,
             waiting=engine.waiting,
             preemptions=engine.preemptions,

@@ -41,6 +41,7 @@ class NodeState:
     prefill_rate: float = 0.0  # prompt tokens/s the node clears at full load (0: not measured yet)
     tpot_s: float = 0.0  # seconds per output token the running requests see now (0: idle)
     kv_usage: float | None = None
+    prefix_hit_ratio: float | None = None  # prompt tokens found in the engine's prefix cache
     running: int = 0
     waiting: int = 0
     preemptions: float = 0.0

@@ -219,5 +219,7 @@ class NodeTable:
                 m.node_state.labels(v.node.id, s.value).set(1 if v.state == s else 0)
             m.node_memory.labels(v.node.id).set(v.projected())
             m.node_inflight.labels(v.node.id).set(v.inflight)
+            if v.prefix_hit_ratio is not None:
+                m.node_prefix_hits.labels(v.node.id).set(v.prefix_hit_ratio)
         for model in self.policy().models():
             m.limit_factor.labels(model).set(self.limit_factor(model))

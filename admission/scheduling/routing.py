@@ -64,6 +64,7 @@ class NodeView:
     reserve: float = 0.0  # ledger: the urgent reserve (recent peak), as of `pending_at`
     inflight: int = 0
     waiting: int = 0  # the engine's own queue (requests), for operators
+    prefix_hit_ratio: float | None = None  # the engine's prefix cache, for operators
 
     def observe(self, st: NodeState | None, maintenance: bool) -> None:
         """Take the agent's latest state (None: silent → down) and the operator's flag."""
@@ -77,6 +78,7 @@ class NodeView:
         self.prefill_rate = st.prefill_rate
         self.tpot_s = st.tpot_s
         self.waiting = st.waiting
+        self.prefix_hit_ratio = st.prefix_hit_ratio
 
     def ledger(
         self, pending: float, kv: int, leases: int, now: float,
@@ -156,6 +158,7 @@ class NodeView:
             "inflight": self.inflight,
             "max_inflight": self.node.max_inflight,
             "waiting": self.waiting,
+            "prefix_cache_hit_ratio": self.prefix_hit_ratio,
         }
 
 
