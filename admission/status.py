@@ -16,7 +16,7 @@ from importlib import resources
 from typing import Any
 
 from admission.scheduling.outputs import decode_limit_s
-from admission.scheduling.routing import urgent, urgent_present
+from admission.scheduling.routing import urgent_present
 
 WINDOW_S = 60.0  # wait percentiles over this much recent history
 
@@ -106,7 +106,7 @@ def _decode_guard(dispatcher: Any) -> dict[str, Any]:
     policy = dispatcher.policy()
     mean = dispatcher.nodes.outputs.mean
     limit = decode_limit_s(policy, mean)
-    waiting = sum(dispatcher.queue.waiting_kv(c) for c in policy.classes if urgent(policy, c))
+    waiting = dispatcher.nodes.urgent_waiting(dispatcher.queue.waiting_kv)
     active = limit is not None and urgent_present(
         list(dispatcher.nodes.views.values()), None, waiting
     )

@@ -166,9 +166,9 @@ class Engine:
 ENGINE = web.AppKey("engine", Engine)
 
 
-def _prompt(body: dict[str, Any], chat: bool) -> tuple[int, str]:
+def _prompt(body: dict[str, Any], chat: bool) -> tuple[int, str | list[int]]:
     """Prompt tokens as the emulator counts them (4 characters each, plus 4 per chat message),
-    and the text its prefix cache sees."""
+    and what its prefix cache sees (the text, or the token ids)."""
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
@@ -184,7 +184,7 @@ def _prompt(body: dict[str, Any], chat: bool) -> tuple[int, str]:
         )
     if isinstance(prompt, str):
         return max(1, len(prompt) // 4), prompt
-    return max(1, len(prompt)), " ".join(map(str, prompt))
+    return max(1, len(prompt)), prompt if all(isinstance(t, int) for t in prompt) else ""
 
 
 MAX_MODEL_LEN = 8192

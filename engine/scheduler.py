@@ -30,12 +30,12 @@ from engine.profiles import Profile
 _ids = itertools.count()
 
 
-def block_hashes(text: str, block_size: int) -> tuple[int, ...]:
-    """Chained hashes of a prompt's full KV blocks (4 characters a token), as vLLM keys its
-    prefix cache: a block matches only when every block before it matched too."""
-    width, h, out = 4 * block_size, 0, []
-    for i in range(len(text) // width):
-        h = hash((h, text[i * width : (i + 1) * width]))
+def block_hashes(prompt: str | list[int], block_size: int) -> tuple[int, ...]:
+    """Chained hashes of a prompt's full KV blocks (text: 4 characters a token; or token ids),
+    as vLLM keys its prefix cache: a block matches only when every block before it matched."""
+    width, h, out = (4 if isinstance(prompt, str) else 1) * block_size, 0, []
+    for i in range(len(prompt) // width):
+        h = hash((h, tuple(prompt[i * width : (i + 1) * width])))
         out.append(h)
     return tuple(out)
 
@@ -169,7 +169,7 @@ class Scheduler:
                 skip = hit * self.p.block_size  # prompt tokens the cache holds
                 n = min(budget, seq.prompt_tokens - seq.computed - skip)
                 need = self._blocks_for(seq.context + skip + n) - hit - seq.blocks
-                self._reclaim(need, keep=seq)
+                self._reclaim(need, spare=seq.hashes[:hit])
                 if need > self.free_blocks:
                     break
                 self.waiting.pop(0)
@@ -283,12 +283,11 @@ class Scheduler:
             seq.cached.append(h)
             seq.blocks -= 1
 
-    def _reclaim(self, need: int, keep: Seq | None = None) -> None:
+    def _reclaim(self, need: int, spare: tuple[int, ...] = ()) -> None:
         """Evict cached blocks no sequence holds (least recently released first) until `need`
-        blocks are free, sparing those `keep` is about to share."""
+        blocks are free, sparing `spare` (the blocks a sequence is about to share)."""
         if self.free_blocks >= need or not self.evictable:
             return
-        spare = set(keep.hashes) if keep is not None else set()
         kept: list[int] = []
         while self.free_blocks < need and self.evictable:
             h, _ = self.evictable.popitem(last=False)

@@ -155,6 +155,9 @@ def test_prefix_caching_shares_computed_blocks_and_evicts_them_last() -> None:
     assert block_hashes(a_text, 16)[:4] == block_hashes(b_text, 16)[:4]
     assert block_hashes(a_text, 16)[4:] != block_hashes(b_text, 16)[4:]
     assert block_hashes("x" + a_text, 16)[0] != block_hashes(a_text, 16)[0]  # chained
+    ids = list(range(40))  # token ids: 16 to a block
+    assert len(block_hashes(ids, 16)) == 2
+    assert block_hashes(ids, 16)[:2] == block_hashes([*ids[:32], 7, 7], 16)[:2]
 
     s = Scheduler(TINY, num_blocks=20)
     a = Seq(104, 3, hashes=block_hashes(a_text, 16))  # 6 full blocks + 8 tokens

@@ -69,8 +69,7 @@ class NodeTable:
         `waiting_kv(class)`: KV tokens waiting in the queue that asked for a class (the urgent
         class's part is kept free on the nodes by the other classes)."""
         policy = self.policy()
-        urgent_kv = 0 if urgent(policy, cls) else sum(
-            waiting_kv(n) for n in policy.classes if urgent(policy, n))  # fmt: skip
+        urgent_kv = 0 if urgent(policy, cls) else self.urgent_waiting(waiting_kv)
         blocked = (
             frozenset(pool for t, pool in policy.tenant_pool.items() if t != tenant and waiting(t))
             if policy.tenant_pool
@@ -78,6 +77,11 @@ class NodeTable:
         )
         return eligible(list(self.views.values()), policy, model, cls, prompt, kv, self.clock(),
                         tenant, blocked, urgent_kv, self.metrics.gate, self.outputs.mean)  # fmt: skip
+
+    def urgent_waiting(self, waiting_kv: Callable[[str], int]) -> int:
+        """KV tokens waiting in the queue that asked for the urgent class (admitted until drain)."""
+        policy = self.policy()
+        return sum(waiting_kv(n) for n in policy.classes if urgent(policy, n))
 
     def fallbacks(self, nodes: list[NodeView], model: str, tenant: str) -> list[tuple[str, str]]:
         policy = self.policy()
