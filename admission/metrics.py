@@ -62,6 +62,19 @@ class Metrics:
             buckets=(0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
             registry=r,
         )
+        self.prefix_predicted = Counter(
+            "admission_prefix_predicted_tokens",
+            "Prompt tokens booked as already computed on their node (the prefix index's guess), "
+            "counted for releases whose engine reported its cached tokens.",
+            registry=r,
+        )
+        self.prefix_engine_cached = Counter(
+            "admission_prefix_engine_cached_tokens",
+            "Prompt tokens the engines reported as found in their prefix cache "
+            "(usage.prompt_tokens_details.cached_tokens), for the same releases: the truth "
+            "beside admission_prefix_predicted_tokens_total.",
+            registry=r,
+        )
         self.queue_depth = Gauge(
             "admission_queue_depth",
             "Requests waiting in this sidecar's queue.",

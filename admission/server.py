@@ -36,9 +36,10 @@ from admission.limits import Limiter
 from admission.metrics import Metrics
 from admission.policy import Policy, Tenant
 from admission.reload import PolicyHolder, write_edge_table
-from admission.scheduling import Dispatcher
-from admission.scheduling.leases import REQUEST_ID, parse_ticket
+from admission.scheduling import Dispatcher, prefixes
+from admission.scheduling.leases import REQUEST_ID
 from admission.store import Store
+from admission.usage import release_args
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +53,9 @@ ACCESS = web.AppKey("access", Access)
 RECENT = web.AppKey("recent", status.Recent)
 
 ADMIT_KEYS = {"tenant", "class", "model", "prompt_tokens", "max_tokens", "stream", "request_id",
-              "arrived_at"}  # fmt: skip
-RELEASE_KEYS = {"ticket", "status", "usage", "node_failed"}
+              "arrived_at", "prefix", "prefix_chars"}  # fmt: skip
 MAX_TOKENS_LIMIT = 10_000_000
 MAX_RELEASE_BATCH = 256
-# Statuses that mean no engine worked on the request: no upstream answered (0), NGINX could
-# not connect (502), or the engine refused it (4xx: the request did not validate, 429/503: its
-# queue was full). Not 499 (the client left; the engine may have generated meanwhile).
-NOTHING_RAN = (0, 400, 404, 413, 422, 429, 502, 503)
 
 
 def error_response(exc: AdmissionError) -> web.Response:
@@ -146,7 +142,7 @@ async def decide(app: web.Application, raw: bytes) -> dict[str, Any]:
     if not isinstance(model, str) or not model:
         raise BadRequest("model must be a non-empty string", code="invalid_model")
     dispatcher = app[DISPATCHER]
-    if not dispatcher.serves(model):
+    if not dispatcher.nodes.serves(model):
         raise NotFound(f"model {model!r} does not exist", code="model_not_found")
     if tenant.models and model not in tenant.models:
         raise Forbidden(f"model {model!r} is not allowed for this tenant", code="model_not_allowed")
@@ -165,9 +161,15 @@ async def decide(app: web.Application, raw: bytes) -> dict[str, Any]:
     rid = body.get("request_id")
     if rid is not None and not (isinstance(rid, str) and REQUEST_ID.fullmatch(rid)):
         raise BadRequest("request_id must be 8 to 64 characters of [A-Za-z0-9_-]")
+    try:
+        prefix = prefixes.parse(body.get("prefix"), body.get("prefix_chars"),
+                                policy.edge.chars_per_token)  # fmt: skip
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
     outcome, reason = "error", "internal"
     try:
-        adm = await dispatcher.admit(tenant, cls, model, prompt, max_tokens, waited_s, rid)
+        adm = await dispatcher.admit(tenant, cls, model, prompt, max_tokens, waited_s, rid,
+                                     prefix)  # fmt: skip
         outcome, reason = "admitted", "degraded" if app[LIMITER].degraded else "ok"
         return {
             "ticket": adm.ticket,
@@ -196,42 +198,6 @@ async def decide(app: web.Application, raw: bytes) -> dict[str, Any]:
                                     adm.queued_s if outcome == "admitted" else 0.0)  # fmt: skip
 
 
-def _release_args(body: Any) -> tuple[str, int, bool, int]:
-    """(ticket, tokens, node unreachable, output tokens; -1: unknown) or BadRequest."""
-    if not isinstance(body, dict):
-        raise BadRequest("a release must be a JSON object", code="invalid_json")
-    if unknown := sorted(set(body) - RELEASE_KEYS):
-        raise BadRequest(f"unknown field(s): {', '.join(unknown)}", code="unknown_field")
-    ticket = body.get("ticket")
-    try:
-        if not isinstance(ticket, str):
-            raise ValueError
-        parse_ticket(ticket)
-    except ValueError:
-        raise BadRequest("ticket is missing or malformed", code="invalid_ticket") from None
-    status = body.get("status", 200)
-    if isinstance(status, bool) or not isinstance(status, int):
-        raise BadRequest("status must be an integer")
-    failed = body.get("node_failed", False)
-    if not isinstance(failed, bool):
-        raise BadRequest("node_failed must be true or false")
-    usage = body.get("usage")
-    if isinstance(usage, dict):
-        p, c = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
-        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (p, c)):
-            raise BadRequest(
-                "usage.prompt_tokens and usage.completion_tokens must be integers >= 0"
-            )
-        return ticket, p + c, failed, c
-    if usage is not None:
-        raise BadRequest("usage must be an object or null")
-    if status in NOTHING_RAN:
-        return ticket, 0, failed, -1  # no engine took it (connect refused, shed): nothing used
-    # Unknown: keep the reservation as charged. That includes 500 and 504 without usage: the
-    # engine may have generated up to the cap before it failed or the proxy timed out.
-    return ticket, -1, failed, -1
-
-
 async def release(request: web.Request) -> web.Response:
     """One release (an object) or a batch (an array, as the edge sends them): give the node
     lease back and settle the reservation. A malformed entry of a batch is answered on its own
@@ -240,16 +206,17 @@ async def release(request: web.Request) -> web.Response:
     body = await _json_body(request)
     dispatcher = request.app[DISPATCHER]
     if not isinstance(body, list):
-        refunded = await dispatcher.release(*_release_args(body))
+        refunded = await dispatcher.release(*release_args(body, request.app[POLICY].current))
         return _json({"released": True, "refunded_tokens": refunded})
     if len(body) > MAX_RELEASE_BATCH:
         raise BadRequest(f"at most {MAX_RELEASE_BATCH} releases per batch", code="batch_too_large")
 
     results: list[dict[str, Any]] = []
-    good: list[tuple[str, int, bool, int]] = []
+    good: list[tuple[str, int, bool, int, int]] = []
+    policy = request.app[POLICY].current
     for entry in body:  # a malformed entry is answered on its own
         try:
-            good.append(_release_args(entry))
+            good.append(release_args(entry, policy))
             results.append({})
         except BadRequest as exc:
             results.append({"error": {"message": exc.message, "code": exc.code}})

@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from engine.openai_api import MAX_MODEL_LEN, err_body, prompt_of
 from engine.profiles import PROFILES, Profile
 from engine.scheduler import Scheduler, Seq, block_hashes
 
@@ -166,36 +167,6 @@ class Engine:
 ENGINE = web.AppKey("engine", Engine)
 
 
-def _prompt(body: dict[str, Any], chat: bool) -> tuple[int, str | list[int]]:
-    """Prompt tokens as the emulator counts them (4 characters each, plus 4 per chat message),
-    and what its prefix cache sees (the text, or the token ids)."""
-    if chat:
-        msgs = body.get("messages")
-        if not isinstance(msgs, list) or not msgs:
-            raise web.HTTPBadRequest(
-                text=_err("messages must be a non-empty list"), content_type="application/json"
-            )
-        text = "".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
-        return max(1, len(text) // 4 + 4 * len(msgs)), text
-    prompt = body.get("prompt")
-    if not isinstance(prompt, str | list):
-        raise web.HTTPBadRequest(
-            text=_err("prompt must be a string"), content_type="application/json"
-        )
-    if isinstance(prompt, str):
-        return max(1, len(prompt) // 4), prompt
-    return max(1, len(prompt)), prompt if all(isinstance(t, int) for t in prompt) else ""
-
-
-MAX_MODEL_LEN = 8192
-
-
-def _err(msg: str, code: int = 400) -> str:
-    return json.dumps(
-        {"object": "error", "message": msg, "type": "BadRequestError", "param": None, "code": code}
-    )
-
-
 async def generate(request: web.Request) -> web.StreamResponse:
     engine = request.app[ENGINE]
     chat = request.path.endswith("/chat/completions")
@@ -205,17 +176,17 @@ async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.json()
     except json.JSONDecodeError:
         raise web.HTTPBadRequest(
-            text=_err("invalid JSON"), content_type="application/json"
+            text=err_body("invalid JSON"), content_type="application/json"
         ) from None
     if engine.drop and request.transport is not None:  # dies mid-request: no answer at all
         request.transport.abort()
         raise web.HTTPInternalServerError()
     if engine.error_rate and random.random() < engine.error_rate:
         raise web.HTTPInternalServerError(
-            text=_err("injected error", 500), content_type="application/json"
+            text=err_body("injected error", 500), content_type="application/json"
         )
     if body.get("model") not in (engine.model, None):
-        raise web.HTTPNotFound(text=_err(f"The model `{body.get('model')}` does not exist.", 404),
+        raise web.HTTPNotFound(text=err_body(f"The model `{body.get('model')}` does not exist.", 404),
                                content_type="application/json")  # fmt: skip
     # As vLLM reads them: max_completion_tokens wins on chat; with neither set, a chat request
     # generates up to the model's length (MAX_MODEL_LEN here), a completion 16 tokens.
@@ -225,16 +196,20 @@ async def generate(request: web.Request) -> web.StreamResponse:
     )  # fmt: skip
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise web.HTTPBadRequest(
-            text=_err("max_tokens must be at least 1"), content_type="application/json"
+            text=err_body("max_tokens must be at least 1"), content_type="application/json"
         )
-    prompt, text = _prompt(body, chat)
+    prompt, text = prompt_of(body, chat)
     seq = Seq(prompt, max_tokens, priority=int(body.get("priority", 0)), arrival=time.monotonic())
     if engine.sched.prefix_caching:
         seq.hashes = block_hashes(text, engine.profile.block_size)
     engine.m_prio.labels(str(seq.priority)).inc()
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
-    usage = {"prompt_tokens": prompt, "completion_tokens": 0, "total_tokens": prompt}
+    usage: dict[str, Any] = {
+        "prompt_tokens": prompt,
+        "completion_tokens": 0,
+        "total_tokens": prompt,
+    }
     stream = bool(body.get("stream"))
     queue: asyncio.Queue[int] = asyncio.Queue()
     if stream:
@@ -251,12 +226,16 @@ async def generate(request: web.Request) -> web.StreamResponse:
         engine.submit(seq)
     except OverflowError:
         raise web.HTTPServiceUnavailable(
-            text=_err("engine queue full", 503), content_type="application/json"
+            text=err_body("engine queue full", 503), content_type="application/json"
         ) from None
     try:
         if not stream:
             await done
-            usage.update(completion_tokens=seq.generated, total_tokens=prompt + seq.generated)
+            usage.update(
+                completion_tokens=seq.generated,
+                total_tokens=prompt + seq.generated,
+                prompt_tokens_details={"cached_tokens": max(0, seq.cached_tokens)},
+            )
             text = "".join(f" tok{i}" for i in range(seq.generated))
             choice: dict[str, Any] = {
                 "index": 0,
@@ -303,7 +282,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
             await resp.write(chunk(parts, seq.finish_reason if sent >= seq.max_tokens else None))
         opts = body.get("stream_options") or {}
         if opts.get("include_usage"):
-            usage.update(completion_tokens=sent, total_tokens=prompt + sent)
+            usage.update(
+                completion_tokens=sent,
+                total_tokens=prompt + sent,
+                prompt_tokens_details={"cached_tokens": max(0, seq.cached_tokens)},
+            )
             d = {"id": rid, "object": obj, "created": created, "model": engine.model,
                  "choices": [], "usage": usage}  # fmt: skip
             await resp.write(b"data: " + json.dumps(d).encode() + b"\n\n")

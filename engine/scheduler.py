@@ -58,6 +58,8 @@ class Seq:
     on_token: Callable[[Seq], None] | None = None
     hashes: tuple[int, ...] = ()  # chained hashes of the prompt's full blocks (prefix caching)
     cached: list[int] = field(default_factory=list)  # leading blocks it shares from the cache
+    cached_tokens: int = -1  # prompt tokens found cached when first scheduled (vLLM's
+    # num_cached_tokens: set once, a recompute after preemption does not change it)
 
     @property
     def context(self) -> int:
@@ -265,6 +267,8 @@ class Scheduler:
             self.evictable.pop(h, None)
             seq.cached.append(h)
         seq.computed += hit * self.p.block_size
+        if seq.cached_tokens < 0:
+            seq.cached_tokens = hit * self.p.block_size
         if self.prefix_caching:
             self._hits += hit * self.p.block_size
             self._queries += seq.prompt_tokens

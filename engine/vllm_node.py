@@ -87,6 +87,9 @@ def vllm_command(
         "--scheduling-policy", scheduling_policy,
         "--max-num-seqs", "64", "--max-num-batched-tokens", "2048", "--max-model-len", "2048",
         "--num-gpu-blocks-override", str(num_gpu_blocks or 48),
+        # usage.prompt_tokens_details.cached_tokens: what its prefix cache saved each request,
+        # which the sidecar compares with what it booked as cached.
+        "--enable-prompt-tokens-details",
     ]  # fmt: skip
     env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "OMP_NUM_THREADS": "1"}  # fmt: skip

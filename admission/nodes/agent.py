@@ -220,6 +220,7 @@ class NodeProbe:
                 self.tpot.update(time.monotonic(), engine.generation_tokens, engine.running), 5
             ),
             kv_usage=engine.kv_usage,
+            kv_pool_tokens=engine.kv_tokens,
             prefix_hit_ratio=self.prefix.update(engine.prefix_queries, engine.prefix_hits),
             running=engine.running,
             waiting=engine.waiting,

@@ -41,6 +41,10 @@ class NodeState:
     prefill_rate: float = 0.0  # prompt tokens/s the node clears at full load (0: not measured yet)
     tpot_s: float = 0.0  # seconds per output token the running requests see now (0: idle)
     kv_usage: float | None = None
+    # The engine's KV pool in tokens (blocks × block size; None: unknown): how many prompt
+    # prefix blocks it can keep computed, for the sidecars' prefix index. Optional, so readers
+    # of this version that predate it ignore it.
+    kv_pool_tokens: int | None = None
     prefix_hit_ratio: float | None = None  # prompt tokens found in the engine's prefix cache
     running: int = 0
     waiting: int = 0

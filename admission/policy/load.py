@@ -331,6 +331,7 @@ def _limits(c: Checker, raw: Any, p: str) -> Limits:
         burst_max=c.integer(b, "burst_max", p, 0, lo=0),
         max_concurrent=c.integer(b, "max_concurrent", p, 0, lo=0),
         max_queued=c.integer(b, "max_queued", p, 0, lo=0),
+        cached_token_price=c.number(b, "cached_token_price", p, 1.0, lo=0, hi=1),
     )
     # Integer micro-unit arithmetic in the Redis script stays exact below 2**53.
     if lim.token_burst > 10**9:

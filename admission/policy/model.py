@@ -125,6 +125,10 @@ class Limits:
     burst_max: int = 0  # max requests in any burst window; 0 = guard off
     max_concurrent: int = 0  # requests admitted and not yet released; 0 = unlimited
     max_queued: int = 0  # per-sidecar queue bound for this tenant; 0 = queue default
+    # What a prompt token the engine found in its prefix cache costs in the token bucket, as a
+    # fraction of a computed one (settled from the engine's reported cached tokens). 1.0: the
+    # same (a cached prefix is not cheaper for the tenant); 0.1: what providers bill.
+    cached_token_price: float = 1.0
 
 
 @dataclass(frozen=True)

@@ -10,10 +10,9 @@
 Whatever the decision, this module undoes what it took and did not use (an optimistic lease,
 the reservation of a request that never ran); nobody else undoes its work.
 
-Order: the fair queue decides who is next; a class with an SLO and `on_late: refuse` has its
-requests refused (429 `slo_unreachable`) as soon as waiting any longer cannot meet its TTFT
-target, instead of spending capacity on an answer that is late anyway. Routing: the node whose
-booked prefill clears soonest (routing.py); the next ones are the edge's fallbacks.
+Order: the fair queue decides who is next; `on_late: refuse` classes are refused (429
+`slo_unreachable`) once waiting longer cannot meet their TTFT target. Routing: routing.py (the
+first token soonest, prefix cache counted); the next nodes are the edge's fallbacks.
 """
 
 from __future__ import annotations
@@ -35,9 +34,11 @@ from admission.scheduling.ahead import Ahead
 from admission.scheduling.late import late_heads
 from admission.scheduling.leases import Ask
 from admission.scheduling.nodetable import NodeTable
+from admission.scheduling.prefixes import NO_PREFIX, Prefix
 from admission.scheduling.queue import FairQueue, Item
+from admission.scheduling.release import Released, release_many
 from admission.scheduling.routing import NodeView, engine_priority
-from admission.store import REDIS_DOWN, Call, PoolBusy, Store
+from admission.store import REDIS_DOWN, PoolBusy, Store
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class Dispatcher:
     # -- the decision ------------------------------------------------------------------------
     async def admit(
         self, tenant: Tenant, cls: str, model: str, prompt_tokens: int, max_tokens: int,
-        waited_s: float = 0.0, rid: str | None = None,
+        waited_s: float = 0.0, rid: str | None = None, prefix: Prefix = NO_PREFIX,
     ) -> Admission:  # fmt: skip
         """Charge the tenant's limits and get a node, now or from the queue.
 
@@ -92,13 +93,14 @@ class Dispatcher:
         BackendUnavailable (fail-closed); in every case nothing stays taken. `waited_s`: how
         long the request already waited elsewhere (re-asked after its sidecar died): it keeps
         that deadline spent and aging credit; its `rid` is charged once (idempotent acquire).
+        `prefix`: the prompt's head (routing prefers where it is cached; it is booked once per node).
         """
         policy = self.policy()
         ttl_s = policy.queue.lease_ttl_s
         cost = prompt_tokens + max_tokens
         rid = rid or leases.new_request_id()
         await self.nodes.fresh(2 * REFRESH_S)  # after a quiet spell; busy, the loop polls
-        nodes = self._fast_path(model, cls, prompt_tokens, cost, tenant.id)
+        nodes = self._fast_path(model, cls, prompt_tokens, cost, tenant.id, prefix)
         lease = ticket = undo = None
         # The reservation and the concurrency slot must outlive the wait in the queue as well
         # as the run: they expire after the class deadline plus the longest run.
@@ -114,7 +116,7 @@ class Dispatcher:
                 self.ahead.book(ticket, view, self.limiter.acquire_forced(
                     tenant, rid, cost, hold_s, forced, scale, undo))  # fmt: skip
                 return self._record(self._item(tenant, cls, cost, model, waited_s, rid,
-                                               prompt_tokens), nodes, ticket)  # fmt: skip
+                                               prompt_tokens, prefix), nodes, ticket)  # fmt: skip
             lease = leases.take(view.node, ticket, ttl_s, ask)
         acq = await self.limiter.acquire(tenant, rid, cost, hold_s, lease, scale, undo)
         held = lease is not None and leases.granted(acq.also)
@@ -128,9 +130,9 @@ class Dispatcher:
                     await self._give_back(ticket)
                 assert acq.denied is not None  # let_through says no only with a reason
                 raise acq.denied
-            item = self._item(tenant, cls, cost, model, waited_s, rid, prompt_tokens)
+            item = self._item(tenant, cls, cost, model, waited_s, rid, prompt_tokens, prefix)
             if held and nodes and ticket is not None:
-                adm = self._record(item, nodes, ticket)
+                adm = self._record(item, nodes, ticket, acq.also)
                 return adm
             if nodes and acq.also is not None:
                 self._refused(nodes[0][0], acq.also)
@@ -146,41 +148,28 @@ class Dispatcher:
                 self.store.backlog.add(leases.give_back(maybe))
 
     def _item(self, tenant: Tenant, cls: str, cost: int, model: str, waited_s: float, rid: str,
-              prompt: int) -> Item:  # fmt: skip
+              prompt: int, prefix: Prefix) -> Item:  # fmt: skip
         arrived = self.clock() - waited_s
         return Item(tenant=tenant.id, cls=cls, cost=cost, model=model, enqueued_at=arrived,
                     deadline_at=arrived + self.policy().classes[cls].deadline_s, rid=rid,
-                    prompt=prompt)  # fmt: skip
+                    prompt=prompt, prefix=prefix)  # fmt: skip
 
-    async def release(self, ticket: str, actual: int, failed: bool = False, out: int = -1) -> int:
+    async def release(
+        self, ticket: str, actual: int, failed: bool = False, out: int = -1, cached: int = -1
+    ) -> int:
         """Give the lease back and settle (tokens refunded); `failed`: the node was unreachable;
-        `out`: output tokens the engine reported (-1: unknown), for the decode guard."""
-        return (await self.release_many([(ticket, actual, failed, out)]))[0]
+        `out`: output tokens the engine reported (-1: unknown), for the decode guard; `cached`:
+        prompt tokens it found in its prefix cache (-1: unknown), beside what was booked so."""
+        return (await self.release_many([(ticket, actual, failed, out, cached)]))[0]
 
-    async def release_many(self, entries: list[tuple[str, int, bool, int]]) -> list[int]:
-        """`release` for an edge's batch of (ticket, tokens, node failed, output): one round trip."""
-        items: list[tuple[Tenant | None, str, int, Call | None, bool]] = []
-        nodes, tenants = [], self.policy().tenants
-        await self.ahead.settled(ticket for ticket, *_rest in entries)  # booked before released
-        for ticket, actual, failed, out in entries:
-            self.nodes.outputs.answered(ticket, out)
-            rid, node, tid = leases.parse_ticket(ticket)
-            await self.nodes.proxied(node, failed)
-            first = leases.answered_ahead(ticket)  # its release may come before its booking
-            items.append((tenants.get(tid), rid, actual, leases.give_back(ticket, first), first))
-            nodes.append(node)
-        try:
-            return await self.limiter.settle_many(items)
-        finally:
-            for node in nodes:  # only now are the leases gone in Redis (waking earlier requeued)
-                self._freed(node)
-
-    def serves(self, model: str) -> bool:
-        return self.nodes.serves(model)
+    async def release_many(self, entries: list[Released]) -> list[int]:
+        """`release` for an edge's batch of (ticket, tokens, node failed, output, cached): one
+        round trip."""
+        return await release_many(self, entries)
 
     # -- the queue ---------------------------------------------------------------------------
     def _fast_path(
-        self, model: str, cls: str, prompt: int, kv: int, tenant: str
+        self, model: str, cls: str, prompt: int, kv: int, tenant: str, prefix: Prefix
     ) -> list[tuple[NodeView, Ask]] | None:
         """Nodes to admit onto directly, when no request of this class or a more urgent one
         waits (so no one who would go first is overtaken): under overload, realtime keeps
@@ -188,7 +177,7 @@ class Dispatcher:
         if self.queue.waiting_at_or_above(cls):
             return None
         return self.nodes.eligible(model, cls, prompt, kv, tenant, self.queue.tenant_depth,
-                                   self.queue.waiting_kv) or None  # fmt: skip
+                                   self.queue.waiting_kv, prefix) or None  # fmt: skip
 
     async def submit(self, item: Item) -> Admission:
         """Queue `item` and wait for a node (or QueueFull now, or QueueTimeout at its deadline).
@@ -197,7 +186,12 @@ class Dispatcher:
         releases its lease if it was admitted in the meantime.
         """
         if nodes := self._fast_path(
-            item.model, item.requested_cls or item.cls, item.prompt, item.cost, item.tenant
+            item.model,
+            item.requested_cls or item.cls,
+            item.prompt,
+            item.cost,
+            item.tenant,
+            item.prefix,
         ):
             # Nobody is waiting, so admitting directly overtakes no one and saves the hop
             # through the dispatcher task.
@@ -279,7 +273,7 @@ class Dispatcher:
             # The nodes found for the item popped are kept: routing runs once per decision.
             found[:] = self.nodes.eligible(it.model, it.requested_cls or it.cls, it.prompt, it.cost,
                                            it.tenant, self.queue.tenant_depth,
-                                           self.queue.waiting_kv)  # fmt: skip
+                                           self.queue.waiting_kv, it.prefix)  # fmt: skip
             return bool(found)
 
         while True:
@@ -307,7 +301,8 @@ class Dispatcher:
         return admitted
 
     def _refuse_late(self, now: float) -> None:
-        for name, item in late_heads(self.policy(), self.queue, self.views, now):
+        cached = self.nodes.cached
+        for name, item in late_heads(self.policy(), self.queue, self.views, now, cached):
             waiter: _Waiter = item.payload
             if not waiter.future.done():
                 exc = SloUnreachable(name, self.queue.retry_after(len(self.queue)))
@@ -338,7 +333,7 @@ class Dispatcher:
         if not leases.granted(res):
             self._refused(node, res)
             return None
-        adm = self._record(item, nodes, ticket)
+        adm = self._record(item, nodes, ticket, res)
         node.seen(leases.figures(res), self.clock())
         return adm
 
@@ -352,12 +347,16 @@ class Dispatcher:
         if reason == "inflight":
             node.inflight = node.node.max_inflight
 
-    def _record(self, item: Item, nodes: list[tuple[NodeView, Ask]], ticket: str) -> Admission:
-        """Account a lease taken on the first node; build the answer."""
+    def _record(
+        self, item: Item, nodes: list[tuple[NodeView, Ask]], ticket: str, res: Any = None
+    ) -> Admission:
+        """Account a lease taken on the first node (`res`: lease.lua's reply, if any); build
+        the answer."""
         self._active = True
         chosen, ask = nodes[0]
         now = self.clock()
         chosen.booked(ask, now)
+        self.nodes.prefix_booked(ticket, chosen, ask, res)
         self.nodes.outputs.admitted(ticket, ask.urgent)
         self.metrics.queue_wait_seconds.labels(item.cls).observe(now - item.enqueued_at)
         return Admission(
@@ -374,7 +373,7 @@ class Dispatcher:
 
     async def _give_back(self, ticket: str) -> None:
         _rid, node, _tenant = leases.parse_ticket(ticket)
-        self._freed(node)
+        self.freed(node)
         call = leases.give_back(ticket)
         try:
             await self.store.scripts.run(call)
@@ -382,7 +381,7 @@ class Dispatcher:
             self.metrics.redis_errors.labels("release").inc()
             self.store.backlog.add(call)
 
-    def _freed(self, node: str) -> None:
+    def freed(self, node: str) -> None:
         self._active = True
         if (v := self.nodes.get(node)) is not None:
             v.inflight = max(0, v.inflight - 1)

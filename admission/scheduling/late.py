@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from admission.policy import OnLate, Policy
+from admission.scheduling.prefixes import Prefix
 from admission.scheduling.queue import FairQueue, Item
 from admission.scheduling.routing import NodeView, eta_s
 
@@ -12,14 +13,16 @@ LATE_MARGIN = 0.25  # share of a TTFT target kept as slack for what the ETA does
 
 
 def late_heads(
-    policy: Policy, queue: FairQueue, views: list[NodeView], now: float
-) -> Iterator[tuple[str, Item]]:
+    policy: Policy, queue: FairQueue, views: list[NodeView], now: float,
+    cached: Callable[[Prefix], dict[str, int]] = lambda _p: {},
+) -> Iterator[tuple[str, Item]]:  # fmt: skip
     """Take out and yield (class, item) for the queued requests of `on_late: refuse` classes
     that can no longer meet their TTFT target: time waited + the soonest any node could prefill
     them > target, less a margin of `LATE_MARGIN` of the target. The estimate assumes the
     node's full prefill rate, while inside the engine a more urgent class goes first: without
     the margin the requests served were those dispatched with no slack left, and half of them
-    arrived just past the target (measured: batch TTFT p50 9,986 ms against a 10 s target)."""
+    arrived just past the target (measured: batch TTFT p50 9,986 ms against a 10 s target).
+    `cached(prefix)`: node → prompt tokens of an item's head its prefix cache should hold."""
     for c in policy.classes.values():
         if c.on_late != OnLate.REFUSE or not c.slo_ttft_ms:
             continue
@@ -27,7 +30,7 @@ def late_heads(
 
         def late(it: Item, t: float = target, n: str = c.name) -> bool:
             return (it.requested_cls or it.cls) == n and (
-                now - it.enqueued_at + eta_s(views, it.model, it.prompt, now) > t
+                now - it.enqueued_at + eta_s(views, it.model, it.prompt, now, cached(it.prefix)) > t
             )
 
         for item in queue.drop_heads(c.name, late):

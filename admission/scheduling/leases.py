@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from admission.policy import Node
+from admission.scheduling.prefixes import NO_PREFIX, Prefix
 from admission.store import Call, keys
 
 U = 1_000_000  # µs per second: lease TTLs are in Redis TIME units
@@ -59,17 +60,33 @@ class Ask:
     urgent_waiting: int = 0  # urgent KV the caller has waiting for this node
     decode_limit_s: float = 0.0  # lower classes: the node's measured s/token must not be above
     # (0: no guard); checked by the sidecar only (routing.why_not), not sent to Redis
+    prefix: Prefix = NO_PREFIX  # the prompt's head: lease.lua books what the node lacks of it
+    pool_blocks: int = 0  # prefix blocks the node's KV pool keeps (0: unbounded)
+    hit_tokens: int = 0  # prompt tokens this sidecar expects the node to have computed
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Pending prefill this request adds, as this sidecar guesses it (Redis decides)."""
+        return max(0, self.prompt_tokens - self.hit_tokens)
+
+    @property
+    def new_kv(self) -> int:
+        """KV this request adds to the node's booking, as this sidecar guesses it."""
+        return max(0, self.kv_tokens - self.hit_tokens)
 
 
 def take(node: Node, ticket: str, ttl_s: float, ask: Ask, force: bool = False) -> Call:
     """Take one in-flight lease on `node` and book `ask` in its ledger, if every limit holds
     (`force`: whatever they say: the request was sent there already)."""
+    prefix = ask.prefix
     return Call(
         "lease",
-        [keys.node_leases(node.id), keys.node_ledger(node.id), keys.node_gone(node.id)],
+        [keys.node_leases(node.id), keys.node_ledger(node.id), keys.node_gone(node.id),
+         keys.node_prefixes(node.id)],
         [node.max_inflight, int(ttl_s * U), ticket, ask.prompt_tokens, ask.kv_tokens,
          ask.prefill_rate, ask.prefill_budget, ask.kv_limit, int(ask.urgent),
-         ask.reserve_limit, ask.urgent_waiting, int(force)],
+         ask.reserve_limit, ask.urgent_waiting, int(force), prefix.block_tokens,
+         ask.pool_blocks, *prefix.blocks],
     )  # fmt: skip
 
 
@@ -77,7 +94,8 @@ def give_back(ticket: str, released: bool = False) -> Call:
     """Give a ticket's lease and its KV reservation back (idempotent: harmless if never taken).
     `released`: the request ended (not an undo): a booking still on its way must book nothing."""
     _rid, node, _tenant = parse_ticket(ticket)
-    return Call("unlease", [keys.node_leases(node), keys.node_ledger(node), keys.node_gone(node)],
+    return Call("unlease", [keys.node_leases(node), keys.node_ledger(node), keys.node_gone(node),
+                            keys.node_prefixes(node)],
                 [ticket, b"1" if released else b"0"])  # fmt: skip
 
 
@@ -96,6 +114,13 @@ def figures(result: Any) -> tuple[int, float, int] | None:
 def over(result: Any) -> str:
     """The rule a forced lease went past ("" when none did, or not a granted result)."""
     return _text(result[4]) if granted(result) and len(result) >= 5 else ""
+
+
+def hit_blocks(result: Any) -> int | None:
+    """How many of the request's prefix blocks lease.lua found resident (None: no answer)."""
+    if not isinstance(result, list) or len(result) < 6:
+        return None
+    return int(result[5])
 
 
 def refusal(result: Any) -> tuple[str, float, int] | None:

@@ -14,8 +14,10 @@ from typing import Any
 from admission.metrics import Metrics
 from admission.nodes.state import NodeState, Status
 from admission.policy import FailureMode, Policy
+from admission.scheduling import leases
 from admission.scheduling.leases import Ask
 from admission.scheduling.outputs import UrgentOutputs
+from admission.scheduling.prefixes import NO_PREFIX, Prefix, PrefixIndex
 from admission.scheduling.routing import (
     RESERVE_HALF_S,
     NodeView,
@@ -48,6 +50,8 @@ class NodeTable:
         self._reading: asyncio.Future[None] | None = None
         self._bad_state_logged: set[str] = set()
         self.outputs = UrgentOutputs()  # the urgent class's answer lengths: the decode guard
+        self.prefixes = PrefixIndex()  # where this sidecar saw prompt heads go (routing)
+        self._predicted: dict[str, int] = {}  # ticket → prompt tokens booked as cached
         self.set_policy(policy())
 
     def set_policy(self, policy: Policy) -> None:
@@ -63,6 +67,7 @@ class NodeTable:
     def eligible(
         self, model: str, cls: str | None, prompt: int, kv: int, tenant: str | None = None,
         waiting: Callable[[str], int] = lambda _t: 0, waiting_kv: Callable[[str], int] = lambda _c: 0,
+        prefix: Prefix = NO_PREFIX,
     ) -> list[tuple[NodeView, Ask]]:  # fmt: skip
         """Nodes for this request, best first. `waiting(tenant)`: how many of a tenant's requests
         wait in the queue; a pool whose owners wait is not lent (they take it back).
@@ -75,8 +80,37 @@ class NodeTable:
             if policy.tenant_pool
             else _NONE
         )
+        hits = self.prefixes.matches(prefix) if prefix else None
         return eligible(list(self.views.values()), policy, model, cls, prompt, kv, self.clock(),
-                        tenant, blocked, urgent_kv, self.metrics.gate, self.outputs.mean)  # fmt: skip
+                        tenant, blocked, urgent_kv, self.metrics.gate, self.outputs.mean,
+                        prefix, hits)  # fmt: skip
+
+    def cached(self, prefix: Prefix) -> dict[str, int]:
+        """Node → prompt tokens of `prefix` this sidecar expects its prefix cache to hold."""
+        return (
+            {n: prefix.tokens(b) for n, b in self.prefixes.matches(prefix).items()}
+            if prefix
+            else {}
+        )
+
+    def prefix_booked(self, ticket: str, view: NodeView, ask: Ask, res: Any) -> None:
+        """A lease with a prefix was taken on `view`: its blocks are there now (the engine
+        computes them); remember what was booked as cached, to compare with the engine's count."""
+        prefix = ask.prefix
+        if not prefix:
+            return
+        hit = leases.hit_blocks(res)
+        predicted = ask.hit_tokens if hit is None else prefix.tokens(hit)
+        if len(self._predicted) < 100_000:  # bounded: a lost release must not grow it forever
+            self._predicted[ticket] = min(ask.prompt_tokens, predicted)
+        self.prefixes.learn(view.node.id, prefix, self.clock(), ask.pool_blocks)
+
+    def engine_cached(self, ticket: str, cached: int) -> None:
+        """The engine's `cached_tokens` for a released ticket (-1: not reported)."""
+        predicted = self._predicted.pop(ticket, None)
+        if cached >= 0 and predicted is not None:
+            self.metrics.prefix_predicted.inc(predicted)
+            self.metrics.prefix_engine_cached.inc(cached)
 
     def urgent_waiting(self, waiting_kv: Callable[[str], int]) -> int:
         """KV tokens waiting in the queue that asked for the urgent class (admitted until drain)."""
@@ -123,7 +157,10 @@ class NodeTable:
         redis_now_us = int(secs) * 1_000_000 + int(micros)
         for i, v in enumerate(views):
             raw, admin, leases, (p, t, kv, u, r, rt), ejected = res[1 + 5 * i : 6 + 5 * i]
+            was = v.state
             v.observe(None if ejected else self._state(v.node.id, raw), bool(admin))
+            if v.state == Status.DOWN and was != Status.DOWN:
+                self.prefixes.drop_node(v.node.id)  # a restarted engine has an empty cache
             pending = float(p or 0)
             if t is not None and v.prefill_rate > 0:  # drained until Redis's now
                 pending = max(0.0, pending - v.prefill_rate * (redis_now_us - int(t)) / 1e6)

@@ -26,6 +26,7 @@ from typing import Any
 
 from admission.errors import QueueFull
 from admission.policy import Policy
+from admission.scheduling.prefixes import NO_PREFIX, Prefix
 
 _seq = itertools.count()
 
@@ -43,6 +44,7 @@ class Item:
     class_since: float = 0.0
     rid: str = ""
     prompt: int = 0  # prompt tokens (estimate): the prefill this request books on a node
+    prefix: Prefix = NO_PREFIX  # the prompt's head (prefixes.py): routing and booking use it
     requested_cls: str = ""
     payload: Any = None
     cancelled: bool = False

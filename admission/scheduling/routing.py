@@ -40,6 +40,7 @@ from admission.nodes.state import NodeState, Status
 from admission.policy import AdmitUntil, Node, Policy
 from admission.scheduling.leases import Ask
 from admission.scheduling.outputs import decode_limit_s
+from admission.scheduling.prefixes import NO_PREFIX, Prefix
 
 MAX_FALLBACKS = 2
 _LIVE = (Status.OPEN, Status.HOLD)
@@ -65,6 +66,7 @@ class NodeView:
     inflight: int = 0
     waiting: int = 0  # the engine's own queue (requests), for operators
     prefix_hit_ratio: float | None = None  # the engine's prefix cache, for operators
+    pool_tokens: int = 0  # the engine's KV pool in tokens (0: unknown): its prefix cache's room
 
     def observe(self, st: NodeState | None, maintenance: bool) -> None:
         """Take the agent's latest state (None: silent → down) and the operator's flag."""
@@ -79,6 +81,7 @@ class NodeView:
         self.tpot_s = st.tpot_s
         self.waiting = st.waiting
         self.prefix_hit_ratio = st.prefix_hit_ratio
+        self.pool_tokens = st.kv_pool_tokens or 0
 
     def ledger(
         self, pending: float, kv: int, leases: int, now: float,
@@ -133,12 +136,12 @@ class NodeView:
         """A lease this sidecar took: count it until the next refresh reads the ledger."""
         reserve = self.reserve_now(now)
         if ask.urgent:
-            self.kv_urgent += ask.kv_tokens
+            self.kv_urgent += ask.new_kv
             reserve = max(reserve, self.kv_urgent)
         self.reserve = reserve
-        self.pending = self.pending_now(now) + (ask.prompt_tokens if self.prefill_rate > 0 else 0)
+        self.pending = self.pending_now(now) + (ask.prefill_tokens if self.prefill_rate > 0 else 0)
         self.pending_at = now
-        self.kv_reserved += ask.kv_tokens
+        self.kv_reserved += ask.new_kv
         self.inflight += 1
 
     def snapshot(self, now: float) -> dict[str, Any]:
@@ -179,13 +182,16 @@ def target_ttft_s(policy: Policy) -> float:
 
 def ask_for(
     v: NodeView, policy: Policy, cls: str | None, prompt: int, kv: int, lent: bool = False,
-    urgent_waiting: int = 0, *, decode_s: float | None,
+    urgent_waiting: int = 0, *, decode_s: float | None, prefix: Prefix = NO_PREFIX,
+    hit_blocks: int = 0,
 ) -> Ask:  # fmt: skip
     """The lease request for a node: this request's ledger entry and its class's limits there.
     `lent`: the node is another tenant's pool's, on loan: never urgent there.
     `urgent_waiting`: urgent KV waiting in this sidecar's queue, this node's share.
     `decode_s`: the decode guard's limit for lower classes (outputs.decode_limit_s; None:
-    no guard) — required, so that no caller drops the guard by leaving it out."""
+    no guard) — required, so that no caller drops the guard by leaving it out.
+    `prefix`, `hit_blocks`: the prompt's head and how much of it this sidecar expects the node
+    to hold; lease.lua books only the rest."""
     wm = policy.watermarks
 
     def tokens(fraction: float) -> int:
@@ -196,7 +202,14 @@ def ask_for(
     return Ask(prompt, kv, v.prefill_rate, budget, tokens(wm.drain if hurry else wm.hold),
                urgent=hurry, reserve_limit=-1 if hurry else tokens(wm.drain),
                urgent_waiting=0 if hurry else urgent_waiting,
-               decode_limit_s=0.0 if hurry or decode_s is None else decode_s)  # fmt: skip
+               decode_limit_s=0.0 if hurry or decode_s is None else decode_s, prefix=prefix,
+               pool_blocks=pool_blocks(v, prefix),
+               hit_tokens=min(prompt, prefix.tokens(hit_blocks)))  # fmt: skip
+
+
+def pool_blocks(v: NodeView, prefix: Prefix) -> int:
+    """Prefix blocks the node's KV pool keeps computed (0: unknown, unbounded)."""
+    return v.pool_tokens // prefix.block_tokens if prefix and v.pool_tokens > 0 else 0
 
 
 def keeps_reserve(v: NodeView, ask: Ask, now: float) -> bool:
@@ -204,7 +217,7 @@ def keeps_reserve(v: NodeView, ask: Ask, now: float) -> bool:
     if ask.urgent or ask.reserve_limit < 0:
         return True
     reserve = max(v.kv_urgent + ask.urgent_waiting, v.reserve_now(now))
-    return v.kv_reserved - v.kv_urgent + ask.kv_tokens + reserve <= ask.reserve_limit
+    return v.kv_reserved - v.kv_urgent + ask.new_kv + reserve <= ask.reserve_limit
 
 
 # Why a node said no to a request (`admission_node_gate_total{reason}`).
@@ -226,7 +239,7 @@ def why_not(
     limit = policy.watermarks.drain if hurry else policy.watermarks.hold
     if v.memory - (v.preemptible() if hurry else 0.0) >= limit:
         return "measured"
-    if v.per_token > 0 and v.projected(ask.kv_tokens, urgent=hurry) >= limit:
+    if v.per_token > 0 and v.projected(ask.new_kv, urgent=hurry) >= limit:
         return "booked"
     if not hurry and ask.decode_limit_s and v.tpot_s > ask.decode_limit_s:
         return "decode"  # decode is already as slow as the urgent class may see: no more batch
@@ -236,7 +249,7 @@ def why_not(
     if (
         ask.prefill_budget > 0
         and pending > 0
-        and pending + ask.prompt_tokens > prefill_room(v, ask)
+        and pending + ask.prefill_tokens > prefill_room(v, ask)
     ):
         return "prefill"
     return None
@@ -293,14 +306,19 @@ def eligible(
     views: list[NodeView], policy: Policy, model: str, cls: str | None, prompt: int, kv: int,
     now: float, tenant: str | None = None, blocked: frozenset[str] = frozenset(),
     urgent_waiting: int = 0, gate: Counter[tuple[str, str, str]] | None = None,
-    output_tokens: float = 0.0,
+    output_tokens: float = 0.0, prefix: Prefix = NO_PREFIX, hits: dict[str, int] | None = None,
 ) -> list[tuple[NodeView, Ask]]:  # fmt: skip
     """Nodes serving `model` that would take this request now, with their asks: the tenant's
     own pool first, then shared nodes, then idle pools on loan (`pool_rank`); within each, for
     lower classes the nodes where the urgent class has no KV booked first; then the one whose
     booked prefill clears soonest (then the least projected memory).
     `gate`: counts (node, class, reason) of every node that said no. `output_tokens`: the
-    urgent class's mean answer length as learned (outputs.UrgentOutputs; 0: not yet)."""
+    urgent class's mean answer length as learned (outputs.UrgentOutputs; 0: not yet).
+    `prefix`, `hits`: the prompt's head and, per node, how many of its blocks this sidecar
+    expects there (prefixes.PrefixIndex.matches): a node's wait counts less the prefill its
+    cache saves, so a request goes where its first token comes soonest — to its prefix while
+    that node's backlog is shorter than the recompute it saves, elsewhere (spreading a hot
+    prefix) once it is not; the load limits above bound both."""
     ok = []
     present = urgent_present(views, model, urgent_waiting)
     decode_s = decode_limit_s(policy, output_tokens) if present else None
@@ -316,8 +334,9 @@ def eligible(
             continue
         # Borrowed capacity is held to the hold watermark and the prefill budget even for an
         # urgent class: the band above hold and the prefill room stay the owners'.
+        hit = hits.get(v.node.id, 0) if hits else 0
         ask = ask_for(v, policy, cls, prompt, kv, lent=rank == 2, urgent_waiting=share,
-                      decode_s=decode_s)  # fmt: skip
+                      decode_s=decode_s, prefix=prefix, hit_blocks=hit)  # fmt: skip
         reason = why_not(v, ask, policy, cls, now, lent=rank == 2)
         if reason is None:
             ok.append((rank, v, ask))
@@ -327,16 +346,32 @@ def eligible(
     # prefill budget and slow no urgent decode, and the nodes where it runs keep their idle
     # prefill for it. The urgent class goes where its prefill starts soonest.
     apart = not urgent(policy, cls)
-    ok.sort(key=lambda rva: (rva[0], apart and rva[1].kv_urgent > 0, rva[1].wait_s(now),
+    ok.sort(key=lambda rva: (rva[0], apart and rva[1].kv_urgent > 0,
+                             rva[1].wait_s(now) - saved_s(rva[1], rva[2]), -rva[2].hit_tokens,
                              rva[1].projected(), rva[1].node.id))  # fmt: skip
     return [(v, ask) for _rank, v, ask in ok]
 
 
-def eta_s(views: list[NodeView], model: str, prompt: int, now: float) -> float:
+def saved_s(v: NodeView, ask: Ask) -> float:
+    """Prefill seconds the node's prefix cache saves this request (0 when its rate is unknown)."""
+    return ask.hit_tokens / v.prefill_rate if v.prefill_rate > 0 else 0.0
+
+
+def eta_s(
+    views: list[NodeView], model: str, prompt: int, now: float,
+    cached: dict[str, int] | None = None,
+) -> float:  # fmt: skip
     """Soonest any live node serving `model` could have a `prompt`-token request prefilled:
-    its booked prefill cleared, then this one, at its measured rate (0 when none is known)."""
+    its booked prefill cleared, then this one (less what `cached[node]` tokens its prefix cache
+    holds), at its measured rate (0 when none is known)."""
+    cached = cached or {}
     etas = [
-        v.wait_s(now) + (prompt / v.prefill_rate if v.prefill_rate > 0 else 0.0)
+        v.wait_s(now)
+        + (
+            max(0, prompt - cached.get(v.node.id, 0)) / v.prefill_rate
+            if v.prefill_rate > 0
+            else 0.0
+        )
         for v in views
         if model in v.node.models and v.state in _LIVE
     ]

@@ -44,6 +44,13 @@ def node_ledger(node: str) -> str:
     return f"{PREFIX}:{{n:{node}}}:ledger"
 
 
+@functools.lru_cache(maxsize=65536)
+def node_prefixes(node: str) -> str:
+    """Prefix blocks resident on a node (zset hash → µs last used; reference counts are ledger
+    fields h:<hash>, a lease's blocks b:<ticket>): what its engine has computed, as booked."""
+    return f"{PREFIX}:{{n:{node}}}:prefixes"
+
+
 def node_gone(node: str) -> str:
     """Releases that found no lease (zset ticket → expiry µs): a booking still on its way (a
     request answered ahead of it) must not book what already ended."""

@@ -4,6 +4,7 @@
 -- KEYS: 1 node leases zset (ticket → expiry µs)  2 node ledger hash
 --       3 released-first zset (unlease.lua): a forced booking of a ticket found there books
 --         nothing (the request ended before its booking arrived)
+--       4 node prefixes zset: prefix blocks resident on the node (hash → µs last used)
 -- ARGV: 1 max_inflight  2 lease_ttl_us  3 ticket
 --       4 prompt tokens (pending prefill this request adds)
 --       5 KV tokens reserved (prompt estimate + output cap)
@@ -20,6 +21,15 @@
 --      12 force: '1' = the sidecar already sent the request here (it answered ahead of this
 --         round trip, its last view showing ample room): book it whatever the limits say now,
 --         so that the ledger holds what the node really runs
+--      13 tokens per prefix block (0: no prefix)
+--      14 resident blocks the node's KV pool holds (0: unbounded): past it, blocks nobody
+--         holds are evicted, least recently used first, as the engine evicts them
+--      15… the prompt's prefix blocks, in order (chained hashes from the edge: each names the
+--         whole prompt head up to its end)
+-- Prefix: the leading blocks resident on the node are computed already: the request's
+-- pending prefill leaves them out. Its blocks are booked in kv once per node, by the first
+-- lease that holds them (reference counts h:<hash>); the lease's own entry (k:<ticket>) is the
+-- rest of its KV. Resident blocks nobody holds cost nothing, as in vLLM's kv_cache_usage.
 -- Ledger fields: p = pending prefill tokens (drained at the prefill rate since t), t = µs,
 --   kv = KV tokens reserved by live leases, u = the urgent class's share of kv,
 --   r = the urgent reserve (its recent peak: u, or u + what waits, halving every RESERVE_HALF_US
@@ -30,12 +40,13 @@
 -- Expired leases (a lost release) are dropped first, with their KV: a crash leaks for one TTL.
 -- A node whose pending prefill has drained always takes one request, whatever its size: the
 -- budget cannot starve a long prompt, and the node's prefill rate gets measured at full speed.
--- Returns {1, in_flight, pending, kv, over} or {0, in_flight, reason, pending, kv}; over: the
--- rule a forced booking went past, '' if none, or 'released' (nothing booked, see KEYS[3]).
+-- Returns {1, in_flight, pending, kv, over, hit} or {0, in_flight, reason, pending, kv, hit};
+-- over: the rule a forced booking went past, '' if none, or 'released' (nothing booked, see
+-- KEYS[3]); hit: how many of the prefix blocks were resident.
 
 local RESERVE_HALF_US = 20000000
 local now = now_us()
-local leases, ledger, ticket = KEYS[1], KEYS[2], ARGV[3]
+local leases, ledger, resident, ticket = KEYS[1], KEYS[2], KEYS[4], ARGV[3]
 local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
 local f = redis.call('HMGET', ledger, 'kv', 'u', 'r', 'rt')
 local kv, u = tonumber(f[1] or '0'), tonumber(f[2] or '0')
@@ -43,6 +54,7 @@ local reserve = tonumber(f[3] or '0')
 if f[4] then reserve = reserve * 0.5 ^ ((now - tonumber(f[4])) / RESERVE_HALF_US) end
 for _, t in ipairs(expired) do
   redis.call('ZREM', leases, t)
+  kv = kv - prefix_unhold(ledger, resident, t, now)
   local k = tonumber(redis.call('HGET', ledger, 'k:' .. t) or '0')
   if k ~= 0 then
     kv = kv - math.abs(k)
@@ -54,6 +66,8 @@ kv, u = math.max(0, kv), math.max(0, u)
 local n = redis.call('ZCARD', leases)
 -- The same ticket again (a retry after a round trip that may have run) replaces its booking:
 -- checked and booked as if it were not there yet.
+-- Its prefix blocks are let go first (taken again if granted).
+kv = math.max(0, kv - prefix_unhold(ledger, resident, ticket, now))
 local again = tonumber(redis.call('HGET', ledger, 'k:' .. ticket) or '0')
 local kv_others = math.max(0, kv - math.abs(again))
 local u_others = u
@@ -68,17 +82,32 @@ if v[2] and rate > 0 then
   pending = math.max(0, pending - rate * (now - tonumber(v[2])) / 1000000)
 end
 local prompt, need = tonumber(ARGV[4]), tonumber(ARGV[5])
+local size, blocks = tonumber(ARGV[13] or '0'), {}
+for i = 15, #ARGV do blocks[#blocks + 1] = ARGV[i] end
+local hit, fresh, refs = 0, 0, {}
+if size > 0 and #blocks > 0 then
+  local seen = redis.call('ZMSCORE', resident, unpack(blocks))
+  while hit < #blocks and seen[hit + 1] do hit = hit + 1 end
+  local hkeys = {}
+  for i, b in ipairs(blocks) do hkeys[i] = 'h:' .. b end
+  refs = redis.call('HMGET', ledger, unpack(hkeys))
+  for i = 1, #blocks do
+    if not refs[i] then fresh = fresh + size end
+  end
+  prompt = math.max(0, prompt - hit * size)
+  need = math.max(0, need - #blocks * size)  -- the lease's own KV; `fresh` is booked as shared
+end
 local reason = nil
 if n >= tonumber(ARGV[1]) then
   reason = 'inflight'
 elseif budget > 0 and pending > 0 and pending + prompt > (u_others > 0 and 0 or budget) then
   -- While the urgent class has KV booked here, lower classes get only idle prefill.
   reason = 'prefill'
-elseif kv_limit >= 0 and (urgent and u_others or kv_others) + need > kv_limit then
+elseif kv_limit >= 0 and (urgent and u_others or kv_others) + need + fresh > kv_limit then
   -- The urgent class counts only its own KV: vLLM preempts lower classes to make it room.
   reason = 'memory'
 elseif not urgent and reserve_limit >= 0
-    and kv_others - u_others + need + math.max(u_others, reserve) > reserve_limit then
+    and kv_others - u_others + need + fresh + math.max(u_others, reserve) > reserve_limit then
   reason = 'reserve'
 end
 local over = ''
@@ -86,7 +115,7 @@ if ARGV[12] == '1' then
   if redis.call('ZSCORE', KEYS[3], ticket) then
     redis.call('ZREM', KEYS[3], ticket)
     redis.call('HSET', ledger, 'kv', kv, 'u', u)  -- expired leases were dropped above
-    return {1, n, tostring(pending), kv, 'released'}
+    return {1, n, tostring(pending), kv, 'released', 0}
   end
   if reason then
     over, reason = reason, nil
@@ -97,11 +126,11 @@ if reason then
   reserve = math.max(reserve, u)
   redis.call('HSET', ledger, 'p', tostring(pending), 't', now, 'kv', kv, 'u', u,
              'r', tostring(reserve), 'rt', now)
-  return {0, n, reason, tostring(pending), kv}
+  return {0, n, reason, tostring(pending), kv, hit}
 end
 redis.call('ZADD', leases, now + tonumber(ARGV[2]), ticket)
 if rate > 0 then pending = pending + prompt end
-kv, u = kv_others + need, u_others
+kv, u = kv_others + need + fresh, u_others
 local booked = need
 if urgent then
   u = u + need
@@ -111,6 +140,31 @@ end
 redis.call('HSET', ledger, 'p', tostring(pending), 't', now, 'kv', kv, 'u', u,
            'r', tostring(reserve), 'rt', now, 'k:' .. ticket, booked)
 local ttl_ms = math.ceil(tonumber(ARGV[2]) / 1000)
+if #blocks > 0 then
+  local counts, scores = {}, {}
+  for i, b in ipairs(blocks) do
+    counts[#counts + 1] = 'h:' .. b
+    counts[#counts + 1] = tonumber(refs[i] or '0') + 1
+    scores[#scores + 1] = now
+    scores[#scores + 1] = b
+  end
+  redis.call('HSET', ledger, 'b:' .. ticket, size .. ' ' .. table.concat(blocks, ' '),
+             unpack(counts))
+  redis.call('ZADD', resident, unpack(scores))
+  local cap = tonumber(ARGV[14] or '0')
+  local extra = cap > 0 and redis.call('ZCARD', resident) - cap or 0
+  if extra > 0 then
+    -- Evict what nobody holds, least recently used first (held blocks cannot be evicted).
+    for _, b in ipairs(redis.call('ZRANGE', resident, 0, extra + #blocks)) do
+      if extra <= 0 then break end
+      if redis.call('HEXISTS', ledger, 'h:' .. b) == 0 then
+        redis.call('ZREM', resident, b)
+        extra = extra - 1
+      end
+    end
+  end
+  redis.call('PEXPIRE', resident, ttl_ms)
+end
 redis.call('PEXPIRE', leases, ttl_ms)
 redis.call('PEXPIRE', ledger, ttl_ms)
-return {1, n + 1, tostring(pending), kv, over}
+return {1, n + 1, tostring(pending), kv, over, hit}

@@ -33,3 +33,29 @@ local function bucket_store(key, l, cap, rate, now)
   redis.call('PEXPIRE', key, math.max(1, math.ceil((cap - l) * 1000 / rate)))
 end
 
+
+-- Prefix blocks a node lease holds (lease.lua): ledger field b:<ticket> = "<tokens per block>
+-- <hash> <hash> …", reference counts in ledger fields h:<hash>, residency in the node's
+-- prefixes zset (hash → µs last used). Let go of a ticket's blocks: each count goes down; a
+-- block nobody holds any more stays resident (the engine keeps computed blocks until it needs
+-- the room, least recently released first) and its tokens leave the ledger's kv, where the
+-- lease that first held it had booked them. Returns the KV tokens freed.
+local function prefix_unhold(ledger, resident, ticket, now)
+  local held = redis.call('HGET', ledger, 'b:' .. ticket)
+  if not held then return 0 end
+  redis.call('HDEL', ledger, 'b:' .. ticket)
+  local freed, size = 0, nil
+  for w in string.gmatch(held, '%S+') do
+    if size == nil then
+      size = tonumber(w)
+    else
+      local n = redis.call('HINCRBY', ledger, 'h:' .. w, -1)
+      if n <= 0 then
+        redis.call('HDEL', ledger, 'h:' .. w)
+        redis.call('ZADD', resident, 'XX', now, w)
+        freed = freed + size
+      end
+    end
+  end
+  return freed
+end

@@ -1,6 +1,7 @@
 -- unlease.lua: give a lease back and take its KV out of the node's ledger (idempotent).
 --
 -- KEYS: 1 node leases zset  2 node ledger hash  3 released-first zset (ticket → expiry µs)
+--       4 node prefixes zset (lease.lua): the ticket's prefix blocks are let go
 -- ARGV: 1 ticket  2 '1' when this is the request's release (not the undo of a lease that may
 --       not have been taken): finding no lease, it leaves a mark for GONE_US, so that a forced
 --       booking still on its way (the request was answered ahead of it) books nothing
@@ -10,16 +11,21 @@
 -- Returns {removed (0/1), kv reserved after}.
 
 local GONE_US = 60000000
+local now = now_us()
 local removed = redis.call('ZREM', KEYS[1], ARGV[1])
 if removed == 0 and ARGV[2] == '1' then
-  local now = now_us()
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
   redis.call('ZADD', KEYS[3], now + GONE_US, ARGV[1])
   redis.call('PEXPIRE', KEYS[3], GONE_US / 1000)
 end
+local freed = prefix_unhold(KEYS[2], KEYS[4], ARGV[1], now)
 local k = tonumber(redis.call('HGET', KEYS[2], 'k:' .. ARGV[1]) or '0')
 local f = redis.call('HMGET', KEYS[2], 'kv', 'u')
 local kv = tonumber(f[1] or '0')
+if freed > 0 then
+  kv = math.max(0, kv - freed)
+  redis.call('HSET', KEYS[2], 'kv', kv)
+end
 if k ~= 0 then
   kv = math.max(0, kv - math.abs(k))
   redis.call('HDEL', KEYS[2], 'k:' .. ARGV[1])

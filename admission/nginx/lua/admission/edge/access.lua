@@ -61,7 +61,8 @@ function _M.run()
   local d, res, err = admit.ask({ tenant = tid, class = class, model = f.model,
                                   prompt_tokens = f.prompt_tokens, max_tokens = f.charged_output,
                                   stream = f.stream, arrived_at = ngx.req.start_time(),
-                                  request_id = ngx_var.request_id })
+                                  request_id = ngx_var.request_id, prefix = f.prefix,
+                                  prefix_chars = f.prefix and request.PREFIX_CHARS or nil })
   if not d then
     if res then
       return respond.passthrough(res)

@@ -5,7 +5,10 @@
 local cjson = require "cjson.safe"
 
 local ngx = ngx
+local ngx_md5 = ngx.md5
 local math_floor = math.floor
+local math_min = math.min
+local tbl_concat = table.concat
 local math_max = math.max
 local str_find = string.find
 local str_match = string.match
@@ -17,6 +20,12 @@ local _M = { _VERSION = "0.1.0" }
 local IMAGE_TOKENS = 765   -- an image part, as OpenAI counts a high-detail 512 px tile set
 local MAX_COPIES = 128    -- n / best_of above this are refused (vLLM's own bound is similar)
 local MAX_TOKENS = 10000000
+-- The prompt head's fingerprint (admission.scheduling.prefixes): chained hashes of blocks of
+-- this many characters of what the engine will see, at most PREFIX_MAX_BLOCKS of them.
+-- 512 characters ≈ 128 tokens: the CPU engine's KV block, 8 of a GPU engine's.
+local PREFIX_CHARS = 512
+local PREFIX_MAX_BLOCKS = 64
+_M.PREFIX_CHARS = PREFIX_CHARS
 
 -- Characters and explicit tokens of a prompt or message content: a string, an array of
 -- parts ({type=text,text=...} / {type=image_url,...}), or token ids.
@@ -41,6 +50,60 @@ local function size(v)
     end
   end
   return chars, tokens
+end
+
+-- The text of a message content for the fingerprint: strings and text parts as they are, other
+-- parts by their JSON (an image's URL tells images apart).
+local function content_text(v)
+  if type(v) == "string" then
+    return v
+  end
+  if type(v) ~= "table" then
+    return ""
+  end
+  local out = {}
+  for _, part in ipairs(v) do
+    if type(part) == "table" and type(part.text) == "string" then
+      out[#out + 1] = part.text
+    else
+      out[#out + 1] = cjson.encode(part) or ""
+    end
+  end
+  return tbl_concat(out, "\n")
+end
+
+-- Chained hashes of the full PREFIX_CHARS blocks of `text` (16 hex digits each: the first
+-- half of MD5 over the previous hash and the block), or nil when not one block is full.
+local function fingerprint(text)
+  local n = math_min(math_floor(#text / PREFIX_CHARS), PREFIX_MAX_BLOCKS)
+  if n == 0 then
+    return nil
+  end
+  local out, prev = {}, ""
+  for i = 1, n do
+    prev = str_sub(ngx_md5(prev .. str_sub(text, (i - 1) * PREFIX_CHARS + 1, i * PREFIX_CHARS)), 1, 16)
+    out[i] = prev
+  end
+  return out
+end
+
+-- What a chat template renders, in order, as far as the fingerprint reaches: tools, then each
+-- message's role, name, content and tool calls.
+local function chat_head(body)
+  local parts, len, limit = {}, 0, PREFIX_CHARS * PREFIX_MAX_BLOCKS
+  if type(body.tools) == "table" then
+    parts[1] = cjson.encode(body.tools) or ""
+    len = #parts[1]
+  end
+  for _, m in ipairs(body.messages) do
+    if len >= limit then break end
+    local piece = tostring(m.role) .. "\n" .. (type(m.name) == "string" and m.name .. "\n" or "")
+      .. content_text(m.content)
+      .. (type(m.tool_calls) == "table" and (cjson.encode(m.tool_calls) or "") or "") .. "\n"
+    parts[#parts + 1] = piece
+    len = len + #piece
+  end
+  return str_sub(tbl_concat(parts), 1, limit)
 end
 
 -- A positive integer field, absent or null allowed (nil); false, message when invalid.
@@ -68,7 +131,8 @@ local function prompts(p)
   return { p } -- one prompt of token ids
 end
 
--- Returns features {model, max_tokens, charged_output, stream, prompt_tokens, raw, chat} or
+-- Returns features {model, max_tokens, charged_output, stream, prompt_tokens, prefix, raw, chat}
+-- (prefix: the head's block hashes, or nil) or
 -- nil, status, code, message. The output cap is what vLLM will use: max_completion_tokens
 -- before max_tokens (as vLLM reads them), the policy's default when neither is set; the charge
 -- multiplies it by n / best_of and by the number of prompts.
@@ -102,7 +166,7 @@ function _M.read(chat, chars_per_token, default_max_tokens)
     return nil, 400, "invalid_request", "stream must be true or false"
   end
   local copies = math_max(n or 1, best_of or 1)
-  local chars, tokens, count = 0, 0, 1
+  local chars, tokens, count, prefix = 0, 0, 1, nil
   if chat then
     if type(body.messages) ~= "table" or #body.messages == 0 then
       return nil, 400, "invalid_request", "messages must be a non-empty array"
@@ -117,6 +181,7 @@ function _M.read(chat, chars_per_token, default_max_tokens)
     if type(body.tools) == "table" then
       chars = chars + #(cjson.encode(body.tools) or "")
     end
+    prefix = fingerprint(chat_head(body))
   else
     local pr = body.prompt
     if type(pr) ~= "string" and (type(pr) ~= "table" or (#pr == 0 and next(pr) ~= nil)) then
@@ -125,6 +190,9 @@ function _M.read(chat, chars_per_token, default_max_tokens)
     end
     local list = prompts(body.prompt)
     count = #list
+    if type(body.prompt) == "string" then
+      prefix = fingerprint(str_sub(body.prompt, 1, PREFIX_CHARS * PREFIX_MAX_BLOCKS))
+    end
     for _, p in ipairs(list) do
       local c, t = size(p)
       chars, tokens = chars + c, tokens + t
@@ -136,6 +204,7 @@ function _M.read(chat, chars_per_token, default_max_tokens)
     charged_output = cap * copies * count,
     stream = body.stream == true,
     prompt_tokens = math_floor(chars / chars_per_token) + tokens + 1,
+    prefix = prefix,
     raw = raw,
     chat = chat,
   }

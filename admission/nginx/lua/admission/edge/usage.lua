@@ -72,7 +72,11 @@ function _M.extract(ctx)
   if type(u) ~= "table" or type(u.prompt_tokens) ~= "number" then
     return nil
   end
-  return { prompt_tokens = u.prompt_tokens, completion_tokens = u.completion_tokens or 0 }
+  local details = u.prompt_tokens_details
+  local cached = type(details) == "table" and type(details.cached_tokens) == "number"
+    and details.cached_tokens or nil
+  return { prompt_tokens = u.prompt_tokens, completion_tokens = u.completion_tokens or 0,
+           cached_tokens = cached }
 end
 
 return _M

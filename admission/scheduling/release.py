@@ -1,0 +1,42 @@
+"""Releases: a request ended; give its node lease back and settle what the tenant owes.
+
+The edge sends them in batches (admission/edge/release.lua), settled in one Redis round trip.
+What each release teaches the sidecar is taken first: the urgent class's answer lengths (the
+decode guard), the engine's count of cached prompt tokens beside the prefix index's guess, and
+whether the edge could reach the node at all (ejection).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from admission.policy import Tenant
+from admission.scheduling import leases
+from admission.store import Call
+
+if TYPE_CHECKING:
+    from admission.scheduling.dispatcher import Dispatcher
+
+# (ticket, tokens to charge (-1: the reservation), node unreachable, output tokens (-1: unknown),
+# cached prompt tokens the engine reported (-1: unknown))
+Released = tuple[str, int, bool, int, int]
+
+
+async def release_many(d: Dispatcher, entries: list[Released]) -> list[int]:
+    """Settle a batch of releases in one round trip; the tokens refunded to each."""
+    items: list[tuple[Tenant | None, str, int, Call | None, bool]] = []
+    nodes, tenants = [], d.policy().tenants
+    await d.ahead.settled(ticket for ticket, *_rest in entries)  # booked before released
+    for ticket, actual, failed, out, cached in entries:
+        d.nodes.outputs.answered(ticket, out)
+        d.nodes.engine_cached(ticket, cached)
+        rid, node, tid = leases.parse_ticket(ticket)
+        await d.nodes.proxied(node, failed)
+        first = leases.answered_ahead(ticket)  # its release may come before its booking
+        items.append((tenants.get(tid), rid, actual, leases.give_back(ticket, first), first))
+        nodes.append(node)
+    try:
+        return await d.limiter.settle_many(items)
+    finally:
+        for node in nodes:  # only now are the leases gone in Redis (waking earlier requeued)
+            d.freed(node)

@@ -1,0 +1,38 @@
+"""The emulator's reading of OpenAI-compatible request bodies, and vLLM's error body."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from aiohttp import web
+
+
+def prompt_of(body: dict[str, Any], chat: bool) -> tuple[int, str | list[int]]:
+    """Prompt tokens as the emulator counts them (4 characters each, plus 4 per chat message),
+    and what its prefix cache sees (the text, or the token ids)."""
+    if chat:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise web.HTTPBadRequest(
+                text=err_body("messages must be a non-empty list"), content_type="application/json"
+            )
+        text = "".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
+        return max(1, len(text) // 4 + 4 * len(msgs)), text
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str | list):
+        raise web.HTTPBadRequest(
+            text=err_body("prompt must be a string"), content_type="application/json"
+        )
+    if isinstance(prompt, str):
+        return max(1, len(prompt) // 4), prompt
+    return max(1, len(prompt)), prompt if all(isinstance(t, int) for t in prompt) else ""
+
+
+MAX_MODEL_LEN = 8192
+
+
+def err_body(msg: str, code: int = 400) -> str:
+    return json.dumps(
+        {"object": "error", "message": msg, "type": "BadRequestError", "param": None, "code": code}
+    )
