@@ -29,7 +29,8 @@ def booked(redis_url: str) -> dict[str, Any]:
                     out[k] = res
             elif k.endswith(":ledger"):
                 h: dict[str, str] = r.hgetall(k)  # type: ignore[assignment]  # decoded
-                held = {f: v for f, v in h.items() if f.startswith("k:")}
+                # k: a lease's own KV; h:/b: prefix blocks held (reference counts, a lease's list)
+                held = {f: v for f, v in h.items() if f.startswith(("k:", "h:", "b:"))}
                 if held or float(h.get("kv", 0)) > 0:
                     out[k] = {"kv": h.get("kv"), **held}
     finally:

@@ -210,6 +210,41 @@ def node_priorities(stack: Stack) -> dict[str, float]:
     return out
 
 
+def test_a_shared_system_prompt_is_fingerprinted_booked_once_and_found_cached(
+    stack: Stack,
+) -> None:
+    """The edge fingerprints the prompt head; the node that computed it holds its blocks in the
+    Redis ledger (resident after release, nothing left booked), and a request that shares it
+    finds it in that engine's prefix cache."""
+    import redis as sync_redis
+
+    from admission.store import keys
+    from devstack.inspect import wait_unbooked
+
+    system = "You are the support assistant of a large company. " * 90  # ~4,500 characters
+    before = sum(node_counter(stack, p, "vllm:prefix_cache_hits_total") for p in stack.node_ports)
+    for i in range(3):
+        body = chat(messages=[{"role": "system", "content": system},
+                              {"role": "user", "content": f"question {i}"}])  # fmt: skip
+        status, _h, _b = raw(stack, body)
+        assert status == 200
+    r = sync_redis.Redis.from_url(stack.redis_url)
+    try:
+        resident = [r.zcard(keys.node_prefixes(n)) for n in ("node-0", "node-1")]
+    finally:
+        r.close()
+    assert max(resident) >= 8  # 4,500 characters: 8 full blocks of 512
+    hits = sum(node_counter(stack, p, "vllm:prefix_cache_hits_total") for p in stack.node_ports)
+    assert hits - before >= 2 * 1000  # the 2nd and 3rd found ~1,100 tokens computed
+    assert wait_unbooked(stack.redis_url) == {}
+
+
+def node_counter(stack: Stack, port: int, name: str) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        text = r.read().decode()
+    return sum(float(ln.split()[-1]) for ln in text.splitlines() if ln.startswith(name))
+
+
 def test_priority_field_reaches_the_node(stack: Stack) -> None:
     before = node_priorities(stack)
     status, _h, _b = raw(stack, chat(), key="sk-demo-etl")  # default class offline → priority 2

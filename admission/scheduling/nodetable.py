@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -17,7 +18,7 @@ from admission.policy import FailureMode, Policy
 from admission.scheduling import leases
 from admission.scheduling.leases import Ask
 from admission.scheduling.outputs import UrgentOutputs
-from admission.scheduling.prefixes import NO_PREFIX, Prefix, PrefixIndex
+from admission.scheduling.prefixes import NO_PREFIX, Prefix, PrefixIndex, pool_blocks
 from admission.scheduling.routing import (
     RESERVE_HALF_S,
     NodeView,
@@ -32,6 +33,9 @@ log = logging.getLogger(__name__)
 
 EJECT_AFTER = 3  # proxied requests that could not reach a node, within EJECT_S
 EJECT_S = 10.0  # how long it stays out; then its agent's state applies again
+FEED_BATCH = 4096  # placements a sidecar tells per refresh at most (more: not told)
+FEED_LEN = 20_000  # placements the feed keeps (trimmed approximately): ~1 s at 20k admissions/s
+FEED_READ = 20_000  # placements read per refresh at most
 _NONE: frozenset[str] = frozenset()  # no pool blocked (a policy without pools)
 
 
@@ -52,6 +56,11 @@ class NodeTable:
         self.outputs = UrgentOutputs()  # the urgent class's answer lengths: the decode guard
         self.prefixes = PrefixIndex()  # where this sidecar saw prompt heads go (routing)
         self._predicted: dict[str, int] = {}  # ticket → prompt tokens booked as cached
+        # Placements told to the other sidecars with the next refresh, and the feed's last id
+        # read ("0-0": a new sidecar first learns what the stream still holds).
+        self._me = secrets.token_hex(4)
+        self._outbox: list[tuple[str, Prefix]] = []
+        self._feed_id: bytes | str = "0-0"
         self.set_policy(policy())
 
     def set_policy(self, policy: Policy) -> None:
@@ -104,6 +113,8 @@ class NodeTable:
         if len(self._predicted) < 100_000:  # bounded: a lost release must not grow it forever
             self._predicted[ticket] = min(ask.prompt_tokens, predicted)
         self.prefixes.learn(view.node.id, prefix, self.clock(), ask.pool_blocks)
+        if len(self._outbox) < FEED_BATCH:
+            self._outbox.append((view.node.id, prefix))
 
     def engine_cached(self, ticket: str, cached: int) -> None:
         """The engine's `cached_tokens` for a released ticket (-1: not reported)."""
@@ -146,6 +157,17 @@ class NodeTable:
             pipe.zcard(keys.node_leases(v.node.id))
             pipe.hmget(keys.node_ledger(v.node.id), "p", "t", "kv", "u", "r", "rt")
             pipe.exists(keys.node_eject(v.node.id))
+        outbox, self._outbox = self._outbox, []
+        feed = keys.prefix_feed()
+        for node, prefix in outbox:
+            fields = {
+                "s": self._me,
+                "n": node,
+                "t": prefix.block_tokens,
+                "b": " ".join(prefix.blocks),
+            }
+            pipe.xadd(feed, fields, maxlen=FEED_LEN, approximate=True)
+        pipe.xread({feed: self._feed_id}, count=FEED_READ)
         try:
             res = await pipe.execute()
         except REDIS_DOWN:
@@ -168,8 +190,26 @@ class NodeTable:
             if rt is not None:  # decayed until Redis's now, as lease.lua does
                 reserve *= 0.5 ** (max(0, redis_now_us - int(rt)) / 1e6 / RESERVE_HALF_S)
             v.ledger(pending, int(kv or 0), int(leases), now, int(u or 0), reserve)
+        self._learn_feed(res[-1])
         self._pressure(now)
         self._gauge()
+
+    def _learn_feed(self, read: Any) -> None:
+        """Take the other sidecars' placements from the prefix feed (XREAD's reply)."""
+        now = self.clock()
+        for _stream, entries in read or []:
+            for entry_id, f in entries:
+                self._feed_id = entry_id
+                if f.get(b"s", b"").decode() == self._me:
+                    continue
+                node = f.get(b"n", b"").decode()
+                v = self.views.get(node)
+                try:
+                    prefix = Prefix(tuple(f.get(b"b", b"").decode().split()), int(f.get(b"t", 0)))
+                except ValueError:
+                    continue
+                if v is not None and prefix:
+                    self.prefixes.learn(node, prefix, now, pool_blocks(v.pool_tokens, prefix))
 
     def _pressure(self, now: float) -> None:
         """Track, per model, since when every live node serving it has been held."""

@@ -20,6 +20,7 @@ Two indexes use it:
 from __future__ import annotations
 
 import re
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -58,6 +59,21 @@ def parse(raw: Any, block_chars: Any, chars_per_token: float) -> Prefix:
     if not raw:
         return NO_PREFIX
     return Prefix(tuple(raw), max(1, int(block_chars / chars_per_token)))
+
+
+def home_rank(prefix: Prefix, node: str) -> int:
+    """Rendezvous hash of the prefix's first block and a node: among nodes equal by load and by
+    what this sidecar knows they hold, every sidecar picks the same one for a prompt head it has
+    not seen yet, so that sidecars of one cluster build one copy of it rather than one each
+    (0 for every node without a prefix: no preference)."""
+    if not prefix:
+        return 0
+    return zlib.crc32(f"{prefix.blocks[0]}/{node}".encode())
+
+
+def pool_blocks(pool_tokens: int, prefix: Prefix) -> int:
+    """Prefix blocks a KV pool of `pool_tokens` keeps computed (0: unknown, unbounded)."""
+    return pool_tokens // prefix.block_tokens if prefix and pool_tokens > 0 else 0
 
 
 class PrefixIndex:

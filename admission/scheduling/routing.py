@@ -40,7 +40,7 @@ from admission.nodes.state import NodeState, Status
 from admission.policy import AdmitUntil, Node, Policy
 from admission.scheduling.leases import Ask
 from admission.scheduling.outputs import decode_limit_s
-from admission.scheduling.prefixes import NO_PREFIX, Prefix
+from admission.scheduling.prefixes import NO_PREFIX, Prefix, home_rank, pool_blocks
 
 MAX_FALLBACKS = 2
 _LIVE = (Status.OPEN, Status.HOLD)
@@ -203,13 +203,8 @@ def ask_for(
                urgent=hurry, reserve_limit=-1 if hurry else tokens(wm.drain),
                urgent_waiting=0 if hurry else urgent_waiting,
                decode_limit_s=0.0 if hurry or decode_s is None else decode_s, prefix=prefix,
-               pool_blocks=pool_blocks(v, prefix),
+               pool_blocks=pool_blocks(v.pool_tokens, prefix),
                hit_tokens=min(prompt, prefix.tokens(hit_blocks)))  # fmt: skip
-
-
-def pool_blocks(v: NodeView, prefix: Prefix) -> int:
-    """Prefix blocks the node's KV pool keeps computed (0: unknown, unbounded)."""
-    return v.pool_tokens // prefix.block_tokens if prefix and v.pool_tokens > 0 else 0
 
 
 def keeps_reserve(v: NodeView, ask: Ask, now: float) -> bool:
@@ -348,7 +343,8 @@ def eligible(
     apart = not urgent(policy, cls)
     ok.sort(key=lambda rva: (rva[0], apart and rva[1].kv_urgent > 0,
                              rva[1].wait_s(now) - saved_s(rva[1], rva[2]), -rva[2].hit_tokens,
-                             rva[1].projected(), rva[1].node.id))  # fmt: skip
+                             home_rank(prefix, rva[1].node.id), rva[1].projected(),
+                             rva[1].node.id))  # fmt: skip
     return [(v, ask) for _rank, v, ask in ok]
 
 

@@ -51,6 +51,13 @@ def node_prefixes(node: str) -> str:
     return f"{PREFIX}:{{n:{node}}}:prefixes"
 
 
+def prefix_feed() -> str:
+    """Where sidecars tell each other which node took which prompt head (stream: s = sidecar,
+    n = node, b = block hashes), read with the node refresh: a sidecar's prefix index then knows
+    what the others placed within one refresh, without a Redis call on the admission path."""
+    return f"{PREFIX}:prefix-feed"
+
+
 def node_gone(node: str) -> str:
     """Releases that found no lease (zset ticket → expiry µs): a booking still on its way (a
     request answered ahead of it) must not book what already ended."""

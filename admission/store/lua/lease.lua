@@ -145,7 +145,7 @@ if #blocks > 0 then
   for i, b in ipairs(blocks) do
     counts[#counts + 1] = 'h:' .. b
     counts[#counts + 1] = tonumber(refs[i] or '0') + 1
-    scores[#scores + 1] = now
+    scores[#scores + 1] = now - i  -- the tail least recently used (prelude: prefix_unhold)
     scores[#scores + 1] = b
   end
   redis.call('HSET', ledger, 'b:' .. ticket, size .. ' ' .. table.concat(blocks, ' '),

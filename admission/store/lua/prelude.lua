@@ -44,7 +44,7 @@ local function prefix_unhold(ledger, resident, ticket, now)
   local held = redis.call('HGET', ledger, 'b:' .. ticket)
   if not held then return 0 end
   redis.call('HDEL', ledger, 'b:' .. ticket)
-  local freed, size = 0, nil
+  local freed, size, i = 0, nil, 0
   for w in string.gmatch(held, '%S+') do
     if size == nil then
       size = tonumber(w)
@@ -52,9 +52,11 @@ local function prefix_unhold(ledger, resident, ticket, now)
       local n = redis.call('HINCRBY', ledger, 'h:' .. w, -1)
       if n <= 0 then
         redis.call('HDEL', ledger, 'h:' .. w)
-        redis.call('ZADD', resident, 'XX', now, w)
+        -- A prompt's tail is the least shared part: it goes first (vLLM frees blocks tail first).
+        redis.call('ZADD', resident, 'XX', now - i, w)
         freed = freed + size
       end
+      i = i + 1
     end
   end
   return freed

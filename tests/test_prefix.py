@@ -1,0 +1,219 @@
+"""Prefix-aware booking (lease.lua / unlease.lua with prefix blocks) and the sidecar's prefix
+index (scheduling/prefixes.py), against a real Redis.
+
+Properties: a shared prefix is booked once per node (reference counted while leases hold it);
+reference counts are never negative and equal the live leases holding each block; reserved KV
+is the leases' own KV plus each held block once; everything is cleared at release and at
+expiry; two sidecars see one view; pending prefill counts only the blocks not resident.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from admission.policy import Node
+from admission.scheduling import leases, routing
+from admission.scheduling.prefixes import NO_PREFIX, Prefix, PrefixIndex, parse
+from admission.store import Scripts, keys
+from devstack.procs import RedisServer
+
+NODE = Node(id="n1", url="http://127.0.0.1:1", models=("m",), max_inflight=64)
+SIZE = 128  # tokens per block
+
+
+def ticket(i: int) -> str:
+    return f"{i:016x}:n1:t"
+
+
+def chain(name: str, n: int) -> tuple[str, ...]:
+    """n block hashes of a prefix family `name` (a prefix of another of the same name)."""
+    return tuple(f"{abs(hash((name, i))) % 16**16:016x}" for i in range(n))
+
+
+SHARED = chain("system", 6)  # a system prompt of 6 blocks; requests extend it
+FAMILIES = [SHARED[:2], SHARED[:4], SHARED, chain("other", 3), ()]
+
+
+async def fields(redis: Any) -> dict[str, str]:
+    h = await redis.hgetall(keys.node_ledger("n1"))
+    return {k.decode(): v.decode() for k, v in h.items()}
+
+
+def ask(prompt: int, kv: int, blocks: tuple[str, ...], **kw: Any) -> leases.Ask:
+    return leases.Ask(prompt, kv, prefix=Prefix(blocks, SIZE) if blocks else NO_PREFIX, **kw)
+
+
+ops = st.lists(
+    st.tuples(st.sampled_from(["take", "give"]), st.integers(0, 9), st.integers(0, 1),
+              st.integers(0, len(FAMILIES) - 1), st.integers(0, 300)),
+    min_size=1, max_size=40,
+)  # fmt: skip
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(ops=ops)
+def test_shared_blocks_are_booked_once_counted_exactly_and_cleared(
+    redis_server: RedisServer, ops: list[tuple[str, int, int, int, int]]
+) -> None:
+    import redis.asyncio as aioredis
+
+    async def run() -> None:
+        clients = [aioredis.Redis.from_url(redis_server.url) for _ in range(2)]
+        await clients[0].flushall()
+        scripts = [Scripts(c) for c in clients]
+        live: dict[str, tuple[tuple[str, ...], int]] = {}  # ticket → (blocks, own KV)
+        try:
+            for op, i, who, fam, extra in ops:
+                t = ticket(i)
+                if op == "take":
+                    blocks = FAMILIES[fam]
+                    prompt = len(blocks) * SIZE + extra + 1
+                    kv = prompt + 50
+                    res = (await scripts[who].run(leases.take(NODE, t, 60, ask(prompt, kv, blocks))))[0]  # fmt: skip
+                    assert leases.granted(res)
+                    live[t] = (blocks, kv - len(blocks) * SIZE)
+                else:
+                    await scripts[who].run(leases.give_back(t, released=True))
+                    live.pop(t, None)
+                h = await fields(clients[1 - who])  # the other sidecar's view
+                refs = {k[2:]: int(v) for k, v in h.items() if k.startswith("h:")}
+                want: dict[str, int] = {}
+                for blocks, _own in live.values():
+                    for b in blocks:
+                        want[b] = want.get(b, 0) + 1
+                assert refs == want  # never negative, never a block nobody holds
+                own = sum(o for _b, o in live.values())
+                assert int(h.get("kv", 0)) == own + SIZE * len(want)  # each held block once
+                assert {k[2:] for k in h if k.startswith("b:")} == {
+                    t for t, (b, _o) in live.items() if b
+                }
+            for t in list(live):
+                await scripts[0].run(leases.give_back(t, released=True))
+            h = await fields(clients[0])
+            assert int(h.get("kv", 0)) == 0
+            assert not [k for k in h if k[:2] in ("h:", "b:", "k:")]
+        finally:
+            for c in clients:
+                await c.aclose()
+
+    asyncio.run(run())
+
+
+async def test_pending_prefill_counts_only_what_the_node_has_not_computed(redis: Any) -> None:
+    s = Scripts(redis)
+    a = ask(1000, 1100, SHARED, prefill_rate=1.0)  # 6 blocks × 128 = 768 of 1,000 tokens
+    res = (await s.run(leases.take(NODE, ticket(1), 60, a)))[0]
+    assert leases.hit_blocks(res) == 0
+    first = float((await fields(redis))["p"])
+    assert 990 < first <= 1000  # all of it (less what 1 token/s drained meanwhile)
+    res = (await s.run(leases.take(NODE, ticket(2), 60, a)))[0]
+    assert leases.hit_blocks(res) == 6
+    assert float((await fields(redis))["p"]) - first <= 1000 - 768 + 1
+    h = await fields(redis)
+    assert int(h["kv"]) == 2 * (1100 - 768) + 768  # the prefix once
+    # Released, the blocks stay resident (the engine keeps them) but cost no KV.
+    await s.run(leases.give_back(ticket(1), released=True), leases.give_back(ticket(2), released=True))  # fmt: skip
+    assert int((await fields(redis))["kv"]) == 0
+    assert await redis.zcard(keys.node_prefixes("n1")) == 6
+    res = (await s.run(leases.take(NODE, ticket(3), 60, a)))[0]
+    assert leases.hit_blocks(res) == 6  # a third request finds them computed
+
+
+async def test_a_lease_that_expires_lets_its_blocks_go(redis: Any) -> None:
+    s = Scripts(redis)
+    await s.run(leases.take(NODE, ticket(1), 0.05, ask(900, 1000, SHARED)))
+    await asyncio.sleep(0.1)
+    await s.run(leases.take(NODE, ticket(2), 60, ask(10, 50, ())))
+    h = await fields(redis)
+    assert int(h["kv"]) == 50 and not [k for k in h if k[:2] in ("h:", "b:")]
+
+
+async def test_the_kv_limit_sees_only_blocks_not_yet_held(redis: Any) -> None:
+    """Nodes no longer look full from prefixes booked per request: with 1,000 tokens of room,
+    three requests of a 768-token shared prefix + 200 own fit, where booked whole only one did."""
+    s = Scripts(redis)
+    for i in range(3):
+        a = ask(868, 968, SHARED, kv_limit=1500)
+        res = (await s.run(leases.take(NODE, ticket(i), 60, a)))[0]
+        assert leases.granted(res), res
+    assert int((await fields(redis))["kv"]) == 768 + 3 * 200
+    res = (await s.run(leases.take(NODE, ticket(9), 60, ask(900, 1000, (), kv_limit=1500))))[0]
+    assert leases.refusal(res) is not None  # an unshared one does not
+
+
+async def test_resident_blocks_nobody_holds_are_evicted_least_recently_used_first(
+    redis: Any,
+) -> None:
+    s = Scripts(redis)
+    other = chain("other", 3)
+    await s.run(leases.take(NODE, ticket(1), 60, ask(900, 1000, SHARED, pool_blocks=8)))
+    await s.run(leases.give_back(ticket(1), released=True))  # SHARED resident, unheld
+    await s.run(leases.take(NODE, ticket(2), 60, ask(500, 600, other, pool_blocks=8)))
+    resident = {m.decode() for m in await redis.zrange(keys.node_prefixes("n1"), 0, -1)}
+    assert len(resident) == 8 and set(other) <= resident  # held blocks are never evicted
+    # The unheld ones went, the tail first (the least shared part): the head stays.
+    assert set(SHARED[:5]) <= resident and SHARED[5] not in resident
+
+
+def test_prefix_index_matches_leading_blocks_and_forgets_by_lru() -> None:
+    idx = PrefixIndex()
+    p6 = Prefix(SHARED, SIZE)
+    idx.learn("a", Prefix(SHARED[:4], SIZE), 1.0)
+    idx.learn("b", p6, 2.0)
+    assert idx.matches(p6) == {"a": 4, "b": 6}
+    assert idx.matches(Prefix(chain("other", 2), SIZE)) == {}
+    idx.learn("a", Prefix(chain("other", 3), SIZE), 3.0, cap_blocks=5)  # 2 oldest out of "a"
+    assert idx.blocks("a") == 5
+    assert idx.matches(p6) == {"b": 6}  # "a" lost its first blocks, so none lead any more
+    idx.forget("b", p6, keep=2)
+    assert idx.matches(p6) == {"b": 2}
+    idx.drop_node("b")
+    assert idx.matches(p6) == {} and idx.blocks("b") == 0
+
+
+def test_parse_refuses_malformed_fingerprints() -> None:
+    assert parse(None, None, 4.0) == NO_PREFIX
+    assert parse(list(SHARED), 512, 4.0) == Prefix(SHARED, 128)
+    for bad, chars in [("abc", 512), (["xyz"], 512), ([SHARED[0]], 0), ([SHARED[0]] * 65, 512),
+                       ([SHARED[0].upper()], 512), ([SHARED[0]], True)]:  # fmt: skip
+        try:
+            parse(bad, chars, 4.0)
+        except ValueError:
+            continue
+        raise AssertionError(f"accepted {bad!r}, {chars!r}")
+
+
+def test_routing_goes_to_the_prefix_until_its_backlog_outweighs_the_recompute(
+    policy: Any,
+) -> None:
+    """Among nodes that would take it, a request goes where its first token comes soonest: the
+    node holding its prefix while that node's backlog is shorter than the prefill the cache
+    saves; past that, the idle node (a hot prefix spreads)."""
+    from admission.nodes.state import Status
+
+    from dataclasses import replace
+
+    model = next(iter(policy.models()))
+    n1 = next(n for n in policy.nodes.values() if model in n.models)
+    nodes = [n1, replace(n1, id="n2")]
+    views = [routing.NodeView(n, state=Status.OPEN, prefill_rate=10_000.0) for n in nodes]
+    cached, idle = views
+    prefix = Prefix(SHARED, SIZE)
+    hits = {cached.node.id: 6}
+    cls = next(iter(policy.classes))
+
+    def first() -> str:
+        ok = routing.eligible(views, policy, model, cls, 1000, 1100, 0.0, prefix=prefix,
+                              hits=hits)  # fmt: skip
+        return ok[0][0].node.id
+
+    cached.pending, cached.pending_at = 500.0, 0.0  # 0.05 s of backlog < 768 tokens = 0.077 s
+    assert first() == cached.node.id
+    cached.pending = 1500.0  # 0.15 s of backlog > what the cache saves
+    assert first() == idle.node.id
