@@ -10,6 +10,8 @@ Systems (each on fresh emulated nodes, one after another, same seeded arrivals):
   vllm_priority_lc  the strongest engine-only setup: NGINX least_conn, vLLM priority, and vLLM's
                  own admission valve --max-num-queued-tokens sized as its docs say (target TTFT
                  x prefill throughput); its 503s are scored as refused (unserved), not lost
+  vllm_router    vLLM's own router (PyPI vllm-router, pinned; its default cache_aware policy and
+                 thresholds: a radix tree of prompt text per worker) in front of priority nodes
   admission      the full stack: NGINX + Lua edge, sidecar, Redis, node agent; priority nodes
 Capacity is calibrated first (engine core in virtual time, loadtest.capacity) and the offered
 rate is --load times it. Arrivals are open-loop Poisson, sent with streaming so TTFT is seen.
@@ -39,49 +41,14 @@ from devstack.stack import MODULES, Stack
 from engine.profiles import PROFILES
 from engine.vllm_node import TINY_MODEL
 from loadtest import report
+from loadtest.baselines import demo_keys, plain_nginx, router, valves
 from loadtest.capacity import bounds_line, capacity
 from loadtest.scratch import add_flag, scratch
-from loadtest.workload import MIXED, TINY, Req, load_kinds, prompt_text, schedule
+from loadtest.workload import MIXED, TINY, Req, load_kinds, req_prompt, schedule
 
 BENCH_POLICY = Path(str(resources.files("loadtest") / "bench_policy.yaml"))
-SYSTEMS = ("fifo", "limit_req", "vllm_priority", "vllm_priority_lc", "admission")
-PRIORITY_SYSTEMS = ("vllm_priority", "vllm_priority_lc")
-
-
-def demo_keys(policy_path: Path) -> dict[str, str]:
-    return {t.id: t.demo_keys[0] for t in load_policy(policy_path).tenants.values() if t.demo_keys}
-
-
-def plain_nginx(run: Path, port: int, node_ports: list[int], system: str, policy_path: Path) -> str:
-    """nginx.conf for the systems without the admission edge."""
-    policy = load_policy(policy_path)
-    keys = demo_keys(policy_path)
-    balance = "least_conn;" if system in ("limit_req", "vllm_priority_lc") else ""
-    servers = "\n".join(f"server 127.0.0.1:{p} max_fails=0;" for p in node_ports)
-    limit_http = limit_loc = ""
-    if system == "limit_req":
-        for t in policy.tenants.values():
-            if t.id in keys:
-                zone = t.id.replace("-", "_")
-                limit_http += (f'map $http_authorization $lim_{zone} {{ default ""; "Bearer {keys[t.id]}" $binary_remote_addr; }}\n'
-                               f"limit_req_zone $lim_{zone} zone={zone}:1m rate={max(1, int(t.limits.requests_per_s))}r/s;\n")  # fmt: skip
-                limit_loc += f"limit_req zone={zone} burst={t.limits.request_burst} nodelay;\n"
-    return f"""
-daemon off; worker_processes 2; pid {run}/nginx.pid; error_log {run}/nginx-error.log warn;
-events {{ worker_connections 4096; }}
-http {{
-  access_log off; client_body_temp_path {run}/cb; proxy_temp_path {run}/px;
-  fastcgi_temp_path {run}/fc; uwsgi_temp_path {run}/uw; scgi_temp_path {run}/sc;
-  limit_req_status 429;
-  {limit_http}
-  upstream nodes {{ {balance} {servers} keepalive 256; keepalive_timeout 4s; }}
-  server {{
-    listen 127.0.0.1:{port} backlog=4096;
-    client_max_body_size 1m; client_body_buffer_size 1m;
-    location / {{ {limit_loc} proxy_pass http://nodes; proxy_http_version 1.1; proxy_set_header Connection "";
-                 proxy_buffering off; proxy_read_timeout 600s; }}
-  }}
-}}"""
+SYSTEMS = ("fifo", "limit_req", "vllm_priority", "vllm_priority_lc", "vllm_router", "admission")
+PRIORITY_SYSTEMS = ("vllm_priority", "vllm_priority_lc", "vllm_router")
 
 
 async def sample_nodes(ports: list[int], stop: asyncio.Event, series: dict[str, list[tuple[float, float]]],
@@ -117,6 +84,8 @@ async def sample_nodes(ports: list[int], stop: asyncio.Event, series: dict[str, 
                 n = nodes.setdefault(f"node-{p}", {"peak_memory": 0.0, "preemptions": 0.0})
                 n["peak_memory"] = max(n["peak_memory"], mem)
                 n["preemptions"] = vals.get("vllm:num_preemptions_total", 0.0)
+                n["prefix_hits"] = vals.get("vllm:prefix_cache_hits_total", 0.0)
+                n["prefix_queries"] = vals.get("vllm:prefix_cache_queries_total", 0.0)
                 series.setdefault(f"mem node-{p}", []).append((time.monotonic() - t0, mem))
                 waiting += vals.get("vllm:num_requests_waiting", 0.0)
             if queue_url:
@@ -145,7 +114,7 @@ def _has_token(event: bytes) -> bool:
 
 async def one(s: aiohttp.ClientSession, url: str, req: Req, key: str, priority: int | None, system: str,
               model: str, t0: float) -> report.Record:  # fmt: skip
-    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": prompt_text(req.prompt_tokens, int(req.at_s * 1e6), f"{req.kind}/{req.tenant}", req.prefix_tokens)}],
+    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": req_prompt(req, int(req.at_s * 1e6))}],
                             "max_tokens": req.max_tokens, "stream": True,
                             "stream_options": {"include_usage": True}}  # fmt: skip
     if priority is not None:
@@ -218,21 +187,6 @@ async def drive(url: str, reqs: list[Req], keys: dict[str, str], prios: dict[str
     return report.SystemResult(system, makespan, list(records), nodes, series)
 
 
-def valves(a: argparse.Namespace, system: str) -> tuple[str, ...]:
-    """vLLM's queue valve for the strongest baseline: target TTFT (realtime's) × the node's
-    prefill throughput, as vLLM's docs size --max-num-queued-tokens."""
-    if system != "vllm_priority_lc" or a.engine != "sim":
-        return ()
-    p = PROFILES[a.profile]
-    rate = p.max_num_batched_tokens / p.step_s(p.max_num_batched_tokens, 0)
-    target_s = 1.0
-    for c in load_policy(a.policy).classes.values():
-        if c.slo_ttft_ms:
-            target_s = c.slo_ttft_ms / 1000
-            break
-    return ("--max-num-queued-tokens", str(int(rate * target_s)))
-
-
 def run_system(
     system: str, a: argparse.Namespace, reqs: list[Req], work: Path
 ) -> report.SystemResult:
@@ -256,6 +210,11 @@ def run_system(
                           policy_overrides=overrides)  # fmt: skip
             stack.start()
             url, queue_url = f"{stack.url}/v1/chat/completions", f"{stack.sidecar_url}/healthz"
+        elif system == "vllm_router":
+            port = free_port()
+            procs.append(router(run, port, nodes.ports))
+            wait_for(lambda: port_open(port), 60, "vllm-router")
+            url, queue_url = f"http://127.0.0.1:{port}/v1/chat/completions", None
         else:
             port = free_port()
             conf = run / "nginx.conf"

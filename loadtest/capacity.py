@@ -40,15 +40,22 @@ def completed_rate(
 
 
 def prefix_hashes(r: Req, block_size: int) -> tuple[int, ...]:
-    """The block hashes of a request's shared prefix (its kind's, per tenant), as the engine's
-    prefix cache keys them; the rest of a prompt is its own and never matches."""
-    return tuple(hash((r.kind, r.tenant, i)) for i in range(r.prefix_tokens // block_size))
+    """The block hashes of a request's shared prefix (its kind's per tenant, or the one of its
+    kind's prefixes it uses), then of its conversation so far, as the engine's prefix cache
+    keys them; the rest of a prompt is its own and never matches."""
+    key = r.prefix_key or (r.kind, r.tenant)
+    head = tuple(hash((key, i)) for i in range(r.prefix_tokens // block_size))
+    if not r.conversation:
+        return head
+    n = r.prompt_tokens // block_size - len(head)
+    return head + tuple(hash((r.conversation, len(head), i)) for i in range(n))
 
 
 def computed_prompt(r: Req, block_size: int) -> int:
     """Prompt tokens an engine computes for `r` once its shared prefix is cached (whole blocks;
     never the whole prompt: the last token is always computed)."""
-    return r.prompt_tokens - min(r.prefix_tokens // block_size * block_size, r.prompt_tokens - 1)
+    shared = max(r.prefix_tokens, r.history_tokens)
+    return r.prompt_tokens - min(shared // block_size * block_size, r.prompt_tokens - 1)
 
 
 def capacity(profile: str, seconds: float = 120, kinds: tuple[Kind, ...] = MIXED) -> float:

@@ -171,7 +171,15 @@ def summarise(
             t: {"served": s, "weight": w} for t, (s, w) in shares(served, tenant_weights).items()
         },
         "nodes": res.nodes,
+        "prefix_hit_ratio": prefix_hit_ratio(res.nodes),
     }
+
+
+def prefix_hit_ratio(nodes: dict[str, dict[str, float]]) -> float | None:
+    """The cluster's prefix-cache hit ratio from the engines' own counters (hit tokens over
+    queried tokens, vllm:prefix_cache_hits / _queries), None when no engine reported them."""
+    queries = sum(n.get("prefix_queries", 0.0) for n in nodes.values())
+    return sum(n.get("prefix_hits", 0.0) for n in nodes.values()) / queries if queries else None
 
 
 def _f(x: Any, fmt: str = "{:.0f}") -> str:
@@ -194,8 +202,8 @@ def markdown(summaries: list[dict[str, Any]]) -> str:
                 e2e += f" / {c['tpot_attainment']:.1%}"
             lines.append(f"| {s['system']} | {cls} | {c['sent']} | {att} | {e2e} | {_f(c['ttft_p50_ms'])} / {_f(c['ttft_p99_ms'])} "
                          f"| {_f(c['e2e_p50_ms'])} / {_f(c['e2e_p99_ms'])} | {ref} | {c['lost']} |")  # fmt: skip
-    lines += ["", "| system | goodput tok/s | good tokens | makespan s | throughput tok/s | completed/s | lost | realtime token shares (served vs weight) | peak effective memory | preemptions |",
-              "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]  # fmt: skip
+    lines += ["", "| system | goodput tok/s | good tokens | makespan s | throughput tok/s | completed/s | lost | realtime token shares (served vs weight) | peak effective memory | preemptions | prefix hits |",
+              "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]  # fmt: skip
     for s in summaries:
         sh = ", ".join(
             f"{t} {_f(v['served'], '{:.0%}')} vs {v['weight']:.0%}"
@@ -204,7 +212,7 @@ def markdown(summaries: list[dict[str, Any]]) -> str:
         mem = max((n.get("peak_memory", math.nan) for n in s["nodes"].values()), default=math.nan)
         pre = sum(n.get("preemptions", 0) for n in s["nodes"].values())
         lines.append(f"| {s['system']} | {s['goodput_tokens_per_s']:.0f} | {s['good_tokens']:,} | {s['seconds']:.1f} | {s['throughput_tokens_per_s']:.0f} | {s['completed_per_s']:.1f} | {s['lost']} | {sh} "
-                     f"| {_f(mem, '{:.1%}')} | {pre:.0f} |")  # fmt: skip
+                     f"| {_f(mem, '{:.1%}')} | {pre:.0f} | {_f(s.get('prefix_hit_ratio'), '{:.1%}')} |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -9,7 +9,7 @@ down with the system under test and hides overload.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,13 @@ class Kind:
     # The first this-many prompt tokens are the same for every request of this kind from one
     # tenant (a system prompt, a template): an engine's prefix cache need not compute them again.
     shared_prefix_tokens: int = 0
+    # How many different such prefixes each tenant has (customers' system prompts, documents):
+    # each request uses one of them, drawn uniformly.
+    prefixes: int = 1
+    # Conversations: > 1 makes requests of this kind turns of conversations of up to this many
+    # turns; a turn's prompt is the previous turn's prompt, its answer and a new question
+    # (`prompt_tokens` is the question's size then), as chat clients resend the history.
+    turns: int = 1
 
 
 @dataclass(frozen=True)
@@ -34,6 +41,9 @@ class Req:
     prompt_tokens: int
     max_tokens: int
     prefix_tokens: int = 0  # of prompt_tokens, shared with the kind's other requests (tenant's)
+    prefix_key: str = ""  # which shared prefix ("" : the kind's and tenant's one)
+    conversation: str = ""  # the conversation this turn belongs to ("": none)
+    history_tokens: int = 0  # of prompt_tokens, the previous turn's prompt (its engine may hold it)
 
 
 # Lengths are in tokens; the emulator counts one token per 4 characters of prompt.
@@ -52,29 +62,61 @@ TINY = (
 )
 
 
+MAX_CONTEXT = 7000  # a conversation ends before its prompt would pass this (emulator: 8,192)
+
+
 def schedule(
     rate_per_s: float, seconds: float, seed: int = 7, kinds: tuple[Kind, ...] = MIXED
 ) -> list[Req]:
-    """Poisson arrivals at `rate_per_s` for `seconds`, each drawn from `kinds` by share."""
+    """Poisson arrivals at `rate_per_s` for `seconds`, each drawn from `kinds` by share. A turn
+    of a conversation kind continues one of the kind's open conversations (a new one with
+    probability 1/turns, or when none is open)."""
     rng = random.Random(seed)
     out: list[Req] = []
     t = rng.expovariate(rate_per_s)
     weights = [k.share for k in kinds]
+    talks: dict[str, list[tuple[Req, int]]] = {}  # kind → open conversations (last turn, turns)
     while t < seconds:
         k = rng.choices(kinds, weights)[0]
-        out.append(
-            Req(
-                at_s=t,
-                kind=k.name,
-                tenant=rng.choice(k.tenants),
-                cls=k.cls,
-                prompt_tokens=(n := rng.randint(*k.prompt_tokens)),
-                max_tokens=rng.randint(*k.output_tokens),
-                prefix_tokens=min(k.shared_prefix_tokens, n),
-            )
-        )
+        tenant = rng.choice(k.tenants)
+        n = rng.randint(*k.prompt_tokens)
+        key = f"{k.name}/{tenant}/{rng.randrange(k.prefixes)}" if k.prefixes > 1 else ""
+        req = Req(at_s=t, kind=k.name, tenant=tenant, cls=k.cls, prompt_tokens=n,
+                  max_tokens=rng.randint(*k.output_tokens),
+                  prefix_tokens=min(k.shared_prefix_tokens, n), prefix_key=key)  # fmt: skip
+        if k.turns > 1:
+            open_ = talks.setdefault(k.name, [])
+            if open_ and rng.random() >= 1 / k.turns:
+                i = rng.randrange(len(open_))
+                last, turns = open_[i]
+                req = replace(req, tenant=last.tenant, prefix_key=last.prefix_key,
+                              conversation=last.conversation, prefix_tokens=last.prefix_tokens,
+                              prompt_tokens=last.prompt_tokens + last.max_tokens + n,
+                              history_tokens=last.prompt_tokens)  # fmt: skip
+                if turns + 1 >= k.turns or req.prompt_tokens + 2 * req.max_tokens > MAX_CONTEXT:
+                    open_.pop(i)
+                else:
+                    open_[i] = (req, turns + 1)
+            else:  # a new conversation: the system prompt, then the first question
+                req = replace(req, conversation=f"{k.name}-{len(out)}",
+                              prompt_tokens=k.shared_prefix_tokens + n,
+                              prefix_tokens=k.shared_prefix_tokens)  # fmt: skip
+                open_.append((req, 1))
+        out.append(req)
         t += rng.expovariate(rate_per_s)
     return out
+
+
+def req_prompt(r: Req, salt: int) -> str:
+    """The prompt text of a request: its shared prefix, then (for a conversation) the
+    conversation so far — the same text at every turn, only longer —, else its own text."""
+    key = r.prefix_key or f"{r.kind}/{r.tenant}"
+    if not r.conversation:
+        return prompt_text(r.prompt_tokens, salt, key, r.prefix_tokens)
+    head = prompt_text(r.prefix_tokens, 0, key, r.prefix_tokens) if r.prefix_tokens else ""
+    rest = 4 * (r.prompt_tokens - r.prefix_tokens)
+    line = f"<{r.conversation}> lorem ipsum dolor sit amet "
+    return head + (line * (rest // len(line) + 1))[:rest]
 
 
 def prompt_text(tokens: int, salt: int = 0, prefix: str = "", prefix_tokens: int = 0) -> str:
@@ -108,7 +150,8 @@ def load_kinds(path: str) -> tuple[Kind, ...]:
             kinds.append(Kind(str(k["name"]), str(k["class"]), tuple(k["tenants"]),
                               float(k["share"]), tuple(k["prompt_tokens"]),  # type: ignore[arg-type]
                               tuple(k["output_tokens"]),  # type: ignore[arg-type]
-                              int(k.get("shared_prefix_tokens", 0))))  # fmt: skip
+                              int(k.get("shared_prefix_tokens", 0)), int(k.get("prefixes", 1)),
+                              int(k.get("turns", 1))))  # fmt: skip
         except (KeyError, TypeError, ValueError) as exc:
             raise SystemExit(f"{path}: kinds[{i}]: {exc!r}") from None
     if not kinds:
