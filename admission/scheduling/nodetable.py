@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +34,7 @@ log = logging.getLogger(__name__)
 
 EJECT_AFTER = 3  # proxied requests that could not reach a node, within EJECT_S
 EJECT_S = 10.0  # how long it stays out; then its agent's state applies again
+PREDICTED_KEPT = 50_000  # tickets whose booked-as-cached tokens wait for their release here
 FEED_BATCH = 4096  # placements a sidecar tells per refresh at most (more: not told)
 FEED_LEN = 20_000  # placements the feed keeps (trimmed approximately): ~1 s at 20k admissions/s
 FEED_READ = 20_000  # placements read per refresh at most
@@ -55,7 +57,8 @@ class NodeTable:
         self._bad_state_logged: set[str] = set()
         self.outputs = UrgentOutputs()  # the urgent class's answer lengths: the decode guard
         self.prefixes = PrefixIndex()  # where this sidecar saw prompt heads go (routing)
-        self._predicted: dict[str, int] = {}  # ticket → prompt tokens booked as cached
+        self._predicted: OrderedDict[str, int] = OrderedDict()  # ticket → tokens booked cached
+        self._cached_totals = (0, 0)  # (booked as cached, engines found cached), in tokens
         # Placements told to the other sidecars with the next refresh, and the feed's last id
         # read ("0-0": a new sidecar first learns what the stream still holds).
         self._me = secrets.token_hex(4)
@@ -110,8 +113,9 @@ class NodeTable:
             return
         hit = leases.hit_blocks(res)
         predicted = ask.hit_tokens if hit is None else prefix.tokens(hit)
-        if len(self._predicted) < 100_000:  # bounded: a lost release must not grow it forever
-            self._predicted[ticket] = min(ask.prompt_tokens, predicted)
+        self._predicted[ticket] = min(ask.prompt_tokens, predicted)
+        if len(self._predicted) > PREDICTED_KEPT:  # released elsewhere, or lost: oldest out
+            self._predicted.popitem(last=False)
         self.prefixes.learn(view.node.id, prefix, self.clock(), ask.pool_blocks)
         if len(self._outbox) < FEED_BATCH:
             self._outbox.append((view.node.id, prefix))
@@ -122,6 +126,18 @@ class NodeTable:
         if cached >= 0 and predicted is not None:
             self.metrics.prefix_predicted.inc(predicted)
             self.metrics.prefix_engine_cached.inc(cached)
+            self._cached_totals = (
+                self._cached_totals[0] + predicted,
+                self._cached_totals[1] + cached,
+            )
+
+    def prefix_snapshot(self) -> dict[str, Any]:
+        """Prompt tokens booked as already computed vs what the engines found cached, over the
+        releases that reported it (None: none yet), for the status page."""
+        booked, found = self._cached_totals
+        reported = self._cached_totals != (0, 0)
+        return {"booked_cached_tokens": booked if reported else None,
+                "engine_cached_tokens": found if reported else None}  # fmt: skip
 
     def urgent_waiting(self, waiting_kv: Callable[[str], int]) -> int:
         """KV tokens waiting in the queue that asked for the urgent class (admitted until drain)."""
