@@ -25,8 +25,9 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
     scratch = Path(tempfile.mkdtemp(prefix="t"))  # short: unix socket paths live under it
     scratch.chmod(0o755)  # NGINX's workers (nobody) read the Lua files under it
     proc = subprocess.run(
-        [sys.executable, "-m", "loadtest.bench", "--systems", "fifo,admission", "--nodes", "1", "--seconds", "6",
-         "--load", "1.0", "--out", str(out)],
+        [sys.executable, "-m", "loadtest.bench", "--systems", "fifo,vllm_router,admission", "--nodes", "2",
+         "--seconds", "6", "--load", "1.0", "--workload", str(ROOT / "loadtest/workloads/support.yaml"),
+         "--out", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=360, env={**os.environ, "TMPDIR": str(scratch)},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -35,11 +36,13 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
     assert not left  # its scratch directory is gone
     doc = json.loads((out / "report.json").read_text())
     systems = [s["system"] for s in doc["summaries"]]
-    assert systems == ["fifo", "admission"]
+    assert systems == ["fifo", "vllm_router", "admission"]  # vLLM's router, the real program
     for s in doc["summaries"]:
         assert s["lost"] == 0
         assert s["classes"]["realtime"]["sent"] > 0
         assert s["goodput_tokens_per_s"] > 0
+        # Per-tenant system prompts: every system's engines found some of them cached.
+        assert s["prefix_hit_ratio"] is not None and s["prefix_hit_ratio"] > 0.1
     assert "| admission | realtime |" in (out / "report.md").read_text()
     assert "offered compute, share of the cluster at roofline cost: realtime" in proc.stdout
     assert "batch with a first token in time behind realtime: at most" in proc.stdout

@@ -195,9 +195,9 @@ def test_routing_goes_to_the_prefix_until_its_backlog_outweighs_the_recompute(
     """Among nodes that would take it, a request goes where its first token comes soonest: the
     node holding its prefix while that node's backlog is shorter than the prefill the cache
     saves; past that, the idle node (a hot prefix spreads)."""
-    from admission.nodes.state import Status
-
     from dataclasses import replace
+
+    from admission.nodes.state import Status
 
     model = next(iter(policy.models()))
     n1 = next(n for n in policy.nodes.values() if model in n.models)

@@ -168,6 +168,7 @@ def test_prefix_caching_shares_computed_blocks_and_evicts_them_last() -> None:
     s.add(b)
     r = s.step(0.0)
     assert (r.cached, r.queried, r.prefill_tokens) == (64, 104, 40)  # only its own 40 computed
+    assert (a.cached_tokens, b.cached_tokens) == (0, 64)  # reported as vLLM's cached_tokens
     assert len(b.cached) == 6 and b.blocks == 1  # 4 shared, 2 it computed and cached itself
     run(s)
     whole = Seq(64, 3, hashes=block_hashes(system, 16))  # the prefix alone: last token computed

@@ -122,6 +122,19 @@ def test_emulator_responses_have_vllm_shape(vstack: Stack, emulator: int, path: 
     assert mismatch(shape(emu_s[1]), shape(real_s[1])) is None, mismatch(
         shape(emu_s[1]), shape(real_s[1])
     )
+    # Both report what the prefix cache saved (vLLM: --enable-prompt-tokens-details, which
+    # engine/vllm_node.py passes): the edge settles it and the sidecar compares it with its
+    # booking.
+    for doc in (real["usage"], emu["usage"], real_s[-1]["usage"], emu_s[-1]["usage"]):
+        assert isinstance(doc["prompt_tokens_details"]["cached_tokens"], int)
+
+
+def test_real_vllm_reports_the_cached_tokens_of_a_repeated_prompt(vstack: Stack) -> None:
+    body = {"model": "tiny-llama", "max_tokens": 2, "prompt": "the shared system prompt " * 60}
+    first = json.loads(post(vstack.node_ports[0], "/v1/completions", body))["usage"]
+    again = json.loads(post(vstack.node_ports[0], "/v1/completions", body))["usage"]
+    assert first["prompt_tokens"] > 256  # more than two of the CPU engine's 128-token blocks
+    assert again["prompt_tokens_details"]["cached_tokens"] >= 256
 
 
 def test_emulator_exports_the_metric_names_admission_reads(vstack: Stack, emulator: int) -> None:

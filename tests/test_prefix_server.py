@@ -1,0 +1,62 @@
+"""Prefix-aware admission through the sidecar's HTTP API: the edge's fingerprint is validated,
+booked once per node, and a tenant pays `cached_token_price` for what the engine found cached."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from admission.store import keys
+from tests.test_server import admit_body, sidecar  # noqa: F401  (the fixture)
+
+BLOCKS = [f"{i:016x}" for i in range(1, 9)]  # 8 blocks × 512 characters = 1,024 tokens
+
+
+async def test_a_malformed_fingerprint_is_refused_and_nothing_is_booked(
+    sidecar: Any,  # noqa: F811
+    redis: Any,
+) -> None:
+    client, _h, _p = sidecar
+    for prefix, chars in [("abc", 512), (["NOT-HEX"], 512), (BLOCKS, 0), (BLOCKS * 9, 512)]:
+        r = await client.post("/admit", json=admit_body(prefix=prefix, prefix_chars=chars))
+        assert r.status == 400, prefix
+        assert "prefix" in (await r.json())["error"]["message"]
+    assert await redis.zcard(keys.node_leases("n1")) == 0
+
+
+async def test_requests_sharing_a_head_book_it_once(sidecar: Any, redis: Any) -> None:  # noqa: F811
+    client, _h, _p = sidecar
+    tickets = []
+    for _ in range(2):
+        body = admit_body(prompt_tokens=1100, max_tokens=100, prefix=BLOCKS, prefix_chars=512)
+        r = await client.post("/admit", json=body)
+        assert r.status == 200
+        tickets.append((await r.json())["ticket"])
+    ledger = await redis.hgetall(keys.node_ledger("n1"))
+    assert int(ledger[b"kv"]) == 1024 + 2 * (1200 - 1024)  # the head once, each its own rest
+    for t in tickets:
+        await client.post("/release", json={"ticket": t, "status": 200, "usage": None})
+    assert int((await redis.hgetall(keys.node_ledger("n1")))[b"kv"]) == 0
+
+
+async def test_cached_prompt_tokens_cost_the_tenants_price(sidecar: Any, redis: Any) -> None:  # noqa: F811
+    client, holder, path = sidecar
+    usage = {"prompt_tokens": 1000, "completion_tokens": 50,
+             "prompt_tokens_details": {"cached_tokens": 800}}  # fmt: skip
+
+    async def refund() -> int:
+        r = await client.post("/admit", json=admit_body(prompt_tokens=1000, max_tokens=100))
+        ticket = (await r.json())["ticket"]
+        r = await client.post("/release", json={"ticket": ticket, "status": 200, "usage": usage})
+        return int((await r.json())["refunded_tokens"])
+
+    assert await refund() == 1100 - 1050  # the default price: a cached token costs the same
+    path.write_text(path.read_text().replace("token_burst: 5000}", "token_burst: 5000, "
+                                             "cached_token_price: 0.1}", 1))  # fmt: skip
+    assert holder.reload()
+    assert holder.current.tenants["acme"].limits.cached_token_price == 0.1
+    assert await refund() == 1100 - (1050 - 720)  # 800 cached tokens at 0.1: 720 less
+    bad = {**usage, "prompt_tokens_details": {"cached_tokens": 2000}}  # more than the prompt
+    r = await client.post("/admit", json=admit_body())
+    ticket = (await r.json())["ticket"]
+    r = await client.post("/release", json={"ticket": ticket, "status": 200, "usage": bad})
+    assert r.status == 400 and "cached_tokens" in (await r.json())["error"]["message"]
