@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_BLOCKS = 64  # blocks the edge sends at most (64 × 512 characters ≈ 8k tokens of head)
+UNKNOWN_POOL_BLOCKS = 16_384  # a node's pool when its engine does not say (2M tokens at 128)
 BLOCK_HASH = re.compile(r"[0-9a-f]{16}")
 
 
@@ -72,8 +73,11 @@ def home_rank(prefix: Prefix, node: str) -> int:
 
 
 def pool_blocks(pool_tokens: int, prefix: Prefix) -> int:
-    """Prefix blocks a KV pool of `pool_tokens` keeps computed (0: unknown, unbounded)."""
-    return pool_tokens // prefix.block_tokens if prefix and pool_tokens > 0 else 0
+    """Prefix blocks a KV pool of `pool_tokens` keeps computed; an unknown pool (no engine
+    metrics) is taken as `UNKNOWN_POOL_BLOCKS`, so that neither index grows without bound."""
+    if not prefix:
+        return 0
+    return pool_tokens // prefix.block_tokens if pool_tokens > 0 else UNKNOWN_POOL_BLOCKS
 
 
 class PrefixIndex:

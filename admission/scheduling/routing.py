@@ -343,7 +343,7 @@ def eligible(
     apart = not urgent(policy, cls)
     ok.sort(key=lambda rva: (rva[0], apart and rva[1].kv_urgent > 0,
                              rva[1].wait_s(now) - saved_s(rva[1], rva[2]), -rva[2].hit_tokens,
-                             home_rank(prefix, rva[1].node.id), rva[1].projected(),
+                             rva[1].projected(), home_rank(prefix, rva[1].node.id),
                              rva[1].node.id))  # fmt: skip
     return [(v, ask) for _rank, v, ask in ok]
 
