@@ -90,6 +90,7 @@ def test_shared_blocks_are_booked_once_counted_exactly_and_cleared(
                 assert refs == want  # never negative, never a block nobody holds
                 own = sum(o for _b, o in live.values())
                 assert int(h.get("kv", 0)) == own + SIZE * len(want)  # each held block once
+                assert int(h.get("s", 0)) == SIZE * len(want)  # ... and known as shared
                 assert {k[2:] for k in h if k.startswith("b:")} == {
                     t for t, (b, _o) in live.items() if b
                 }
@@ -145,6 +146,18 @@ async def test_the_kv_limit_sees_only_blocks_not_yet_held(redis: Any) -> None:
     assert int((await fields(redis))["kv"]) == 768 + 3 * 200
     res = (await s.run(leases.take(NODE, ticket(9), 60, ask(900, 1000, (), kv_limit=1500))))[0]
     assert leases.refusal(res) is not None  # an unshared one does not
+
+
+async def test_the_urgent_class_does_not_count_shared_blocks_as_preemptible(redis: Any) -> None:
+    """vLLM preempts lower classes for realtime, but a prefix block a lower-class request holds
+    stays while anyone uses it: the urgent class's KV check counts shared blocks as its own."""
+    s = Scripts(redis)
+    await s.run(leases.take(NODE, ticket(1), 60, ask(868, 968, SHARED)))  # batch: 768 shared
+    urgent = ask(400, 500, (), kv_limit=1000, urgent=True)
+    res = (await s.run(leases.take(NODE, ticket(2), 60, urgent)))[0]
+    assert leases.refusal(res) is not None  # 768 shared + 500 > 1,000
+    small = ask(100, 200, (), kv_limit=1000, urgent=True)
+    assert leases.granted((await s.run(leases.take(NODE, ticket(3), 60, small)))[0])
 
 
 async def test_resident_blocks_nobody_holds_are_evicted_least_recently_used_first(

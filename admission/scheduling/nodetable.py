@@ -171,7 +171,7 @@ class NodeTable:
             pipe.get(keys.node_state(v.node.id))
             pipe.get(keys.node_admin(v.node.id))
             pipe.zcard(keys.node_leases(v.node.id))
-            pipe.hmget(keys.node_ledger(v.node.id), "p", "t", "kv", "u", "r", "rt")
+            pipe.hmget(keys.node_ledger(v.node.id), "p", "t", "kv", "u", "r", "rt", "s")
             pipe.exists(keys.node_eject(v.node.id))
         outbox, self._outbox = self._outbox, []
         feed = keys.prefix_feed()
@@ -194,7 +194,7 @@ class NodeTable:
         secs, micros = res[0]
         redis_now_us = int(secs) * 1_000_000 + int(micros)
         for i, v in enumerate(views):
-            raw, admin, leases, (p, t, kv, u, r, rt), ejected = res[1 + 5 * i : 6 + 5 * i]
+            raw, admin, leases, (p, t, kv, u, r, rt, sh), ejected = res[1 + 5 * i : 6 + 5 * i]
             was = v.state
             v.observe(None if ejected else self._state(v.node.id, raw), bool(admin))
             if v.state == Status.DOWN and was != Status.DOWN:
@@ -205,7 +205,7 @@ class NodeTable:
             reserve = float(r or 0)
             if rt is not None:  # decayed until Redis's now, as lease.lua does
                 reserve *= 0.5 ** (max(0, redis_now_us - int(rt)) / 1e6 / RESERVE_HALF_S)
-            v.ledger(pending, int(kv or 0), int(leases), now, int(u or 0), reserve)
+            v.ledger(pending, int(kv or 0), int(leases), now, int(u or 0), reserve, int(sh or 0))
         self._learn_feed(res[-1])
         self._pressure(now)
         self._gauge()

@@ -62,6 +62,7 @@ class NodeView:
     pending_at: float = 0.0
     kv_reserved: int = 0  # ledger: KV tokens reserved by live leases
     kv_urgent: int = 0  # ledger: the part of kv_reserved the urgent class holds
+    kv_shared: int = 0  # ledger: the part of kv_reserved that is shared prefix blocks held
     reserve: float = 0.0  # ledger: the urgent reserve (recent peak), as of `pending_at`
     inflight: int = 0
     waiting: int = 0  # the engine's own queue (requests), for operators
@@ -85,7 +86,7 @@ class NodeView:
 
     def ledger(
         self, pending: float, kv: int, leases: int, now: float,
-        urgent: int | None = None, reserve: float | None = None,
+        urgent: int | None = None, reserve: float | None = None, shared: int | None = None,
     ) -> None:  # fmt: skip
         """Take the node's ledger as read from Redis (pending and reserve decayed to `now`);
         without `urgent`/`reserve` (a refusal's figures) the local reserve is kept, decayed."""
@@ -93,6 +94,8 @@ class NodeView:
             urgent, reserve = self.kv_urgent, self.reserve_now(now)
         self.pending, self.pending_at, self.kv_reserved, self.inflight = pending, now, kv, leases
         self.kv_urgent, self.reserve = urgent, reserve
+        if shared is not None:
+            self.kv_shared = shared
 
     def seen(self, figures: tuple[int, float, int] | None, now: float) -> None:
         """Take a granted lease's reply (every sidecar's bookings as of then) without losing
@@ -125,12 +128,13 @@ class NodeView:
         if not urgent:
             return max(self.memory,
                        self.base_memory + (self.kv_reserved + extra_kv) * self.per_token)  # fmt: skip
-        own = self.base_memory + (self.kv_urgent + extra_kv) * self.per_token
+        own = self.base_memory + (self.kv_urgent + self.kv_shared + extra_kv) * self.per_token
         return max(self.memory - self.preemptible(), own)
 
     def preemptible(self) -> float:
-        """Memory fraction of the KV lower classes have booked here (0 when unknown)."""
-        return max(0, self.kv_reserved - self.kv_urgent) * self.per_token
+        """Memory fraction of the KV lower classes have booked here (0 when unknown); shared
+        prefix blocks are not: the urgent class may hold them too."""
+        return max(0, self.kv_reserved - self.kv_urgent - self.kv_shared) * self.per_token
 
     def booked(self, ask: Ask, now: float) -> None:
         """A lease this sidecar took: count it until the next refresh reads the ledger."""

@@ -33,7 +33,8 @@
 -- Ledger fields: p = pending prefill tokens (drained at the prefill rate since t), t = µs,
 --   kv = KV tokens reserved by live leases, u = the urgent class's share of kv,
 --   r = the urgent reserve (its recent peak: u, or u + what waits, halving every RESERVE_HALF_US
---   since rt), k:<ticket> = this lease's KV tokens (negative: an urgent lease).
+--   since rt), k:<ticket> = this lease's KV tokens (negative: an urgent lease), s = the part of
+--   kv that is shared prefix blocks held (booked once, whoever holds them).
 -- The reserve keeps room for what realtime has recently needed on this node, however small the
 -- band between the watermarks is in requests (a tiny KV pool): lower classes stay below
 -- drain − reserve, so realtime is not held behind work vLLM would have to preempt for it.
@@ -48,13 +49,14 @@ local RESERVE_HALF_US = 20000000
 local now = now_us()
 local leases, ledger, resident, ticket = KEYS[1], KEYS[2], KEYS[4], ARGV[3]
 local expired = redis.call('ZRANGEBYSCORE', leases, '-inf', now)
-local f = redis.call('HMGET', ledger, 'kv', 'u', 'r', 'rt')
-local kv, u = tonumber(f[1] or '0'), tonumber(f[2] or '0')
+local f = redis.call('HMGET', ledger, 'kv', 'u', 'r', 'rt', 's')
+local kv, u, shared = tonumber(f[1] or '0'), tonumber(f[2] or '0'), tonumber(f[5] or '0')
 local reserve = tonumber(f[3] or '0')
 if f[4] then reserve = reserve * 0.5 ^ ((now - tonumber(f[4])) / RESERVE_HALF_US) end
 for _, t in ipairs(expired) do
   redis.call('ZREM', leases, t)
-  kv = kv - prefix_unhold(ledger, resident, t, now)
+  local freed = prefix_unhold(ledger, resident, t, now)
+  kv, shared = kv - freed, shared - freed
   local k = tonumber(redis.call('HGET', ledger, 'k:' .. t) or '0')
   if k ~= 0 then
     kv = kv - math.abs(k)
@@ -62,12 +64,13 @@ for _, t in ipairs(expired) do
     redis.call('HDEL', ledger, 'k:' .. t)
   end
 end
-kv, u = math.max(0, kv), math.max(0, u)
+kv, u, shared = math.max(0, kv), math.max(0, u), math.max(0, shared)
 local n = redis.call('ZCARD', leases)
 -- The same ticket again (a retry after a round trip that may have run) replaces its booking:
 -- checked and booked as if it were not there yet.
 -- Its prefix blocks are let go first (taken again if granted).
-kv = math.max(0, kv - prefix_unhold(ledger, resident, ticket, now))
+local freed = prefix_unhold(ledger, resident, ticket, now)
+kv, shared = math.max(0, kv - freed), math.max(0, shared - freed)
 local again = tonumber(redis.call('HGET', ledger, 'k:' .. ticket) or '0')
 local kv_others = math.max(0, kv - math.abs(again))
 local u_others = u
@@ -103,8 +106,9 @@ if n >= tonumber(ARGV[1]) then
 elseif budget > 0 and pending > 0 and pending + prompt > (u_others > 0 and 0 or budget) then
   -- While the urgent class has KV booked here, lower classes get only idle prefill.
   reason = 'prefill'
-elseif kv_limit >= 0 and (urgent and u_others or kv_others) + need + fresh > kv_limit then
-  -- The urgent class counts only its own KV: vLLM preempts lower classes to make it room.
+elseif kv_limit >= 0 and (urgent and u_others + shared or kv_others) + need + fresh > kv_limit then
+  -- The urgent class counts only its own KV and the shared prefix blocks (which it may hold:
+  -- not preemptible for it): vLLM preempts lower classes to make it room.
   reason = 'memory'
 elseif not urgent and reserve_limit >= 0
     and kv_others - u_others + need + fresh + math.max(u_others, reserve) > reserve_limit then
@@ -114,7 +118,7 @@ local over = ''
 if ARGV[12] == '1' then
   if redis.call('ZSCORE', KEYS[3], ticket) then
     redis.call('ZREM', KEYS[3], ticket)
-    redis.call('HSET', ledger, 'kv', kv, 'u', u)  -- expired leases were dropped above
+    redis.call('HSET', ledger, 'kv', kv, 'u', u, 's', shared)  -- expired leases dropped above
     return {1, n, tostring(pending), kv, 'released', 0}
   end
   if reason then
@@ -125,12 +129,12 @@ if reason then
   -- Refused, the ticket's earlier urgent booking (a retry) stays: so does its share of r.
   reserve = math.max(reserve, u)
   redis.call('HSET', ledger, 'p', tostring(pending), 't', now, 'kv', kv, 'u', u,
-             'r', tostring(reserve), 'rt', now)
+             'r', tostring(reserve), 'rt', now, 's', shared)
   return {0, n, reason, tostring(pending), kv, hit}
 end
 redis.call('ZADD', leases, now + tonumber(ARGV[2]), ticket)
 if rate > 0 then pending = pending + prompt end
-kv, u = kv_others + need + fresh, u_others
+kv, u, shared = kv_others + need + fresh, u_others, shared + fresh
 local booked = need
 if urgent then
   u = u + need
@@ -138,7 +142,7 @@ if urgent then
   reserve = math.max(reserve, u)
 end
 redis.call('HSET', ledger, 'p', tostring(pending), 't', now, 'kv', kv, 'u', u,
-           'r', tostring(reserve), 'rt', now, 'k:' .. ticket, booked)
+           'r', tostring(reserve), 'rt', now, 'k:' .. ticket, booked, 's', shared)
 local ttl_ms = math.ceil(tonumber(ARGV[2]) / 1000)
 if #blocks > 0 then
   local counts, scores = {}, {}

@@ -20,11 +20,11 @@ if removed == 0 and ARGV[2] == '1' then
 end
 local freed = prefix_unhold(KEYS[2], KEYS[4], ARGV[1], now)
 local k = tonumber(redis.call('HGET', KEYS[2], 'k:' .. ARGV[1]) or '0')
-local f = redis.call('HMGET', KEYS[2], 'kv', 'u')
+local f = redis.call('HMGET', KEYS[2], 'kv', 'u', 's')
 local kv = tonumber(f[1] or '0')
 if freed > 0 then
   kv = math.max(0, kv - freed)
-  redis.call('HSET', KEYS[2], 'kv', kv)
+  redis.call('HSET', KEYS[2], 'kv', kv, 's', math.max(0, tonumber(f[3] or '0') - freed))
 end
 if k ~= 0 then
   kv = math.max(0, kv - math.abs(k))
