@@ -155,7 +155,11 @@ if #blocks > 0 then
   redis.call('HSET', ledger, 'b:' .. ticket, size .. ' ' .. table.concat(blocks, ' '),
              unpack(counts))
   redis.call('ZADD', resident, unpack(scores))
+  -- The engine keeps unheld blocks only in the part of its pool that running requests leave
+  -- free: resident blocks ≤ pool − what the leases hold as their own (booked output caps
+  -- included, so this evicts early rather than late: a hit is under-, not over-estimated).
   local cap = tonumber(ARGV[14] or '0')
+  if cap > 0 then cap = math.max(#blocks, cap - math.ceil((kv - shared) / size)) end
   local extra = cap > 0 and redis.call('ZCARD', resident) - cap or 0
   if extra > 0 then
     -- Evict what nobody holds, least recently used first (held blocks cannot be evicted).
