@@ -108,11 +108,13 @@ def test_shared_blocks_are_booked_once_counted_exactly_and_cleared(
 
 async def test_pending_prefill_counts_only_what_the_node_has_not_computed(redis: Any) -> None:
     s = Scripts(redis)
-    a = ask(1000, 1100, SHARED, prefill_rate=1.0)  # 6 blocks × 128 = 768 of 1,000 tokens
+    a = ask(1000, 1100, SHARED, prefill_rate=20_000.0)  # 6 blocks × 128 = 768 of 1,000 tokens
     res = (await s.run(leases.take(NODE, ticket(1), 60, a)))[0]
     assert leases.hit_blocks(res) == 0
     first = float((await fields(redis))["p"])
-    assert 990 < first <= 1000  # all of it (less what 1 token/s drained meanwhile)
+    assert 900 < first <= 1000  # all of it (less what drained meanwhile)
+    await asyncio.sleep(0.1)  # its prefill (0.05 s at 20,000 tokens/s) has cleared
+    first = float((await fields(redis))["p"])
     res = (await s.run(leases.take(NODE, ticket(2), 60, a)))[0]
     assert leases.hit_blocks(res) == 6
     assert float((await fields(redis))["p"]) - first <= 1000 - 768 + 1
@@ -124,6 +126,21 @@ async def test_pending_prefill_counts_only_what_the_node_has_not_computed(redis:
     assert await redis.zcard(keys.node_prefixes("n1")) == 6
     res = (await s.run(leases.take(NODE, ticket(3), 60, a)))[0]
     assert leases.hit_blocks(res) == 6  # a third request finds them computed
+
+
+async def test_a_prefix_still_being_computed_is_not_shared(redis: Any) -> None:
+    """vLLM shares only computed blocks: a request that arrives while another is still
+    prefilling the same head computes (and holds) its own copy, so it books it as its own."""
+    s = Scripts(redis)
+    slow = ask(1000, 1100, SHARED, prefill_rate=100.0)  # 10 s of prefill booked
+    await s.run(leases.take(NODE, ticket(1), 60, slow))
+    res = (await s.run(leases.take(NODE, ticket(2), 60, slow)))[0]
+    assert leases.hit_blocks(res) == 0
+    h = await fields(redis)
+    assert int(h["kv"]) == 2 * 1100  # the head twice: one copy each
+    assert int(h["k:" + ticket(2)]) == 1100 - 768 + 768  # the copy is its own
+    await s.run(leases.give_back(ticket(2), released=True))
+    assert int((await fields(redis))["kv"]) == 1100
 
 
 async def test_a_lease_that_expires_lets_its_blocks_go(redis: Any) -> None:

@@ -9,9 +9,9 @@
 --       4 prompt tokens (pending prefill this request adds)
 --       5 KV tokens reserved (prompt estimate + output cap)
 --       6 prefill rate, tokens/s (0: unknown; pending prefill is then not drained by time)
---       7 prefill budget, tokens (0: this class is not gated by pending prefill); while the
---         urgent class has KV booked on the node (u > 0) the room is 0 instead: a lower class
---         gets only idle prefill there (pending cleared)
+--       7 prefill budget, tokens (0: not gated by pending prefill); while the urgent class
+--         has KV booked on the node (u > 0) a lower class's room is 0 instead: it gets only
+--         idle prefill there (pending cleared)
 --       8 KV limit, tokens (-1: not gated by memory): reserved KV after this one must stay below
 --         (for an urgent ask, the urgent class's own KV after this one)
 --       9 urgent: 1 for the class admitted until drain (its KV counts toward the reserve)
@@ -87,23 +87,32 @@ end
 local prompt, need = tonumber(ARGV[4]), tonumber(ARGV[5])
 local size, blocks = tonumber(ARGV[13] or '0'), {}
 for i = 15, #ARGV do blocks[#blocks + 1] = ARGV[i] end
-local hit, fresh, refs = 0, 0, {}
+local hit, fresh, dup, refs, seen = 0, 0, 0, {}, {}
 if size > 0 and #blocks > 0 then
-  local seen = redis.call('ZMSCORE', resident, unpack(blocks))
-  while hit < #blocks and seen[hit + 1] do hit = hit + 1 end
+  -- A resident block's score is when it is (or will be) computed: the engine shares only
+  -- computed blocks, so the hit is the leading run computed by now.
+  seen = redis.call('ZMSCORE', resident, unpack(blocks))
+  while hit < #blocks and seen[hit + 1] and tonumber(seen[hit + 1]) <= now do hit = hit + 1 end
   local hkeys = {}
   for i, b in ipairs(blocks) do hkeys[i] = 'h:' .. b end
   refs = redis.call('HMGET', ledger, unpack(hkeys))
   for i = 1, #blocks do
-    if not refs[i] then fresh = fresh + size end
+    if not refs[i] then
+      fresh = fresh + size  -- held by nobody yet: booked once, as shared
+    elseif i > hit then
+      dup = dup + size  -- held, but still being computed: the engine computes its own copy
+    end
   end
   prompt = math.max(0, prompt - hit * size)
-  need = math.max(0, need - #blocks * size)  -- the lease's own KV; `fresh` is booked as shared
+  -- The lease's own KV: the rest of its prompt and its output, and its copies of blocks
+  -- another request is still computing.
+  need = math.max(0, need - #blocks * size) + dup
 end
 local reason = nil
 if n >= tonumber(ARGV[1]) then
   reason = 'inflight'
-elseif budget > 0 and pending > 0 and pending + prompt > (u_others > 0 and 0 or budget) then
+elseif budget > 0 and pending > 0
+    and pending + prompt > ((u_others > 0 and not urgent) and 0 or budget) then
   -- While the urgent class has KV booked here, lower classes get only idle prefill.
   reason = 'prefill'
 elseif kv_limit >= 0 and (urgent and u_others + shared or kv_others) + need + fresh > kv_limit then
@@ -149,7 +158,14 @@ if #blocks > 0 then
   for i, b in ipairs(blocks) do
     counts[#counts + 1] = 'h:' .. b
     counts[#counts + 1] = tonumber(refs[i] or '0') + 1
-    scores[#scores + 1] = now - i  -- the tail least recently used (prelude: prefix_unhold)
+    if i <= hit then
+      scores[#scores + 1] = now - i  -- the tail least recently used (prelude: prefix_unhold)
+    else  -- computed once this node's prefill booked so far (this one's included) has cleared
+      local wait_us = rate > 0 and math.floor(pending / rate * 1000000) or 0
+      local at = now + wait_us - i
+      if seen[i] then at = math.min(at, math.max(now - i, tonumber(seen[i]))) end
+      scores[#scores + 1] = at
+    end
     scores[#scores + 1] = b
   end
   redis.call('HSET', ledger, 'b:' .. ticket, size .. ' ' .. table.concat(blocks, ' '),
