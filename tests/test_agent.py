@@ -245,3 +245,13 @@ async def test_the_engines_prefix_cache_hit_ratio_reaches_the_node_state(
         assert st.prefix_hit_ratio == pytest.approx(4 * 23 * 16 / (5 * 382), abs=0.01)
         published = json.loads(await redis.get(keys.node_state("n1")))
         assert published["prefix_hit_ratio"] == pytest.approx(st.prefix_hit_ratio)
+
+
+def test_prefill_rate_counts_the_tokens_computed_not_those_found_cached() -> None:
+    """vllm:prompt_tokens_total counts whole prompts, prefix-cache hits included; the ledger's
+    pending prefill counts only the uncached part, so the rate that drains it must too."""
+    from admission.nodes.agent import EngineSample, computed
+
+    assert computed(EngineSample(prompt_tokens=10_000.0, prefix_hits=6_000.0)) == 4_000.0
+    assert computed(EngineSample(prompt_tokens=10_000.0)) == 10_000.0  # no prefix counters
+    assert computed(EngineSample()) is None

@@ -215,7 +215,7 @@ class NodeProbe:
             memory=round(fraction, 5),
             per_token=per_token,
             base_memory=round(max(0.0, fraction - kv_in_use), 5),
-            prefill_rate=round(self.prefill.update(time.monotonic(), engine.prompt_tokens), 1),
+            prefill_rate=round(self.prefill.update(time.monotonic(), computed(engine)), 1),
             tpot_s=round(
                 self.tpot.update(time.monotonic(), engine.generation_tokens, engine.running), 5
             ),
@@ -233,6 +233,17 @@ class NodeProbe:
         if msg not in self._warned:
             self._warned.add(msg)
             log.warning(msg)
+
+
+def computed(engine: EngineSample) -> float | None:
+    """Prompt tokens the engine really computed: vllm:prompt_tokens_total counts whole prompts,
+    the part found in its prefix cache (vllm:prefix_cache_hits_total) included. The ledger books
+    only the uncached part as pending prefill, so the rate that drains it must count the same:
+    a rate with the hits in it drained the ledger faster than the node (conversations mix:
+    realtime TTFT p50 5 s with every node inside its prefill budget)."""
+    if engine.prompt_tokens is None:
+        return None
+    return engine.prompt_tokens - (engine.prefix_hits or 0.0)
 
 
 class Agent:
