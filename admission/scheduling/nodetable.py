@@ -185,11 +185,20 @@ class NodeTable:
             pipe.xadd(feed, fields, maxlen=FEED_LEN, approximate=True)
         pipe.xread({feed: self._feed_id}, count=FEED_READ)
         try:
-            res = await pipe.execute()
+            # Per-command errors come back in place: the feed's writes must not fail the reads
+            # (a Redis refusing writes — OOM, READONLY — still serves node states).
+            res = await pipe.execute(raise_on_error=False)
         except REDIS_DOWN:
             self.metrics.redis_errors.labels("refresh").inc()
             self._refresh_failed()
             return
+        reads = 1 + 5 * len(views)
+        if any(isinstance(r, Exception) for r in [*res[:reads], res[-1]]):
+            self.metrics.redis_errors.labels("refresh").inc()
+            self._refresh_failed()
+            return
+        if any(isinstance(r, Exception) for r in res[reads:-1]):
+            self.metrics.redis_errors.labels("prefix_feed").inc()  # placements not told: harmless
         now = self._last_ok = self.clock()
         secs, micros = res[0]
         redis_now_us = int(secs) * 1_000_000 + int(micros)

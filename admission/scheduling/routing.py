@@ -171,8 +171,7 @@ class NodeView:
 
 def urgent(policy: Policy, cls: str | None) -> bool:
     """A class admitted until drain: not held back by memory lower classes hold, nor by the
-    idle-prefill rule (vLLM's priority scheduling runs it first inside the engine); its own
-    prefill budget applies."""
+    prefill budget (vLLM's priority scheduling runs it first inside the engine)."""
     c = policy.classes.get(cls) if cls else None
     return c is not None and c.admit_until == AdmitUntil.DRAIN
 
@@ -203,10 +202,7 @@ def ask_for(
         return max(0, int((fraction - v.base_memory) / v.per_token)) if v.per_token > 0 else -1
 
     hurry = urgent(policy, cls) and not lent
-    # Every class, the urgent one too, goes to a node only while its booked prefill clears
-    # within the target TTFT: past that no order serves it in time there, and it waits in the
-    # sidecar (where `on_late` refuses it early) instead of inside the engine.
-    budget = 0 if v.prefill_rate <= 0 else int(v.prefill_rate * target_ttft_s(policy))
+    budget = 0 if hurry or v.prefill_rate <= 0 else int(v.prefill_rate * target_ttft_s(policy))
     return Ask(prompt, kv, v.prefill_rate, budget, tokens(wm.drain if hurry else wm.hold),
                urgent=hurry, reserve_limit=-1 if hurry else tokens(wm.drain),
                urgent_waiting=0 if hurry else urgent_waiting,
