@@ -228,6 +228,9 @@ def test_a_shared_system_prompt_is_fingerprinted_booked_once_and_found_cached(
                               {"role": "user", "content": f"question {i}"}])  # fmt: skip
         status, _h, _b = raw(stack, body)
         assert status == 200
+        # The two sidecars learn each other's placements with their node refresh (the prefix
+        # feed: 0.1 s busy, 0.5 s idle); the next request may reach the other one.
+        time.sleep(0.7)
     r = sync_redis.Redis.from_url(stack.redis_url)
     try:
         resident = [r.zcard(keys.node_prefixes(n)) for n in ("node-0", "node-1")]
