@@ -52,8 +52,18 @@ DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 ACCESS = web.AppKey("access", Access)
 RECENT = web.AppKey("recent", status.Recent)
 
-ADMIT_KEYS = {"tenant", "class", "model", "prompt_tokens", "max_tokens", "stream", "request_id",
-              "arrived_at", "prefix", "prefix_chars"}  # fmt: skip
+ADMIT_KEYS = {
+    "tenant",
+    "class",
+    "model",
+    "prompt_tokens",
+    "max_tokens",
+    "stream",
+    "request_id",
+    "arrived_at",
+    "prefix",
+    "prefix_chars",
+}
 MAX_TOKENS_LIMIT = 10_000_000
 MAX_RELEASE_BATCH = 256
 
@@ -162,14 +172,14 @@ async def decide(app: web.Application, raw: bytes) -> dict[str, Any]:
     if rid is not None and not (isinstance(rid, str) and REQUEST_ID.fullmatch(rid)):
         raise BadRequest("request_id must be 8 to 64 characters of [A-Za-z0-9_-]")
     try:
-        prefix = prefixes.parse(body.get("prefix"), body.get("prefix_chars"),
-                                policy.edge.chars_per_token)  # fmt: skip
+        prefix = prefixes.parse(
+            body.get("prefix"), body.get("prefix_chars"), policy.edge.chars_per_token
+        )
     except ValueError as exc:
         raise BadRequest(str(exc)) from None
     outcome, reason = "error", "internal"
     try:
-        adm = await dispatcher.admit(tenant, cls, model, prompt, max_tokens, waited_s, rid,
-                                     prefix)  # fmt: skip
+        adm = await dispatcher.admit(tenant, cls, model, prompt, max_tokens, waited_s, rid, prefix)
         outcome, reason = "admitted", "degraded" if app[LIMITER].degraded else "ok"
         return {
             "ticket": adm.ticket,

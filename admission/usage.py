@@ -49,8 +49,9 @@ def release_args(body: Any, policy: Policy) -> tuple[str, int, bool, int, int]:
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens", -1) if isinstance(details, dict) else -1
         if isinstance(cached, bool) or not isinstance(cached, int) or cached > p:
-            raise BadRequest("usage.prompt_tokens_details.cached_tokens must be an integer "
-                             "<= prompt_tokens")  # fmt: skip
+            raise BadRequest(
+                "usage.prompt_tokens_details.cached_tokens must be an integer <= prompt_tokens"
+            )
         tenant = policy.tenants.get(parse_ticket(ticket)[2])
         price = tenant.limits.cached_token_price if tenant is not None else 1.0
         discount = 0 if cached < 0 else int(cached * (1.0 - price))

@@ -28,8 +28,10 @@ def plain_nginx(run: Path, port: int, node_ports: list[int], system: str, policy
         for t in policy.tenants.values():
             if t.id in keys:
                 zone = t.id.replace("-", "_")
-                limit_http += (f'map $http_authorization $lim_{zone} {{ default ""; "Bearer {keys[t.id]}" $binary_remote_addr; }}\n'
-                               f"limit_req_zone $lim_{zone} zone={zone}:1m rate={max(1, int(t.limits.requests_per_s))}r/s;\n")  # fmt: skip
+                limit_http += (
+                    f'map $http_authorization $lim_{zone} {{ default ""; "Bearer {keys[t.id]}" $binary_remote_addr; }}\n'
+                    f"limit_req_zone $lim_{zone} zone={zone}:1m rate={max(1, int(t.limits.requests_per_s))}r/s;\n"
+                )
                 limit_loc += f"limit_req zone={zone} burst={t.limits.request_burst} nodelay;\n"
     return f"""
 daemon off; worker_processes 2; pid {run}/nginx.pid; error_log {run}/nginx-error.log warn;
@@ -74,8 +76,24 @@ def router(run: Path, port: int, node_ports: list[int]) -> subprocess.Popen[byte
     workers = [f"http://127.0.0.1:{p}" for p in node_ports]
     log = (run / "vllm-router.log").open("ab")
     return subprocess.Popen(
-        [str(exe), "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
-         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-         "--log-level", "warning", "--worker-urls", *workers],
-        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        [
+            str(exe),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--policy",
+            "cache_aware",
+            "--prometheus-host",
+            "127.0.0.1",
+            "--prometheus-port",
+            str(free_port()),
+            "--log-level",
+            "warning",
+            "--worker-urls",
+            *workers,
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )

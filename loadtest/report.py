@@ -202,8 +202,11 @@ def markdown(summaries: list[dict[str, Any]]) -> str:
                 e2e += f" / {c['tpot_attainment']:.1%}"
             lines.append(f"| {s['system']} | {cls} | {c['sent']} | {att} | {e2e} | {_f(c['ttft_p50_ms'])} / {_f(c['ttft_p99_ms'])} "
                          f"| {_f(c['e2e_p50_ms'])} / {_f(c['e2e_p99_ms'])} | {ref} | {c['lost']} |")  # fmt: skip
-    lines += ["", "| system | goodput tok/s | good tokens | makespan s | throughput tok/s | completed/s | lost | realtime token shares (served vs weight) | peak effective memory | preemptions | prefix hits |",
-              "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]  # fmt: skip
+    lines += [
+        "",
+        "| system | goodput tok/s | good tokens | makespan s | throughput tok/s | completed/s | lost | realtime token shares (served vs weight) | peak effective memory | preemptions | prefix hits |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
+    ]
     for s in summaries:
         sh = ", ".join(
             f"{t} {_f(v['served'], '{:.0%}')} vs {v['weight']:.0%}"
@@ -211,8 +214,10 @@ def markdown(summaries: list[dict[str, Any]]) -> str:
         )
         mem = max((n.get("peak_memory", math.nan) for n in s["nodes"].values()), default=math.nan)
         pre = sum(n.get("preemptions", 0) for n in s["nodes"].values())
-        lines.append(f"| {s['system']} | {s['goodput_tokens_per_s']:.0f} | {s['good_tokens']:,} | {s['seconds']:.1f} | {s['throughput_tokens_per_s']:.0f} | {s['completed_per_s']:.1f} | {s['lost']} | {sh} "
-                     f"| {_f(mem, '{:.1%}')} | {pre:.0f} | {_f(s.get('prefix_hit_ratio'), '{:.1%}')} |")  # fmt: skip
+        lines.append(
+            f"| {s['system']} | {s['goodput_tokens_per_s']:.0f} | {s['good_tokens']:,} | {s['seconds']:.1f} | {s['throughput_tokens_per_s']:.0f} | {s['completed_per_s']:.1f} | {s['lost']} | {sh} "
+            f"| {_f(mem, '{:.1%}')} | {pre:.0f} | {_f(s.get('prefix_hit_ratio'), '{:.1%}')} |"
+        )
     return "\n".join(lines)
 
 

@@ -81,26 +81,41 @@ def schedule(
         tenant = rng.choice(k.tenants)
         n = rng.randint(*k.prompt_tokens)
         key = f"{k.name}/{tenant}/{rng.randrange(k.prefixes)}" if k.prefixes > 1 else ""
-        req = Req(at_s=t, kind=k.name, tenant=tenant, cls=k.cls, prompt_tokens=n,
-                  max_tokens=rng.randint(*k.output_tokens),
-                  prefix_tokens=min(k.shared_prefix_tokens, n), prefix_key=key)  # fmt: skip
+        req = Req(
+            at_s=t,
+            kind=k.name,
+            tenant=tenant,
+            cls=k.cls,
+            prompt_tokens=n,
+            max_tokens=rng.randint(*k.output_tokens),
+            prefix_tokens=min(k.shared_prefix_tokens, n),
+            prefix_key=key,
+        )
         if k.turns > 1:
             open_ = talks.setdefault(k.name, [])
             if open_ and rng.random() >= 1 / k.turns:
                 i = rng.randrange(len(open_))
                 last, turns = open_[i]
-                req = replace(req, tenant=last.tenant, prefix_key=last.prefix_key,
-                              conversation=last.conversation, prefix_tokens=last.prefix_tokens,
-                              prompt_tokens=last.prompt_tokens + last.max_tokens + n,
-                              history_tokens=last.prompt_tokens)  # fmt: skip
+                req = replace(
+                    req,
+                    tenant=last.tenant,
+                    prefix_key=last.prefix_key,
+                    conversation=last.conversation,
+                    prefix_tokens=last.prefix_tokens,
+                    prompt_tokens=last.prompt_tokens + last.max_tokens + n,
+                    history_tokens=last.prompt_tokens,
+                )
                 if turns + 1 >= k.turns or req.prompt_tokens + 2 * req.max_tokens > MAX_CONTEXT:
                     open_.pop(i)
                 else:
                     open_[i] = (req, turns + 1)
             else:  # a new conversation: the system prompt, then the first question
-                req = replace(req, conversation=f"{k.name}-{len(out)}",
-                              prompt_tokens=k.shared_prefix_tokens + n,
-                              prefix_tokens=k.shared_prefix_tokens)  # fmt: skip
+                req = replace(
+                    req,
+                    conversation=f"{k.name}-{len(out)}",
+                    prompt_tokens=k.shared_prefix_tokens + n,
+                    prefix_tokens=k.shared_prefix_tokens,
+                )
                 open_.append((req, 1))
         out.append(req)
         t += rng.expovariate(rate_per_s)
@@ -147,11 +162,19 @@ def load_kinds(path: str) -> tuple[Kind, ...]:
     kinds = []
     for i, k in enumerate(doc.get("kinds") or []):
         try:
-            kinds.append(Kind(str(k["name"]), str(k["class"]), tuple(k["tenants"]),
-                              float(k["share"]), tuple(k["prompt_tokens"]),  # type: ignore[arg-type]
-                              tuple(k["output_tokens"]),  # type: ignore[arg-type]
-                              int(k.get("shared_prefix_tokens", 0)), int(k.get("prefixes", 1)),
-                              int(k.get("turns", 1))))  # fmt: skip
+            kinds.append(
+                Kind(
+                    str(k["name"]),
+                    str(k["class"]),
+                    tuple(k["tenants"]),
+                    float(k["share"]),
+                    tuple(k["prompt_tokens"]),  # type: ignore[arg-type]
+                    tuple(k["output_tokens"]),  # type: ignore[arg-type]
+                    int(k.get("shared_prefix_tokens", 0)),
+                    int(k.get("prefixes", 1)),
+                    int(k.get("turns", 1)),
+                )
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise SystemExit(f"{path}: kinds[{i}]: {exc!r}") from None
     if not kinds:

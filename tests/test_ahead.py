@@ -18,8 +18,8 @@ from admission.errors import Throttled
 from admission.policy import Policy
 from admission.scheduling import Dispatcher, leases
 from admission.scheduling.ahead import MAX_OUT
-from admission.scheduling.dispatcher import Admission
 from admission.scheduling.leases import Ask
+from admission.scheduling.placing import Admission
 from admission.store import Call, keys
 from devstack.procs import RedisServer
 from tests.test_dispatcher import make

@@ -15,7 +15,8 @@ from admission.metrics import Metrics
 from admission.nodes.state import Status
 from admission.policy import Policy
 from admission.scheduling import Dispatcher
-from admission.scheduling.routing import NodeView, eligible, fallbacks
+from admission.scheduling.routing import eligible, fallbacks
+from admission.scheduling.views import NodeView
 from admission.store import Call, Store, connect, keys
 from devstack.procs import RedisServer
 from tests.conftest import BASE_POLICY, make_policy

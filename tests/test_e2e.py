@@ -224,8 +224,12 @@ def test_a_shared_system_prompt_is_fingerprinted_booked_once_and_found_cached(
     system = "You are the support assistant of a large company. " * 90  # ~4,500 characters
     before = sum(node_counter(stack, p, "vllm:prefix_cache_hits_total") for p in stack.node_ports)
     for i in range(3):
-        body = chat(messages=[{"role": "system", "content": system},
-                              {"role": "user", "content": f"question {i}"}])  # fmt: skip
+        body = chat(
+            messages=[
+                {"role": "system", "content": system},
+                {"role": "user", "content": f"question {i}"},
+            ]
+        )
         status, _h, _b = raw(stack, body)
         assert status == 200
         # The two sidecars learn each other's placements with their node refresh (the prefix

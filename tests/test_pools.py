@@ -172,7 +172,8 @@ def test_lent_work_runs_behind_the_owners_inside_the_engine() -> None:
 def test_borrowers_are_held_at_hold_on_a_lent_node_owners_may_go_to_drain() -> None:
     """An urgent class (admit_until: drain) may use the hold→drain band of a node, except on a
     pool's node it borrows: that band, and the prefill room, stay the owners'."""
-    from admission.scheduling.routing import NodeView, eligible
+    from admission.scheduling.routing import eligible
+    from admission.scheduling.views import NodeView
 
     text = POLICY.replace("deadline_s: 3}", "deadline_s: 3, admit_until: drain}")
     p = parse_policy(text.replace("REDIS_URL", "redis://h:1/0").replace("LEND", "true")

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from admission.policy import Node
 from admission.scheduling import leases, routing
 from admission.scheduling.prefixes import NO_PREFIX, Prefix, PrefixIndex, parse
+from admission.scheduling.views import NodeView
 from admission.store import Scripts, keys
 from devstack.procs import RedisServer
 
@@ -48,10 +49,16 @@ def ask(prompt: int, kv: int, blocks: tuple[str, ...], **kw: Any) -> leases.Ask:
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["take", "give"]), st.integers(0, 9), st.integers(0, 1),
-              st.integers(0, len(FAMILIES) - 1), st.integers(0, 300)),
-    min_size=1, max_size=40,
-)  # fmt: skip
+    st.tuples(
+        st.sampled_from(["take", "give"]),
+        st.integers(0, 9),
+        st.integers(0, 1),
+        st.integers(0, len(FAMILIES) - 1),
+        st.integers(0, 300),
+    ),
+    min_size=1,
+    max_size=40,
+)
 
 
 @settings(
@@ -75,7 +82,9 @@ def test_shared_blocks_are_booked_once_counted_exactly_and_cleared(
                     blocks = FAMILIES[fam]
                     prompt = len(blocks) * SIZE + extra + 1
                     kv = prompt + 50
-                    res = (await scripts[who].run(leases.take(NODE, t, 60, ask(prompt, kv, blocks))))[0]  # fmt: skip
+                    res = (
+                        await scripts[who].run(leases.take(NODE, t, 60, ask(prompt, kv, blocks)))
+                    )[0]
                     assert leases.granted(res)
                     live[t] = (blocks, kv - len(blocks) * SIZE)
                 else:
@@ -121,7 +130,9 @@ async def test_pending_prefill_counts_only_what_the_node_has_not_computed(redis:
     h = await fields(redis)
     assert int(h["kv"]) == 2 * (1100 - 768) + 768  # the prefix once
     # Released, the blocks stay resident (the engine keeps them) but cost no KV.
-    await s.run(leases.give_back(ticket(1), released=True), leases.give_back(ticket(2), released=True))  # fmt: skip
+    await s.run(
+        leases.give_back(ticket(1), released=True), leases.give_back(ticket(2), released=True)
+    )
     assert int((await fields(redis))["kv"]) == 0
     assert await redis.zcard(keys.node_prefixes("n1")) == 6
     res = (await s.run(leases.take(NODE, ticket(3), 60, a)))[0]
@@ -203,8 +214,8 @@ def test_prefix_index_matches_leading_blocks_and_forgets_by_lru() -> None:
     idx.learn("a", Prefix(chain("other", 3), SIZE), 3.0, cap_blocks=5)  # 2 oldest out of "a"
     assert idx.blocks("a") == 5
     assert idx.matches(p6) == {"b": 6}  # "a" lost its first blocks, so none lead any more
-    idx.forget("b", p6, keep=2)
-    assert idx.matches(p6) == {"b": 2}
+    assert idx.learn("b", p6, 4.0) == 0  # nothing new: the feed is not told again
+    assert idx.learn("b", Prefix(chain("other", 3), SIZE), 4.0) == 3
     idx.drop_node("b")
     assert idx.matches(p6) == {} and idx.blocks("b") == 0
 
@@ -212,8 +223,14 @@ def test_prefix_index_matches_leading_blocks_and_forgets_by_lru() -> None:
 def test_parse_refuses_malformed_fingerprints() -> None:
     assert parse(None, None, 4.0) == NO_PREFIX
     assert parse(list(SHARED), 512, 4.0) == Prefix(SHARED, 128)
-    for bad, chars in [("abc", 512), (["xyz"], 512), ([SHARED[0]], 0), ([SHARED[0]] * 65, 512),
-                       ([SHARED[0].upper()], 512), ([SHARED[0]], True)]:  # fmt: skip
+    for bad, chars in [
+        ("abc", 512),
+        (["xyz"], 512),
+        ([SHARED[0]], 0),
+        ([SHARED[0]] * 65, 512),
+        ([SHARED[0].upper()], 512),
+        ([SHARED[0]], True),
+    ]:
         try:
             parse(bad, chars, 4.0)
         except ValueError:
@@ -234,15 +251,14 @@ def test_routing_goes_to_the_prefix_until_its_backlog_outweighs_the_recompute(
     model = next(iter(policy.models()))
     n1 = next(n for n in policy.nodes.values() if model in n.models)
     nodes = [n1, replace(n1, id="n2")]
-    views = [routing.NodeView(n, state=Status.OPEN, prefill_rate=10_000.0) for n in nodes]
+    views = [NodeView(n, state=Status.OPEN, prefill_rate=10_000.0) for n in nodes]
     cached, idle = views
     prefix = Prefix(SHARED, SIZE)
     hits = {cached.node.id: 6}
     cls = next(iter(policy.classes))
 
     def first() -> str:
-        ok = routing.eligible(views, policy, model, cls, 1000, 1100, 0.0, prefix=prefix,
-                              hits=hits)  # fmt: skip
+        ok = routing.eligible(views, policy, model, cls, 1000, 1100, 0.0, prefix=prefix, hits=hits)
         return ok[0][0].node.id
 
     cached.pending, cached.pending_at = 500.0, 0.0  # 0.05 s of backlog < 768 tokens = 0.077 s

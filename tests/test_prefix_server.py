@@ -33,15 +33,30 @@ async def test_requests_sharing_a_head_book_it_once(sidecar: Any, redis: Any) ->
         tickets.append((await r.json())["ticket"])
     ledger = await redis.hgetall(keys.node_ledger("n1"))
     assert int(ledger[b"kv"]) == 1024 + 2 * (1200 - 1024)  # the head once, each its own rest
-    for t in tickets:
-        await client.post("/release", json={"ticket": t, "status": 200, "usage": None})
+    # The engine reports what it found cached (the first request computed the head, the second
+    # found it): the status page shows it beside what was booked as cached.
+    assert (await (await client.get("/status.json")).json())["prefix"][
+        "booked_cached_tokens"
+    ] is None
+    for t, cached in zip(tickets, (0, 1024), strict=True):
+        usage = {
+            "prompt_tokens": 1100,
+            "completion_tokens": 10,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+        await client.post("/release", json={"ticket": t, "status": 200, "usage": usage})
     assert int((await redis.hgetall(keys.node_ledger("n1")))[b"kv"]) == 0
+    prefix = (await (await client.get("/status.json")).json())["prefix"]
+    assert prefix == {"booked_cached_tokens": 1024, "engine_cached_tokens": 1024}
 
 
 async def test_cached_prompt_tokens_cost_the_tenants_price(sidecar: Any, redis: Any) -> None:  # noqa: F811
     client, holder, path = sidecar
-    usage = {"prompt_tokens": 1000, "completion_tokens": 50,
-             "prompt_tokens_details": {"cached_tokens": 800}}  # fmt: skip
+    usage = {
+        "prompt_tokens": 1000,
+        "completion_tokens": 50,
+        "prompt_tokens_details": {"cached_tokens": 800},
+    }
 
     async def refund() -> int:
         r = await client.post("/admit", json=admit_body(prompt_tokens=1000, max_tokens=100))
@@ -50,8 +65,11 @@ async def test_cached_prompt_tokens_cost_the_tenants_price(sidecar: Any, redis: 
         return int((await r.json())["refunded_tokens"])
 
     assert await refund() == 1100 - 1050  # the default price: a cached token costs the same
-    path.write_text(path.read_text().replace("token_burst: 5000}", "token_burst: 5000, "
-                                             "cached_token_price: 0.1}", 1))  # fmt: skip
+    path.write_text(
+        path.read_text().replace(
+            "token_burst: 5000}", "token_burst: 5000, cached_token_price: 0.1}", 1
+        )
+    )
     assert holder.reload()
     assert holder.current.tenants["acme"].limits.cached_token_price == 0.1
     assert await refund() == 1100 - (1050 - 720)  # 800 cached tokens at 0.1: 720 less

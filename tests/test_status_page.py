@@ -125,7 +125,17 @@ async def test_status_json_is_read_only_and_carries_no_secrets(sidecar: Any) -> 
     body = await (await client.get("/status.json")).text()
     assert "sk-acme" not in body and "plain:" not in body
     doc = json.loads(body)
-    assert set(doc) == {"now", "policy", "redis", "queue", "waits", "nodes", "pressure",
-                        "decode_guard", "prefix", "refusals"}  # fmt: skip
+    assert set(doc) == {
+        "now",
+        "policy",
+        "redis",
+        "queue",
+        "waits",
+        "nodes",
+        "pressure",
+        "decode_guard",
+        "prefix",
+        "refusals",
+    }
     # No release has reported cached tokens yet: the booking and the engines' count are unknown.
     assert doc["prefix"] == {"booked_cached_tokens": None, "engine_cached_tokens": None}

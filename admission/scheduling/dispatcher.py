@@ -23,38 +23,27 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from admission.errors import AdmissionError, BackendUnavailable, QueueTimeout, SloUnreachable
 from admission.limits import Limiter, shadow
 from admission.metrics import Metrics
-from admission.policy import FailureMode, Policy, Tenant
+from admission.policy import Policy, Tenant
 from admission.scheduling import leases
 from admission.scheduling.ahead import Ahead
 from admission.scheduling.late import late_heads
 from admission.scheduling.leases import Ask
 from admission.scheduling.nodetable import NodeTable
+from admission.scheduling.placing import Admission, Placer
 from admission.scheduling.prefixes import NO_PREFIX, Prefix
 from admission.scheduling.queue import FairQueue, Item
 from admission.scheduling.release import Released, release_many
-from admission.scheduling.routing import NodeView, engine_priority
-from admission.store import REDIS_DOWN, PoolBusy, Store
+from admission.scheduling.views import NodeView
+from admission.store import Store
 
 log = logging.getLogger(__name__)
 
 REFRESH_S = 0.1  # node-state poll period while requests flow: a fraction of the agents' period
 IDLE_REFRESH_S = 0.5  # ... and while none has (idle CPU); a decision reads first if > 0.2 s
-
-
-@dataclass(frozen=True)
-class Admission:
-    ticket: str
-    node: str
-    url: str
-    fallbacks: list[tuple[str, str]]
-    priority: int
-    cls: str
-    queued_s: float
 
 
 @dataclass
@@ -74,8 +63,8 @@ class Dispatcher:
         self.queue = FairQueue(policy())
         self.nodes = NodeTable(st.redis, policy, metrics, clock)
         self._wake = asyncio.Event()
-        self._active = False  # an admission or release since the last node poll
         self.ahead = Ahead(limiter, st.backlog, metrics, clock)
+        self.place = Placer(st, policy, metrics, self.nodes, clock, self._wake)
 
     def set_policy(self, policy: Policy) -> None:
         self.queue.set_policy(policy)
@@ -100,7 +89,8 @@ class Dispatcher:
         cost = prompt_tokens + max_tokens
         rid = rid or leases.new_request_id()
         await self.nodes.fresh(2 * REFRESH_S)  # after a quiet spell; busy, the loop polls
-        nodes = self._fast_path(model, cls, prompt_tokens, cost, tenant.id, prefix)
+        item = self._item(tenant, cls, cost, model, waited_s, rid, prompt_tokens, prefix)
+        nodes = self._fast_path(item)
         lease = ticket = undo = None
         # The reservation and the concurrency slot must outlive the wait in the queue as well
         # as the run: they expire after the class deadline plus the longest run.
@@ -115,8 +105,7 @@ class Dispatcher:
                 forced = leases.take(view.node, ticket, ttl_s, ask, force=True)
                 self.ahead.book(ticket, view, self.limiter.acquire_forced(
                     tenant, rid, cost, hold_s, forced, scale, undo))  # fmt: skip
-                return self._record(self._item(tenant, cls, cost, model, waited_s, rid,
-                                               prompt_tokens, prefix), nodes, ticket)  # fmt: skip
+                return self.place.record(item, nodes, ticket)
             lease = leases.take(view.node, ticket, ttl_s, ask)
         acq = await self.limiter.acquire(tenant, rid, cost, hold_s, lease, scale, undo)
         held = lease is not None and leases.granted(acq.also)
@@ -127,15 +116,14 @@ class Dispatcher:
         try:
             if not shadow.let_through(tenant, acq.denied, self.metrics):
                 if held and ticket is not None:
-                    await self._give_back(ticket)
+                    await self.place.give_back(ticket)
                 assert acq.denied is not None  # let_through says no only with a reason
                 raise acq.denied
-            item = self._item(tenant, cls, cost, model, waited_s, rid, prompt_tokens, prefix)
             if held and nodes and ticket is not None:
-                adm = self._record(item, nodes, ticket, acq.also)
+                adm = self.place.record(item, nodes, ticket, acq.also)
                 return adm
             if nodes and acq.also is not None:
-                self._refused(nodes[0][0], acq.also)
+                self.place.refused(nodes[0][0], acq.also)
             try:
                 adm = await self.submit(item)
                 return adm
@@ -147,12 +135,29 @@ class Dispatcher:
             if maybe is not None and (adm is None or adm.ticket != maybe):
                 self.store.backlog.add(leases.give_back(maybe))
 
-    def _item(self, tenant: Tenant, cls: str, cost: int, model: str, waited_s: float, rid: str,
-              prompt: int, prefix: Prefix) -> Item:  # fmt: skip
+    def _item(
+        self,
+        tenant: Tenant,
+        cls: str,
+        cost: int,
+        model: str,
+        waited_s: float,
+        rid: str,
+        prompt: int,
+        prefix: Prefix,
+    ) -> Item:
         arrived = self.clock() - waited_s
-        return Item(tenant=tenant.id, cls=cls, cost=cost, model=model, enqueued_at=arrived,
-                    deadline_at=arrived + self.policy().classes[cls].deadline_s, rid=rid,
-                    prompt=prompt, prefix=prefix)  # fmt: skip
+        return Item(
+            tenant=tenant.id,
+            cls=cls,
+            cost=cost,
+            model=model,
+            enqueued_at=arrived,
+            deadline_at=arrived + self.policy().classes[cls].deadline_s,
+            rid=rid,
+            prompt=prompt,
+            prefix=prefix,
+        )
 
     async def release(
         self, ticket: str, actual: int, failed: bool = False, out: int = -1, cached: int = -1
@@ -168,16 +173,29 @@ class Dispatcher:
         return await release_many(self, entries)
 
     # -- the queue ---------------------------------------------------------------------------
-    def _fast_path(
-        self, model: str, cls: str, prompt: int, kv: int, tenant: str, prefix: Prefix
-    ) -> list[tuple[NodeView, Ask]] | None:
-        """Nodes to admit onto directly, when no request of this class or a more urgent one
-        waits (so no one who would go first is overtaken): under overload, realtime keeps
+    def _fast_path(self, item: Item) -> list[tuple[NodeView, Ask]] | None:
+        """Nodes to admit `item` onto directly, when no request of its class or a more urgent
+        one waits (so no one who would go first is overtaken): under overload, realtime keeps
         its fast path while batch queues."""
-        if self.queue.waiting_at_or_above(cls):
+        if self.queue.waiting_at_or_above(item.requested_cls or item.cls):
             return None
-        return self.nodes.eligible(model, cls, prompt, kv, tenant, self.queue.tenant_depth,
-                                   self.queue.waiting_kv, prefix) or None  # fmt: skip
+        return self._eligible(item) or None
+
+    def _eligible(self, it: Item) -> list[tuple[NodeView, Ask]]:
+        """Nodes that would take `it` now, best first. Memory and prefill rules follow the class
+        a request asked for: aging moves it up the queue, but does not let a long batch request
+        use what is kept for realtime."""
+        q = self.queue
+        return self.nodes.eligible(
+            it.model,
+            it.requested_cls or it.cls,
+            it.prompt,
+            it.cost,
+            it.tenant,
+            q.tenant_depth,
+            q.waiting_kv,
+            it.prefix,
+        )
 
     async def submit(self, item: Item) -> Admission:
         """Queue `item` and wait for a node (or QueueFull now, or QueueTimeout at its deadline).
@@ -185,17 +203,10 @@ class Dispatcher:
         Cancelling the caller (the client went away) removes the item from the queue, or
         releases its lease if it was admitted in the meantime.
         """
-        if nodes := self._fast_path(
-            item.model,
-            item.requested_cls or item.cls,
-            item.prompt,
-            item.cost,
-            item.tenant,
-            item.prefix,
-        ):
+        if nodes := self._fast_path(item):
             # Nobody is waiting, so admitting directly overtakes no one and saves the hop
             # through the dispatcher task.
-            adm = await self._lease(item, nodes)
+            adm = await self.place.lease(item, nodes)
             if adm is not None:
                 return adm
         waiter = _Waiter()
@@ -223,7 +234,7 @@ class Dispatcher:
             self._gauge_depth()
             if waiter.future.done():
                 if not waiter.future.cancelled() and waiter.future.exception() is None:
-                    await self._give_back(waiter.future.result().ticket)
+                    await self.place.give_back(waiter.future.result().ticket)
             else:
                 waiter.future.cancel()
             raise
@@ -238,8 +249,8 @@ class Dispatcher:
                 now = self.clock()
                 if now >= next_refresh:
                     await self.nodes.refresh()
-                    idle = not (self._active or len(self.queue))
-                    next_refresh, self._active = (
+                    idle = not (self.place.active or len(self.queue))
+                    next_refresh, self.place.active = (
                         now + (IDLE_REFRESH_S if idle else REFRESH_S),
                         False,
                     )
@@ -268,12 +279,8 @@ class Dispatcher:
         found: list[tuple[NodeView, Ask]] = []
 
         def runnable(it: Item) -> bool:
-            # Memory and prefill rules follow the class a request asked for: aging moves it up
-            # the queue, but does not let a long batch request use what is kept for realtime.
             # The nodes found for the item popped are kept: routing runs once per decision.
-            found[:] = self.nodes.eligible(it.model, it.requested_cls or it.cls, it.prompt, it.cost,
-                                           it.tenant, self.queue.tenant_depth,
-                                           self.queue.waiting_kv, it.prefix)  # fmt: skip
+            found[:] = self._eligible(it)
             return bool(found)
 
         while True:
@@ -284,7 +291,7 @@ class Dispatcher:
             if waiter.future.done():  # the waiter gave up between pop and now
                 continue
             try:
-                adm = await self._lease(item, list(found))
+                adm = await self.place.lease(item, list(found))
             except BackendUnavailable as exc:
                 waiter.future.set_exception(exc)
                 continue
@@ -293,7 +300,7 @@ class Dispatcher:
                     self.queue.requeue_front(item)
                 continue
             if waiter.future.done():  # timed out or cancelled while the lease was taken
-                await self._give_back(adm.ticket)
+                await self.place.give_back(adm.ticket)
                 continue
             waiter.future.set_result(adm)
             admitted += 1
@@ -309,83 +316,6 @@ class Dispatcher:
                 waiter.future.set_exception(exc)
                 waiter.future.exception()  # retrieved by submit
                 self.metrics.late_refused.labels(name).inc()
-
-    async def _lease(self, item: Item, nodes: list[tuple[NodeView, Ask]]) -> Admission | None:
-        """Take a lease on the best node; None if its ledger refused (another sidecar booked)."""
-        node, ask = nodes[0]
-        ticket = leases.make_ticket(item.rid, node.node.id, item.tenant)
-        try:
-            res = (await self.store.scripts.run(
-                leases.take(node.node, ticket, self.policy().queue.lease_ttl_s, ask)
-            ))[0]  # fmt: skip
-        except PoolBusy:
-            return None  # our own pool is full: the item goes back to the head of its lane
-        except REDIS_DOWN as exc:
-            self.metrics.redis_errors.labels("lease").inc()
-            if self.policy().redis.failure_mode == FailureMode.CLOSED:
-                self.store.backlog.add(leases.give_back(ticket))  # it may have run
-                raise BackendUnavailable(
-                    "lease store unavailable", code="limiter_unavailable"
-                ) from exc
-            return self._record(item, nodes, ticket)  # fail-open: local accounting only
-        if isinstance(res, Exception):
-            raise res
-        if not leases.granted(res):
-            self._refused(node, res)
-            return None
-        adm = self._record(item, nodes, ticket, res)
-        node.seen(leases.figures(res), self.clock())
-        return adm
-
-    def _refused(self, node: NodeView, res: Any) -> None:
-        """The ledger said no: take its figures, so that the next pass sees the node as full."""
-        r = leases.refusal(res)
-        if r is None:
-            return
-        reason, pending, kv = r
-        node.ledger(pending, kv, node.inflight, self.clock())
-        if reason == "inflight":
-            node.inflight = node.node.max_inflight
-
-    def _record(
-        self, item: Item, nodes: list[tuple[NodeView, Ask]], ticket: str, res: Any = None
-    ) -> Admission:
-        """Account a lease taken on the first node (`res`: lease.lua's reply, if any); build
-        the answer."""
-        self._active = True
-        chosen, ask = nodes[0]
-        now = self.clock()
-        chosen.booked(ask, now)
-        self.nodes.prefix_booked(ticket, chosen, ask, res)
-        self.nodes.outputs.admitted(ticket, ask.urgent)
-        self.metrics.queue_wait_seconds.labels(item.cls).observe(now - item.enqueued_at)
-        return Admission(
-            ticket=ticket,
-            node=chosen.node.id,
-            url=chosen.node.url,
-            fallbacks=self.nodes.fallbacks([v for v, _a in nodes], item.model, item.tenant),
-            priority=engine_priority(
-                self.policy(), item.requested_cls, item.cls, item.tenant, chosen.node
-            ),
-            cls=item.cls,
-            queued_s=now - item.enqueued_at,
-        )
-
-    async def _give_back(self, ticket: str) -> None:
-        _rid, node, _tenant = leases.parse_ticket(ticket)
-        self.freed(node)
-        call = leases.give_back(ticket)
-        try:
-            await self.store.scripts.run(call)
-        except REDIS_DOWN:
-            self.metrics.redis_errors.labels("release").inc()
-            self.store.backlog.add(call)
-
-    def freed(self, node: str) -> None:
-        self._active = True
-        if (v := self.nodes.get(node)) is not None:
-            v.inflight = max(0, v.inflight - 1)
-        self._wake.set()
 
     # -- admin and gauges --------------------------------------------------------------------
     async def set_maintenance(self, node: str, on: bool) -> None:

@@ -7,15 +7,19 @@ from collections.abc import Callable, Iterator
 from admission.policy import OnLate, Policy
 from admission.scheduling.prefixes import Prefix
 from admission.scheduling.queue import FairQueue, Item
-from admission.scheduling.routing import NodeView, eta_s
+from admission.scheduling.routing import eta_s
+from admission.scheduling.views import NodeView
 
 LATE_MARGIN = 0.25  # share of a TTFT target kept as slack for what the ETA does not see
 
 
 def late_heads(
-    policy: Policy, queue: FairQueue, views: list[NodeView], now: float,
+    policy: Policy,
+    queue: FairQueue,
+    views: list[NodeView],
+    now: float,
     cached: Callable[[Prefix], dict[str, int]] = lambda _p: {},
-) -> Iterator[tuple[str, Item]]:  # fmt: skip
+) -> Iterator[tuple[str, Item]]:
     """Take out and yield (class, item) for the queued requests of `on_late: refuse` classes
     that can no longer meet their TTFT target: time waited + the soonest any node could prefill
     them > target, less a margin of `LATE_MARGIN` of the target. The estimate assumes the

@@ -20,14 +20,8 @@ from admission.scheduling import leases
 from admission.scheduling.leases import Ask
 from admission.scheduling.outputs import UrgentOutputs
 from admission.scheduling.prefixes import NO_PREFIX, Prefix, PrefixIndex, pool_blocks
-from admission.scheduling.routing import (
-    RESERVE_HALF_S,
-    NodeView,
-    eligible,
-    fallbacks,
-    pool_rank,
-    urgent,
-)
+from admission.scheduling.routing import eligible, fallbacks, pool_rank, urgent
+from admission.scheduling.views import RESERVE_HALF_S, NodeView
 from admission.store import REDIS_DOWN, keys
 
 log = logging.getLogger(__name__)
@@ -58,7 +52,6 @@ class NodeTable:
         self.outputs = UrgentOutputs()  # the urgent class's answer lengths: the decode guard
         self.prefixes = PrefixIndex()  # where this sidecar saw prompt heads go (routing)
         self._predicted: OrderedDict[str, int] = OrderedDict()  # ticket → tokens booked cached
-        self._cached_totals = (0, 0)  # (booked as cached, engines found cached), in tokens
         # Placements told to the other sidecars with the next refresh, and the feed's last id
         # read ("0-0": a new sidecar first learns what the stream still holds).
         self._me = secrets.token_hex(4)
@@ -93,9 +86,22 @@ class NodeTable:
             else _NONE
         )
         hits = self.prefixes.matches(prefix) if prefix else None
-        return eligible(list(self.views.values()), policy, model, cls, prompt, kv, self.clock(),
-                        tenant, blocked, urgent_kv, self.metrics.gate, self.outputs.mean,
-                        prefix, hits)  # fmt: skip
+        return eligible(
+            list(self.views.values()),
+            policy,
+            model,
+            cls,
+            prompt,
+            kv,
+            self.clock(),
+            tenant,
+            blocked,
+            urgent_kv,
+            self.metrics.gate,
+            self.outputs.mean,
+            prefix,
+            hits,
+        )
 
     def cached(self, prefix: Prefix) -> dict[str, int]:
         """Node → prompt tokens of `prefix` this sidecar expects its prefix cache to hold."""
@@ -116,8 +122,10 @@ class NodeTable:
         self._predicted[ticket] = min(ask.prompt_tokens, predicted)
         if len(self._predicted) > PREDICTED_KEPT:  # released elsewhere, or lost: oldest out
             self._predicted.popitem(last=False)
-        self.prefixes.learn(view.node.id, prefix, self.clock(), ask.pool_blocks)
-        if len(self._outbox) < FEED_BATCH:
+        # Told to the other sidecars only when it is news here: a head already placed on this
+        # node (the common case, once affinity holds) costs the feed nothing.
+        news = self.prefixes.learn(view.node.id, prefix, self.clock(), ask.pool_blocks)
+        if news and len(self._outbox) < FEED_BATCH:
             self._outbox.append((view.node.id, prefix))
 
     def engine_cached(self, ticket: str, cached: int) -> None:
@@ -126,18 +134,18 @@ class NodeTable:
         if cached >= 0 and predicted is not None:
             self.metrics.prefix_predicted.inc(predicted)
             self.metrics.prefix_engine_cached.inc(cached)
-            self._cached_totals = (
-                self._cached_totals[0] + predicted,
-                self._cached_totals[1] + cached,
-            )
 
     def prefix_snapshot(self) -> dict[str, Any]:
         """Prompt tokens booked as already computed vs what the engines found cached, over the
         releases that reported it (None: none yet), for the status page."""
-        booked, found = self._cached_totals
-        reported = self._cached_totals != (0, 0)
-        return {"booked_cached_tokens": booked if reported else None,
-                "engine_cached_tokens": found if reported else None}  # fmt: skip
+        get = self.metrics.registry.get_sample_value
+        booked = get("admission_prefix_predicted_tokens_total") or 0.0
+        found = get("admission_prefix_engine_cached_tokens_total") or 0.0
+        reported = booked > 0 or found > 0
+        return {
+            "booked_cached_tokens": int(booked) if reported else None,
+            "engine_cached_tokens": int(found) if reported else None,
+        }
 
     def urgent_waiting(self, waiting_kv: Callable[[str], int]) -> int:
         """KV tokens waiting in the queue that asked for the urgent class (admitted until drain)."""

@@ -11,9 +11,9 @@ Two indexes use it:
   and how many live leases hold each, shared by every sidecar. A request books KV and pending
   prefill only for what its node does not already hold;
 - `PrefixIndex` here is this sidecar's guess of the same, for routing: learned from the leases
-  it took, corrected by the blocks Redis found resident and by the cached tokens engines
-  report at release, bounded per node by the engine's KV pool (least recently used out first,
-  as vLLM evicts). Lookups cost what the request's blocks and the nodes holding them cost, not
+  it took and those the other sidecars told through the prefix feed (nodetable.py), bounded
+  per node by the engine's KV pool (least recently used out first, as vLLM evicts). It only
+  routes: a wrong guess costs a worse choice, never a wrong booking. Lookups cost what the request's blocks and the nodes holding them cost, not
   the size of the cluster: an inverted index block → nodes. Pure: no I/O, time injected.
 """
 
@@ -102,25 +102,20 @@ class PrefixIndex:
                 out[n] = i + 1
         return out
 
-    def learn(self, node: str, prefix: Prefix, now: float, cap_blocks: int = 0) -> None:
-        """`node` holds the prefix's blocks now (a lease was taken there). `cap_blocks`: what its
-        KV pool keeps (0: unbounded); past it the least recently used blocks are forgotten."""
+    def learn(self, node: str, prefix: Prefix, now: float, cap_blocks: int = 0) -> int:
+        """`node` holds the prefix's blocks now (a lease was taken there); how many of them this
+        index did not know there. `cap_blocks`: what its KV pool keeps (0: unbounded); past it
+        the least recently used blocks are forgotten."""
         lru = self._lru.setdefault(node, OrderedDict())
+        new = 0
         for b in prefix.blocks:
+            new += b not in lru
             self._where.setdefault(b, {})[node] = now
             lru[b] = None
             lru.move_to_end(b)
         while cap_blocks > 0 and len(lru) > cap_blocks:
             self._drop(node, lru.popitem(last=False)[0])
-
-    def forget(self, node: str, prefix: Prefix, keep: int) -> None:
-        """The node holds only the first `keep` blocks (Redis or the engine said so)."""
-        lru = self._lru.get(node)
-        if lru is None:
-            return
-        for b in prefix.blocks[max(0, keep) :]:
-            if lru.pop(b, 0) is None:
-                self._drop(node, b)
+        return new
 
     def drop_node(self, node: str) -> None:
         """Forget everything on a node (it restarted, went down, or left the policy)."""

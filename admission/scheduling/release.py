@@ -39,4 +39,4 @@ async def release_many(d: Dispatcher, entries: list[Released]) -> list[int]:
         return await d.limiter.settle_many(items)
     finally:
         for node in nodes:  # only now are the leases gone in Redis (waking earlier requeued)
-            d.freed(node)
+            d.place.freed(node)

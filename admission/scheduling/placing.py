@@ -1,0 +1,133 @@
+"""Placing a request on the node routing chose: take its lease in the node's ledger
+(lease.lua), account it in this sidecar's view, build the answer for the edge; give a lease
+back. The dispatcher decides who goes and where; this module does the taking and undoing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from admission.errors import BackendUnavailable
+from admission.metrics import Metrics
+from admission.policy import FailureMode, Policy
+from admission.scheduling import leases
+from admission.scheduling.leases import Ask
+from admission.scheduling.nodetable import NodeTable
+from admission.scheduling.queue import Item
+from admission.scheduling.routing import engine_priority
+from admission.scheduling.views import NodeView
+from admission.store import REDIS_DOWN, PoolBusy, Store
+
+
+@dataclass(frozen=True)
+class Admission:
+    ticket: str
+    node: str
+    url: str
+    fallbacks: list[tuple[str, str]]
+    priority: int
+    cls: str
+    queued_s: float
+
+
+class Placer:
+    """Takes and gives back node leases for the dispatcher, and keeps the views in step."""
+
+    def __init__(
+        self,
+        st: Store,
+        policy: Callable[[], Policy],
+        metrics: Metrics,
+        nodes: NodeTable,
+        clock: Callable[[], float],
+        wake: asyncio.Event,
+    ) -> None:
+        self.store = st
+        self.policy = policy
+        self.metrics = metrics
+        self.nodes = nodes
+        self.clock = clock
+        self.wake = wake  # the dispatcher loop's: a freed slot may admit a queued request
+        self.active = False  # an admission or release since the dispatcher's last node poll
+
+    async def lease(self, item: Item, nodes: list[tuple[NodeView, Ask]]) -> Admission | None:
+        """Take a lease on the best node; None if its ledger refused (another sidecar booked)."""
+        node, ask = nodes[0]
+        ticket = leases.make_ticket(item.rid, node.node.id, item.tenant)
+        try:
+            res = (
+                await self.store.scripts.run(
+                    leases.take(node.node, ticket, self.policy().queue.lease_ttl_s, ask)
+                )
+            )[0]
+        except PoolBusy:
+            return None  # our own pool is full: the item goes back to the head of its lane
+        except REDIS_DOWN as exc:
+            self.metrics.redis_errors.labels("lease").inc()
+            if self.policy().redis.failure_mode == FailureMode.CLOSED:
+                self.store.backlog.add(leases.give_back(ticket))  # it may have run
+                raise BackendUnavailable(
+                    "lease store unavailable", code="limiter_unavailable"
+                ) from exc
+            return self.record(item, nodes, ticket)  # fail-open: local accounting only
+        if isinstance(res, Exception):
+            raise res
+        if not leases.granted(res):
+            self.refused(node, res)
+            return None
+        adm = self.record(item, nodes, ticket, res)
+        node.seen(leases.figures(res), self.clock())
+        return adm
+
+    def refused(self, node: NodeView, res: Any) -> None:
+        """The ledger said no: take its figures, so that the next pass sees the node as full."""
+        r = leases.refusal(res)
+        if r is None:
+            return
+        reason, pending, kv = r
+        node.ledger(pending, kv, node.inflight, self.clock())
+        if reason == "inflight":
+            node.inflight = node.node.max_inflight
+
+    def record(
+        self, item: Item, nodes: list[tuple[NodeView, Ask]], ticket: str, res: Any = None
+    ) -> Admission:
+        """Account a lease taken on the first node (`res`: lease.lua's reply, if any); build
+        the answer."""
+        self.active = True
+        chosen, ask = nodes[0]
+        now = self.clock()
+        chosen.booked(ask, now)
+        self.nodes.prefix_booked(ticket, chosen, ask, res)
+        self.nodes.outputs.admitted(ticket, ask.urgent)
+        self.metrics.queue_wait_seconds.labels(item.cls).observe(now - item.enqueued_at)
+        return Admission(
+            ticket=ticket,
+            node=chosen.node.id,
+            url=chosen.node.url,
+            fallbacks=self.nodes.fallbacks([v for v, _a in nodes], item.model, item.tenant),
+            priority=engine_priority(
+                self.policy(), item.requested_cls, item.cls, item.tenant, chosen.node
+            ),
+            cls=item.cls,
+            queued_s=now - item.enqueued_at,
+        )
+
+    async def give_back(self, ticket: str) -> None:
+        _rid, node, _tenant = leases.parse_ticket(ticket)
+        self.freed(node)
+        call = leases.give_back(ticket)
+        try:
+            await self.store.scripts.run(call)
+        except REDIS_DOWN:
+            self.metrics.redis_errors.labels("release").inc()
+            self.store.backlog.add(call)
+
+    def freed(self, node: str) -> None:
+        self.active = True
+        if (v := self.nodes.get(node)) is not None:
+            v.inflight = max(0, v.inflight - 1)
+        self.wake.set()
