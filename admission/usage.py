@@ -6,17 +6,46 @@ module turns one entry into the figures the dispatcher settles, or a BadRequest.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from admission.errors import BadRequest
 from admission.policy import Policy
 from admission.scheduling.leases import parse_ticket
 
-RELEASE_KEYS = {"ticket", "status", "usage", "node_failed"}
-# Statuses that mean no engine worked on the request: no upstream answered (0), NGINX could
-# not connect (502), or the engine refused it (4xx: the request did not validate, 429/503: its
-# queue was full). Not 499 (the client left; the engine may have generated meanwhile).
-NOTHING_RAN = (0, 400, 404, 413, 422, 429, 502, 503)
+log = logging.getLogger(__name__)
+
+RELEASE_KEYS = {"ticket", "status", "usage", "node_failed", "header_s"}
+# Without usage, what the engine did is judged by evidence, not by the status alone:
+# - no engine answered (status 0, or 502 with no response header: NGINX could not connect, or
+#   the engine closed the connection unanswered): nothing ran, nothing is charged;
+# - the engine refused it (4xx, 503: invalid, or its queue full) *quickly*: vLLM validates
+#   before it schedules, in milliseconds, so an answer within REFUSED_WITHIN_S of the request
+#   reaching it means nothing was generated. A slower 4xx may follow generation (vLLM validates
+#   a `tool_choice: "required"` answer only after generating it, and answers 400 when it was
+#   cut short): the reservation stays charged, as for 500, 504 and 499.
+REFUSED = (400, 404, 413, 422, 429, 503)
+REFUSED_WITHIN_S = 0.5
+
+
+def _nothing_ran(status: int, header_s: float | None) -> bool:
+    if status == 0 or (status == 502 and header_s is None):
+        return True
+    return status in REFUSED and header_s is not None and header_s <= REFUSED_WITHIN_S
+
+
+def _usage(usage: dict[str, Any]) -> tuple[int, int, int] | None:
+    """(prompt, completion, cached; -1: unknown) from the engine's usage, None when it is not
+    usable (a field missing, null or negative): then the reservation stays charged."""
+    p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (p, c)):
+        return None
+    assert isinstance(p, int) and isinstance(c, int)
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens", -1) if isinstance(details, dict) else -1
+    if isinstance(cached, bool) or not isinstance(cached, int) or cached > p:
+        return None
+    return p, c, cached
 
 
 def release_args(body: Any, policy: Policy) -> tuple[str, int, bool, int, int]:
@@ -39,27 +68,25 @@ def release_args(body: Any, policy: Policy) -> tuple[str, int, bool, int, int]:
     failed = body.get("node_failed", False)
     if not isinstance(failed, bool):
         raise BadRequest("node_failed must be true or false")
+    header_s = body.get("header_s")
+    number = isinstance(header_s, int | float) and not isinstance(header_s, bool)
+    if header_s is not None and not number:
+        raise BadRequest("header_s must be a number or null")
     usage = body.get("usage")
-    if isinstance(usage, dict):
-        p, c = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
-        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (p, c)):
-            raise BadRequest(
-                "usage.prompt_tokens and usage.completion_tokens must be integers >= 0"
-            )
-        details = usage.get("prompt_tokens_details")
-        cached = details.get("cached_tokens", -1) if isinstance(details, dict) else -1
-        if isinstance(cached, bool) or not isinstance(cached, int) or cached > p:
-            raise BadRequest(
-                "usage.prompt_tokens_details.cached_tokens must be an integer <= prompt_tokens"
-            )
+    if usage is not None and not isinstance(usage, dict):
+        raise BadRequest("usage must be an object or null")
+    read = _usage(usage) if usage is not None else None
+    if usage is not None and read is None:
+        log.warning("release %s: unreadable usage %.200s; charged as booked", ticket, usage)
+    if read is not None:
+        p, c, cached = read
         tenant = policy.tenants.get(parse_ticket(ticket)[2])
         price = tenant.limits.cached_token_price if tenant is not None else 1.0
         discount = 0 if cached < 0 else int(cached * (1.0 - price))
         return ticket, p + c - discount, failed, c, cached
-    if usage is not None:
-        raise BadRequest("usage must be an object or null")
-    if status in NOTHING_RAN:
+    if usage is None and _nothing_ran(status, header_s):
         return ticket, 0, failed, -1, -1  # no engine took it (connect refused, shed): nothing used
-    # Unknown: keep the reservation as charged. That includes 500 and 504 without usage: the
-    # engine may have generated up to the cap before it failed or the proxy timed out.
+    # Unknown: keep the reservation as charged. That includes 500 and 504 without usage (the
+    # engine may have generated up to the cap before it failed or the proxy timed out), and
+    # usage that cannot be read (the lease still goes back: a bad field loses nothing).
     return ticket, -1, failed, -1, -1

@@ -211,6 +211,12 @@ async def generate(request: web.Request) -> web.StreamResponse:
         "total_tokens": prompt,
     }
     stream = bool(body.get("stream"))
+    # vLLM with --enable-request-id-headers echoes the caller's X-Request-Id.
+    echo = (
+        {"X-Request-Id": request.headers["X-Request-Id"]}
+        if "X-Request-Id" in request.headers
+        else {}
+    )
     queue: asyncio.Queue[int] = asyncio.Queue()
     if stream:
         seq.on_token = lambda s: queue.put_nowait(s.generated)
@@ -231,6 +237,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
     try:
         if not stream:
             await done
+            if chat and body.get("tools") and body.get("tool_choice") == "required":
+                # vLLM parses a required tool call only once it is generated: text that is not
+                # a JSON list of calls (the emulator's always) is a 400, after the work is done.
+                msg = err_body("output is not a valid tool call list")
+                raise web.HTTPBadRequest(text=msg, content_type="application/json")
             usage.update(
                 completion_tokens=seq.generated,
                 total_tokens=prompt + seq.generated,
@@ -248,9 +259,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
             else:
                 choice["text"] = text
             return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                                      "created": created, "model": engine.model, "choices": [choice], "usage": usage})  # fmt: skip
+                                      "created": created, "model": engine.model, "choices": [choice], "usage": usage}, headers=echo)  # fmt: skip
         resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **echo}
         )
         await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"

@@ -400,6 +400,36 @@ def test_edge_drops_idle_engine_connections_before_vllm_does(stack: Stack) -> No
     assert int(m.group(1)) < envs.VLLM_HTTP_TIMEOUT_KEEP_ALIVE
 
 
+def test_a_400_after_generating_is_charged_not_refunded(stack: Stack) -> None:
+    """vLLM validates a `tool_choice: "required"` answer only after generating it and answers
+    400 when it was cut short (the emulator does the same). The engine worked: the tenant pays
+    what was booked. Refunded by status alone, this was free generation up to the cap, forever:
+    hobbyist's 8,000-token burst never ran out."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    body = chat(
+        messages=[{"role": "user", "content": "x" * 24_000}],  # ~6,000 tokens as estimated
+        max_tokens=60,
+        ignore_eos=True,
+        tools=tools,
+        tool_choice="required",
+    )
+    first = raw(stack, body, key="sk-demo-hobbyist")
+    assert first[0] == 400, first[2][:200]
+    second = raw(stack, body, key="sk-demo-hobbyist")
+    assert second[0] == 429, second[2][:200]
+    assert json.loads(second[2])["error"]["code"] == "tokens_per_min"
+
+
+def test_only_allowed_headers_reach_the_engines(stack: Stack) -> None:
+    """A client's own X-Request-Id (8 KB) and other headers stay at the edge: the engine gets
+    NGINX's request id, which vLLM echoes back; a client's header echoed oversized would make
+    NGINX answer 502 and count the node as failing."""
+    headers = {"X-Request-Id": "r" * 7000, "X-Anything": "secret"}
+    status, h, out = raw(stack, chat(max_tokens=2), headers=headers)
+    assert status == 200, out[:200]
+    assert len(h["X-Request-Id"]) == 32 and all(c in "0123456789abcdef" for c in h["X-Request-Id"])
+
+
 def test_zz_sidecars_gone_fail_closed(stack: Stack) -> None:
     """Runs last in this module: with no sidecar left, the policy's fail-closed answers 503."""
     for name, proc in stack.procs:

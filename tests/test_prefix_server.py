@@ -77,4 +77,4 @@ async def test_cached_prompt_tokens_cost_the_tenants_price(sidecar: Any, redis: 
     r = await client.post("/admit", json=admit_body())
     ticket = (await r.json())["ticket"]
     r = await client.post("/release", json={"ticket": ticket, "status": 200, "usage": bad})
-    assert r.status == 400 and "cached_tokens" in (await r.json())["error"]["message"]
+    assert r.status == 200 and (await r.json())["refunded_tokens"] == 0  # unreadable: as booked

@@ -86,20 +86,60 @@ async def test_admit_and_release_refunds(sidecar: Any, redis: Any) -> None:
 
 
 @pytest.mark.parametrize(
-    ("status", "refunded"),
-    [(0, 100), (502, 100), (503, 100), (400, 100), (422, 100), (429, 100), (500, 0), (504, 0),
-     (499, 0), (200, 0)],
-)  # fmt: skip
+    ("status", "header_s", "refunded"),
+    [
+        (0, None, 100),  # no upstream answered
+        (502, None, 100),  # NGINX could not connect, or the engine closed unanswered
+        (502, 0.01, 0),  # NGINX's 502 for what a live engine sent: it may have worked
+        (503, 0.01, 100),  # the engine's queue was full
+        (400, 0.01, 100),  # refused by validation, in milliseconds
+        (422, 0.2, 100),
+        (429, 0.01, 100),
+        (400, 2.5, 0),  # a 400 after generating (tool_choice "required", cut short)
+        (400, None, 0),  # a 4xx nobody timed: not evidence that nothing ran
+        (500, 0.01, 0),
+        (504, None, 0),
+        (499, None, 0),
+        (200, 0.01, 0),
+    ],
+)
 async def test_release_without_usage_refunds_only_what_no_engine_ran(
-    sidecar: Any, status: int, refunded: int
+    sidecar: Any, status: int, header_s: float | None, refunded: int
 ) -> None:
-    # No upstream, connect refused, the engine refused it (invalid, or its queue full): nothing
-    # ran, full refund. A 500, a 504 (the proxy timed out a long generation) or a 499 (the
-    # client left mid-generation) may have generated up to the cap: kept.
+    # Nothing ran: no engine answered, or it refused the request quickly (invalid, or its
+    # queue full): full refund. A slow 4xx, a 500, a 504 (the proxy timed out a long
+    # generation) or a 499 (the client left mid-generation) may have generated up to the cap.
     client, _h, _p = sidecar
     adm = await (await client.post("/admit", json=admit_body())).json()
-    r = await client.post("/release", json={"ticket": adm["ticket"], "status": status})
+    body = {"ticket": adm["ticket"], "status": status, "header_s": header_s}
+    r = await client.post("/release", json=body)
     assert (await r.json())["refunded_tokens"] == refunded
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [
+        {"prompt_tokens": 10, "completion_tokens": None},  # cjson.null from the edge
+        {"prompt_tokens": 10},
+        {"prompt_tokens": -1, "completion_tokens": 3},
+        {
+            "prompt_tokens": 10,
+            "completion_tokens": 3,
+            "prompt_tokens_details": {"cached_tokens": 11},
+        },
+    ],
+)
+async def test_unreadable_usage_still_releases_and_keeps_the_charge(
+    sidecar: Any, redis: Any, usage: dict[str, Any]
+) -> None:
+    # A release whose usage cannot be read used to be refused as a whole (400): its lease then
+    # stayed booked until lease_ttl_s. Now the lease goes back and the reservation stays.
+    client, _h, _p = sidecar
+    adm = await (await client.post("/admit", json=admit_body())).json()
+    assert await redis.zcard(keys.node_leases("n1")) == 1
+    r = await client.post("/release", json={"ticket": adm["ticket"], "status": 200, "usage": usage})
+    assert r.status == 200 and (await r.json())["refunded_tokens"] == 0
+    assert await redis.zcard(keys.node_leases("n1")) == 0
 
 
 async def test_release_batch_answers_each_entry(sidecar: Any, redis: Any) -> None:

@@ -119,12 +119,21 @@ function _M.log()
     return
   end
   -- upstream_status lists every peer tried ("502, 200" after a fallback): the last is the
-  -- answer; a first one of 502 means the node the ticket names could not be reached.
-  local statuses = ngx.var.upstream_status or ""
+  -- answer. The first peer is the node the ticket names: it could not be reached when it gave
+  -- 502 without sending a response header (connect refused or timed out, or closed unanswered)
+  -- — not on a 502 NGINX gives for what a live engine sent ("upstream sent too big header").
+  local v = ngx.var
+  local statuses = v.upstream_status or ""
   local first = tonumber(str_match(statuses, "^%s*(%d+)"))
   local last = tonumber(str_match(statuses, "(%d+)%s*$"))
+  local headers = v.upstream_header_time or ""
+  local first_header = tonumber(str_match(headers, "^%s*([%d.]+)"))
   local status = last or ngx.status or 0
-  local body = cjson.encode({ ticket = ctx.ticket, status = status, node_failed = first == 502,
+  -- header_s: how long the last engine took to answer its status line (nil: it never did).
+  -- The sidecar believes a quick 4xx did no work, not a slow one (admission/usage.py).
+  local body = cjson.encode({ ticket = ctx.ticket, status = status,
+                              node_failed = first == 502 and not first_header,
+                              header_s = tonumber(str_match(headers, "([%d.]+)%s*$")),
                               usage = usage.extract(ctx) or cjson.null })
   local len, err = dict:rpush(QUEUE, body)
   if not len then

@@ -18,6 +18,15 @@ local type = type
 local _M = { _VERSION = "0.1.0" }
 
 local IMAGE_TOKENS = 765   -- an image part, as OpenAI counts a high-detail 512 px tile set
+local AUDIO_TOKENS = 1500  -- an audio part: a 30 s window of Whisper-style encoders
+local VIDEO_TOKENS = 8192  -- a video part: frames × image tokens, bounded by the model's length
+-- Multimodal parts by type (vLLM's content part names); any other part counts its JSON text.
+local PART_TOKENS = {
+  image_url = IMAGE_TOKENS, image = IMAGE_TOKENS, image_pil = IMAGE_TOKENS,
+  image_embeds = IMAGE_TOKENS, input_image = IMAGE_TOKENS,
+  input_audio = AUDIO_TOKENS, audio_url = AUDIO_TOKENS, audio = AUDIO_TOKENS,
+  video_url = VIDEO_TOKENS, video = VIDEO_TOKENS,
+}
 local MAX_COPIES = 128    -- n / best_of above this are refused (vLLM's own bound is similar)
 local MAX_TOKENS = 10000000
 -- The prompt head's fingerprint (admission.scheduling.prefixes): chained hashes of blocks of
@@ -37,10 +46,15 @@ local function size(v)
   if type(v) == "table" then
     for _, part in ipairs(v) do
       if type(part) == "table" then
+        local media = PART_TOKENS[part.type]
         if type(part.text) == "string" then
           chars = chars + #part.text
-        elseif part.type == "image_url" or part.image_url ~= nil then
+        elseif media then
+          tokens = tokens + media
+        elseif part.image_url ~= nil then
           tokens = tokens + IMAGE_TOKENS
+        else
+          chars = chars + #(cjson.encode(part) or "") -- a part we do not know: its text
         end
       elseif type(part) == "string" then
         chars = chars + #part
@@ -50,6 +64,10 @@ local function size(v)
     end
   end
   return chars, tokens
+end
+
+local function text_len(v)
+  return type(v) == "string" and #v or 0
 end
 
 -- The text of a message content for the fingerprint: strings and text parts as they are, other
@@ -175,11 +193,20 @@ function _M.read(chat, chars_per_token, default_max_tokens)
       if type(m) ~= "table" then
         return nil, 400, "invalid_request", "each message must be an object"
       end
+      -- Everything the chat template renders: content, name, the assistant's tool calls
+      -- (arguments included), reasoning and refusal text, a tool message's id.
       local c, t = size(m.content)
+      c = c + text_len(m.name) + text_len(m.reasoning_content) + text_len(m.reasoning)
+        + text_len(m.refusal) + text_len(m.tool_call_id)
+      if type(m.tool_calls) == "table" then
+        c = c + #(cjson.encode(m.tool_calls) or "")
+      end
       chars, tokens = chars + c + 16, tokens + t -- role and template overhead
     end
-    if type(body.tools) == "table" then
-      chars = chars + #(cjson.encode(body.tools) or "")
+    for _, key in ipairs({ "tools", "functions", "documents" }) do -- templates render them
+      if type(body[key]) == "table" then
+        chars = chars + #(cjson.encode(body[key]) or "")
+      end
     end
     prefix = fingerprint(chat_head(body))
   else

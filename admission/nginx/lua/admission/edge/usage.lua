@@ -69,13 +69,15 @@ function _M.extract(ctx)
     doc = cjson.decode(buf)
   end
   local u = type(doc) == "table" and doc.usage
-  if type(u) ~= "table" or type(u.prompt_tokens) ~= "number" then
+  -- Both counts or nothing: a null or missing count makes the sidecar keep what was booked.
+  if type(u) ~= "table" or type(u.prompt_tokens) ~= "number"
+      or type(u.completion_tokens) ~= "number" then
     return nil
   end
   local details = u.prompt_tokens_details
   local cached = type(details) == "table" and type(details.cached_tokens) == "number"
     and details.cached_tokens or nil
-  return { prompt_tokens = u.prompt_tokens, completion_tokens = u.completion_tokens or 0,
+  return { prompt_tokens = u.prompt_tokens, completion_tokens = u.completion_tokens,
            cached_tokens = cached }
 end
 
