@@ -451,6 +451,38 @@ async def test_node_that_edge_cannot_reach_is_ejected(sidecar: Any, redis: Any) 
     assert 'admission_node_ejections_total{node="n1"} 1.0' in metrics
 
 
+async def test_a_failed_release_sent_again_counts_once(sidecar: Any, redis: Any) -> None:
+    # The edge re-sends a batch no sidecar confirmed: the same ticket must not count again
+    # towards ejecting its node (three re-sends of one failure ejected a healthy node).
+    client, _h, _p = sidecar
+    ticket = (await (await client.post("/admit", json=admit_body())).json())["ticket"]
+    for _ in range(4):
+        body = {"ticket": ticket, "status": 502, "node_failed": True}
+        assert (await client.post("/release", json=body)).status == 200
+    assert not await redis.exists(keys.node_eject("n1"))
+    assert await redis.scard(keys.node_fails("n1")) == 1
+
+
+async def test_release_while_redis_refuses_writes_is_not_a_500(sidecar: Any, redis: Any) -> None:
+    # OOM (maxmemory reached) came out of the node-failure count as a 500 for the whole batch:
+    # the edge re-posted it every 0.5 s and none was applied. Now the release is answered, kept
+    # and applied once Redis takes writes again.
+    client, _h, _p = sidecar
+    ticket = (await (await client.post("/admit", json=admit_body())).json())["ticket"]
+    await redis.config_set("maxmemory", "1")
+    try:
+        body = [{"ticket": ticket, "status": 502, "node_failed": True}]
+        r = await client.post("/release", json=body)
+        assert r.status == 200, await r.text()
+    finally:
+        await redis.config_set("maxmemory", "0")
+    for _ in range(50):
+        if await redis.zcard(keys.node_leases("n1")) == 0:
+            break
+        await asyncio.sleep(0.1)
+    assert await redis.zcard(keys.node_leases("n1")) == 0
+
+
 async def test_healthz_tells_the_truth(sidecar: Any) -> None:
     client, _h, _p = sidecar
     full = await (await client.get("/healthz")).json()

@@ -22,7 +22,7 @@ from admission.scheduling.outputs import UrgentOutputs
 from admission.scheduling.prefixes import NO_PREFIX, Prefix, PrefixIndex, pool_blocks
 from admission.scheduling.routing import eligible, fallbacks, pool_rank, urgent
 from admission.scheduling.views import RESERVE_HALF_S, NodeView
-from admission.store import REDIS_DOWN, keys
+from admission.store import REDIS_DOWN, is_down, keys
 
 log = logging.getLogger(__name__)
 
@@ -291,24 +291,29 @@ class NodeTable:
             if v.state != Status.MAINTENANCE:
                 v.state = Status.OPEN if fail_open else Status.DOWN
 
-    async def proxied(self, node: str, failed: bool) -> None:
-        """A release said the edge could not reach the node: `EJECT_AFTER` such failures within
+    async def proxied(self, node: str, failed: bool, ticket: str) -> None:
+        """A release said the edge could not reach the node: `EJECT_AFTER` such requests within
         `EJECT_S`, counted in Redis across every sidecar, take it out of rotation everywhere for
         `EJECT_S`; then its agent's state applies again (a healthy node is back, a dead one is
-        down by its failed health checks). Successes cost nothing: nothing is written."""
+        down by its failed health checks). Counted by ticket, so an edge re-sending a batch
+        counts nothing twice. Successes cost nothing: nothing is written. Redis refusing
+        (down, READONLY, OOM): not counted, and the release goes on."""
         if not failed or node not in self.views:
             return
         fails_key = keys.node_fails(node)
         try:
             pipe = self.redis.pipeline(transaction=False)
-            pipe.incr(fails_key)
+            pipe.sadd(fails_key, ticket)
             pipe.pexpire(fails_key, int(EJECT_S * 1000), nx=True)
-            count = int((await pipe.execute())[0])
+            pipe.scard(fails_key)
+            count = int((await pipe.execute())[2])
             if count < EJECT_AFTER:
                 return
             await self.redis.set(keys.node_eject(node), "1", px=int(EJECT_S * 1000))
             await self.redis.delete(fails_key)
-        except REDIS_DOWN:
+        except Exception as exc:
+            if not is_down(exc):
+                raise
             return
         self.views[node].state = Status.DOWN
         self.metrics.node_ejections.labels(node).inc()

@@ -31,7 +31,7 @@ async def release_many(d: Dispatcher, entries: list[Released]) -> list[int]:
         d.nodes.outputs.answered(ticket, out)
         d.nodes.engine_cached(ticket, cached)
         rid, node, tid = leases.parse_ticket(ticket)
-        await d.nodes.proxied(node, failed)
+        await d.nodes.proxied(node, failed, ticket)
         first = leases.answered_ahead(ticket)  # its release may come before its booking
         items.append((tenants.get(tid), rid, actual, leases.give_back(ticket, first), first))
         nodes.append(node)

@@ -78,8 +78,9 @@ def node_eject(node: str) -> str:
 
 
 def node_fails(node: str) -> str:
-    """Proxied requests that could not reach the node, counted over a short window."""
-    return f"{PREFIX}:{{n:{node}}}:fails"
+    """Tickets of proxied requests that could not reach the node (a set, over a short window:
+    a release delivered twice counts once)."""
+    return f"{PREFIX}:{{n:{node}}}:failed"
 
 
 def node_admin(node: str) -> str:
