@@ -135,6 +135,7 @@ def edge_table(policy: Policy) -> dict[str, object]:
         "max_body_bytes": policy.edge.max_body_bytes,
         "chars_per_token": policy.edge.chars_per_token,
         "default_max_tokens": policy.edge.default_max_tokens,
+        "lease_ttl_s": policy.queue.lease_ttl_s,
         "sidecar_failure_mode": policy.edge.sidecar_failure_mode,
         "nodes": {n.id: n.url for n in policy.nodes.values()},
     }

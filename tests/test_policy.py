@@ -96,6 +96,16 @@ def test_every_problem_is_reported_with_path_and_line() -> None:
         ("version: 1", "version: 1\nbogus: true", "bogus (line 3): unknown key"),
         ("priority: 1,", "priority: 0,", "classes (line 5): priority values must be distinct"),
         ("models: [m]", "models: []", "nodes.n1.models (line 21): must list at least one model"),
+        (  # the edge waits 660 s for an admission answer: a longer wait could not be served
+            "priority: 0, deadline_s: 5}",
+            "priority: 0, deadline_s: 601}",
+            "classes.realtime.deadline_s (line 6): must be <= 600, got 601",
+        ),
+        (
+            "version: 1",
+            "version: 1\nqueue: {lease_ttl_s: 100000}",
+            "queue.lease_ttl_s (line 3): must be <= 86400, got 100000",
+        ),
         (
             'url: "http://127.0.0.1:1"',
             'url: "ftp://x"',

@@ -141,7 +141,9 @@ def _queue(c: Checker, raw: Any) -> QueueSettings:
         long_request_tokens=c.integer(
             m, "long_request_tokens", "queue", d.long_request_tokens, lo=0
         ),
-        lease_ttl_s=c.number(m, "lease_ttl_s", "queue", d.lease_ttl_s, lo=1),
+        # The edge cuts a response off at lease_ttl_s (no answer outlives its lease): a day at
+        # most, so that a lost release cannot hold a slot for longer.
+        lease_ttl_s=c.number(m, "lease_ttl_s", "queue", d.lease_ttl_s, lo=1, hi=86400),
     )
 
 
@@ -216,7 +218,8 @@ def _classes(c: Checker, raw: Any) -> dict[str, ClassPolicy]:
                 weight=c.number(b, "weight", p, 1.0, lo=0, lo_open=True),
                 min_share=c.number(b, "min_share", p, 0.0, lo=0, hi=1),
                 priority=c.integer(b, "priority", p, 0),
-                deadline_s=c.number(b, "deadline_s", p, 30.0, lo=0, lo_open=True),
+                # The edge waits 660 s for an admission answer (admission_locations.conf).
+                deadline_s=c.number(b, "deadline_s", p, 30.0, lo=0, lo_open=True, hi=600),
                 promote_after_s=c.optional_number(b, "promote_after_s", p, lo=0, lo_open=True),
                 slo_ttft_ms=c.optional_number(slo, "ttft_ms", f"{p}.slo", lo=0, lo_open=True),
                 slo_e2e_ms=c.optional_number(slo, "e2e_ms", f"{p}.slo", lo=0, lo_open=True),

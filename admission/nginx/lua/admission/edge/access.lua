@@ -83,11 +83,13 @@ function _M.run()
     return respond.error(503, "admission_unavailable", "admission service unavailable", 1)
   end
   ctx.ticket = d.ticket
+  -- The lease expires lease_ttl_s from now: the answer must be over by then (balancer.lua
+  -- bounds the wait for the engine, usage.lua cuts a response still running).
+  ctx.lease_until = ngx.now() + (t.lease_ttl_s or 600) - 1
   local peers = { { node = d.node, url = d.url } }
   for _, fb in ipairs(d.fallbacks or {}) do peers[#peers + 1] = fb end
   ctx.peers = peers
   request.rewrite(f, d.priority)
-  ngx.req.set_header("X-Admission-Class", d.class)
 end
 
 -- /v1/files and /v1/batches: authenticate like every call, then hand the request to a sidecar

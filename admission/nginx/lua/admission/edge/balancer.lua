@@ -27,6 +27,11 @@ function _M.balance()
   local peer = peers[i] or peers[#peers]
   local host, port = host_port(peer.url)
   ctx.node = peer.node
+  if ctx.lease_until then
+    -- Waiting for the engine ends with the lease: after it, the slot may be someone else's.
+    local left = ctx.lease_until - ngx.now()
+    balancer.set_timeouts(2, 60, math.max(0.001, math.min(600, left)))
+  end
   local ok, err = balancer.set_current_peer(host, port)
   if not ok then
     ngx.log(ngx.ERR, "set_current_peer failed: ", err)

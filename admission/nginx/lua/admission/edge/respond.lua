@@ -25,6 +25,14 @@ function _M.error(status, code, message, retry_after)
   return ngx_exit(status)
 end
 
+-- A path the edge does not serve (admission_locations.conf): 404 as OpenAI answers one, so an
+-- engine endpoint the edge does not admit and charge never reaches an engine.
+function _M.not_served()
+  return _M.error(404, "unknown_url", "Unknown request URL: " .. ngx.req.get_method() .. " "
+                  .. ngx.var.uri .. ". This edge serves /v1/chat/completions, /v1/completions, "
+                  .. "/v1/models, /v1/files and /v1/batches.")
+end
+
 -- A request identify.tenant() could not attribute. Without an edge table (the sidecars have not
 -- written one yet, or it is unreadable) no key can be checked: that is our outage, not the
 -- client's bad key, so 503 with Retry-After rather than 401.

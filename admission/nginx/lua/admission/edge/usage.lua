@@ -18,6 +18,15 @@ function _M.body_filter()
   if not ctx.ticket then
     return
   end
+  if ctx.lease_until and ngx.now() > ctx.lease_until then
+    -- Past its lease (queue.lease_ttl_s): the node slot and KV it booked may be another's
+    -- now. Cut the response off; vLLM aborts a request whose client went away.
+    if not ctx.cut then
+      ctx.cut = true
+      ngx.log(ngx.WARN, "admission: response cut off at its lease's end (queue.lease_ttl_s)")
+    end
+    return ngx.ERROR
+  end
   local chunk = ngx.arg[1]
   if not chunk or chunk == "" then
     return

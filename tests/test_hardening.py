@@ -1,0 +1,129 @@
+"""Hardening through the real edge (nginx + ngx_lua, redis-server, a sidecar, emulated vLLM):
+paths the edge does not serve, and answers that would outlive their lease."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from devstack.stack import DEFAULT_POLICY, Stack
+
+pytestmark = pytest.mark.timeout(180)
+
+LEASE_TTL_S = 4
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(
+        DEFAULT_POLICY,
+        tmp_path_factory.mktemp("stack"),
+        nodes=1,
+        sidecars=1,
+        policy_overrides={"queue": {"lease_ttl_s": LEASE_TTL_S}},
+    )
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+
+
+def post(stack: Stack, path: str, body: Any, timeout: float = 30) -> tuple[int, bytes]:
+    req = urllib.request.Request(
+        stack.url + path,
+        data=json.dumps(body).encode(),
+        headers={"Authorization": "Bearer sk-demo-acme", "Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def inflight(stack: Stack) -> int:
+    nodes = json.load(urllib.request.urlopen(f"{stack.sidecar_url}/nodes", timeout=5))["nodes"]
+    return sum(int(n["inflight"]) for n in nodes)
+
+
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/embeddings", "/v1/responses", "/v1/audio/transcriptions", "/tokenize", "/score",
+     "/v1/rerank", "/pooling", "/invocations"],
+)  # fmt: skip
+def test_engine_paths_the_edge_does_not_admit_are_404_in_openai_shape(
+    stack: Stack, path: str
+) -> None:
+    # Each would otherwise fall to the server's own `location /` (the default NGINX page here,
+    # an engine behind a proxy_pass in front of existing infra): engine work with no key check,
+    # no limit and no ledger.
+    status, out = post(stack, path, {"model": "llama-3-8b", "input": "hello"})
+    assert status == 404, out[:200]
+    err = json.loads(out)["error"]
+    assert err["code"] == "unknown_url" and path in err["message"]
+
+
+def test_admitted_paths_still_served(stack: Stack) -> None:
+    body = {"model": "llama-3-8b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    assert post(stack, "/v1/chat/completions", body)[0] == 200
+    assert (
+        post(stack, "/v1/completions", {"model": "llama-3-8b", "prompt": "hi", "max_tokens": 2})[0]
+        == 200
+    )
+
+
+def test_a_stream_is_cut_off_when_its_lease_ends(stack: Stack) -> None:
+    """A stream that runs past queue.lease_ttl_s would keep generating on a slot the ledger
+    has given to someone else. The edge ends it at the lease's end, and the engine aborts it."""
+    body = {
+        "model": "llama-3-8b",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3000,  # ~36 s on the emulated A100
+        "ignore_eos": True,
+        "stream": True,
+    }
+    host, port = "127.0.0.1", stack.port
+    started = time.monotonic()
+    with socket.create_connection((host, port), timeout=30) as s:
+        data = json.dumps(body).encode()
+        s.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-demo-acme"
+            b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(data) + data
+        )
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+            if time.monotonic() - started > 30:
+                break
+    took = time.monotonic() - started
+    assert b"200 OK" in got.split(b"\r\n", 1)[0]
+    assert b"data: [DONE]" not in got  # cut, not finished
+    assert LEASE_TTL_S - 1.5 < took < LEASE_TTL_S + 3, took
+    for _ in range(50):
+        if inflight(stack) == 0:
+            break
+        time.sleep(0.1)
+    assert inflight(stack) == 0
+
+
+def test_a_plain_answer_waits_no_longer_than_its_lease(stack: Stack) -> None:
+    body = {
+        "model": "llama-3-8b",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3000,
+        "ignore_eos": True,
+    }
+    started = time.monotonic()
+    status, out = post(stack, "/v1/chat/completions", body)
+    took = time.monotonic() - started
+    assert status == 504, out[:200]
+    assert json.loads(out)["error"]["code"] == "engine_timeout"
+    assert took < LEASE_TTL_S + 3, took
