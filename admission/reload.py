@@ -14,7 +14,7 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from admission.errors import PolicyError
@@ -117,8 +117,10 @@ class PolicyHolder:
                 pass
 
 
-def edge_table(policy: Policy) -> dict[str, object]:
-    """What the NGINX edge needs from the policy: key digests → tenant, classes, models, limits."""
+def edge_table(policy: Policy, unusable: Collection[str] = ()) -> dict[str, object]:
+    """What the NGINX edge needs from the policy: key digests → tenant, classes, models, limits;
+    and each node's URL, models and whether it takes new work (`unusable`: down, draining or
+    in maintenance when last seen), for the edge's fail-open mode."""
     served = sorted(policy.models())
     return {
         "keys": dict(policy.key_index),
@@ -137,12 +139,15 @@ def edge_table(policy: Policy) -> dict[str, object]:
         "default_max_tokens": policy.edge.default_max_tokens,
         "lease_ttl_s": policy.queue.lease_ttl_s,
         "sidecar_failure_mode": policy.edge.sidecar_failure_mode,
-        "nodes": {n.id: n.url for n in policy.nodes.values()},
+        "nodes": {
+            n.id: {"url": n.url, "models": list(n.models), "serving": n.id not in unusable}
+            for n in policy.nodes.values()
+        },
     }
 
 
-def write_edge_table(policy: Policy, path: Path) -> None:
+def write_edge_table(policy: Policy, path: Path, unusable: Collection[str] = ()) -> None:
     """Atomically replace the edge's table (the edge re-reads it once a second)."""
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(edge_table(policy), sort_keys=True))
+    tmp.write_text(json.dumps(edge_table(policy, unusable), sort_keys=True))
     tmp.replace(path)

@@ -326,10 +326,13 @@ def build_app(
         await st.close()
         await batches.store.redis.aclose()
 
+    def unusable() -> frozenset[str]:
+        return app[DISPATCHER].nodes.unusable if DISPATCHER in app else frozenset()
+
     async def watcher_ctx(app: web.Application) -> AsyncIterator[None]:
         if edge_table is not None:
             write_edge_table(holder.current, edge_table)
-            holder.listeners.append(lambda p: write_edge_table(p, edge_table))
+            holder.listeners.append(lambda p: write_edge_table(p, edge_table, unusable()))
         task = asyncio.create_task(holder.watch(), name="policy-watcher")
         yield
         await _stop(task)
@@ -338,6 +341,8 @@ def build_app(
         d = Dispatcher(app[STORE], app[LIMITER], holder, app[METRICS])
         holder.listeners.append(d.set_policy)
         app[DISPATCHER] = d
+        if edge_table is not None:  # nodes closing or opening change the edge's fail-open peers
+            d.nodes.on_unusable = lambda closed: write_edge_table(holder.current, edge_table, closed)
         await d.nodes.refresh()
         task = app[DISPATCH_TASK] = asyncio.create_task(d.run(), name="dispatcher")
         task.add_done_callback(_log_death)

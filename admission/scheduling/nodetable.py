@@ -57,6 +57,10 @@ class NodeTable:
         self._me = secrets.token_hex(4)
         self._outbox: list[tuple[str, Prefix]] = []
         self._feed_id: bytes | str = "0-0"
+        # Nodes that take nothing new (down, draining, in maintenance), and who is told when
+        # that set changes (the edge's table: its fail-open mode must not pick them).
+        self.unusable: frozenset[str] = frozenset()
+        self.on_unusable: Callable[[frozenset[str]], None] | None = None
         self.set_policy(policy())
 
     def set_policy(self, policy: Policy) -> None:
@@ -226,6 +230,12 @@ class NodeTable:
         self._learn_feed(res[-1])
         self._pressure(now)
         self._gauge()
+        closed = (Status.DOWN, Status.DRAIN, Status.MAINTENANCE)
+        unusable = frozenset(v.node.id for v in views if v.state in closed)
+        if unusable != self.unusable:
+            self.unusable = unusable
+            if self.on_unusable is not None:
+                self.on_unusable(unusable)
 
     def _learn_feed(self, read: Any) -> None:
         """Take the other sidecars' placements from the prefix feed (XREAD's reply)."""

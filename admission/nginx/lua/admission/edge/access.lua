@@ -69,8 +69,16 @@ function _M.run()
     end
     if t.sidecar_failure_mode == "open" then
       log(WARN, "admission sidecar unavailable (", err, "): fail-open, proxying unadmitted")
+      -- Only nodes that serve the model and took new work when a sidecar last saw them.
       local peers = {}
-      for node, url in pairs(t.nodes) do peers[#peers + 1] = { node = node, url = url } end
+      for node, n in pairs(t.nodes or {}) do
+        if type(n) == "table" and n.serving ~= false and allowed(n.models, f.model) then
+          peers[#peers + 1] = { node = node, url = n.url }
+        end
+      end
+      if #peers == 0 then
+        return respond.error(503, "admission_unavailable", "admission service unavailable", 1)
+      end
       table.sort(peers, function(a, b) return a.node < b.node end)
       fail_open_rr = fail_open_rr + 1
       local first = (fail_open_rr % #peers) + 1
