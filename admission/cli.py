@@ -183,16 +183,16 @@ def cmd_node(args: argparse.Namespace) -> int:
 
 
 def cmd_batch_worker(args: argparse.Namespace) -> int:
-    from admission.batch.store import connect_batch
     from admission.batch.worker import Worker
     from admission.reload import PolicyHolder
+    from admission.store import connect_batch
 
     policy = load_policy(args.policy)
     _use_uvloop()
 
     async def main() -> None:
         holder = PolicyHolder(Path(args.policy), policy, Metrics())
-        redis = connect_batch(policy.redis.url)
+        redis = connect_batch(policy.redis, policy.batch.redis_url)
         watcher = asyncio.create_task(holder.watch())
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

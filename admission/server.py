@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from admission import status
 from admission.access import Access
 from admission.batch.api import BatchApi
-from admission.batch.store import BatchStore, connect_batch
+from admission.batch.store import BatchStore
 from admission.errors import (
     AdmissionError,
     BadRequest,
@@ -38,7 +38,7 @@ from admission.policy import Policy, Tenant
 from admission.reload import PolicyHolder, write_edge_table
 from admission.scheduling import Dispatcher, prefixes
 from admission.scheduling.leases import REQUEST_ID
-from admission.store import Store
+from admission.store import Store, connect_batch
 from admission.usage import release_args
 
 log = logging.getLogger(__name__)
@@ -310,7 +310,8 @@ def build_app(
 
     async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
         st = app[STORE] = Store.open(holder.current.redis, app[METRICS])
-        batches.store = BatchStore(connect_batch(holder.current.redis.url))
+        pol = holder.current
+        batches.store = BatchStore(connect_batch(pol.redis, pol.batch.redis_url))
         app[LIMITER] = Limiter(st, holder, app[METRICS])
         backlog = asyncio.create_task(st.backlog.run(), name="redis-backlog")
         backlog.add_done_callback(_log_death)
@@ -342,7 +343,9 @@ def build_app(
         holder.listeners.append(d.set_policy)
         app[DISPATCHER] = d
         if edge_table is not None:  # nodes closing or opening change the edge's fail-open peers
-            d.nodes.on_unusable = lambda closed: write_edge_table(holder.current, edge_table, closed)
+            d.nodes.on_unusable = lambda closed: write_edge_table(
+                holder.current, edge_table, closed
+            )
         await d.nodes.refresh()
         task = app[DISPATCH_TASK] = asyncio.create_task(d.run(), name="dispatcher")
         task.add_done_callback(_log_death)

@@ -7,12 +7,16 @@ limits, weights and the node watermarks apply, so batch work fills idle capacity
 realtime. Retryable refusals (429, 502/503/504, no answer) are retried with the Retry-After or
 a backoff, up to `batch.max_attempts`; other answers are final.
 
-Exactly once: a line's answer is recorded with HSETNX by custom_id, then the stream entry is
+Exactly once: a line's answer is recorded with HSETNX by line index, then the stream entry is
 acknowledged. A worker that dies leaves its entries pending; after `CLAIM_IDLE_S` without its
 heartbeat another worker claims them (XAUTOCLAIM), finds any answer already recorded and only
 acknowledges, or runs the line. The worker recording a batch's last answer finalizes it (output
 and error files with ids derived from the batch id, so a finalize cut short is redone by the
 next sweep and writes the same files).
+
+Bounded memory: a line is read by its offsets from the input file's index (no batch's lines are
+kept), and output files are written part by part as the answers are read, a thousand at a time.
+A batch whose finalize fails is logged and retried at the next sweep; the others go on.
 """
 
 from __future__ import annotations
@@ -29,13 +33,15 @@ from typing import Any
 import aiohttp
 
 from admission.batch.pace import Pace
-from admission.batch.store import GROUP, OPEN, STREAM, TERMINAL, BatchStore, results_key, text
+from admission.batch.store import GROUP, OPEN, STREAM, TERMINAL, BatchStore, PartWriter, text
 from admission.policy import Policy
 
 log = logging.getLogger(__name__)
 
 CLAIM_IDLE_S = 30.0  # an entry pending this long without its worker's heartbeat is taken over
 SWEEP_S = 5.0  # heartbeat, reclaim and finalize sweep period
+ENQUEUE_AFTER_S = 30.0  # a batch whose lines are not all queued this long after its creation:
+# the sidecar that created it died midway, and the sweep queues the rest
 RETRYABLE = (0, 429, 500, 502, 503, 504)
 
 
@@ -52,7 +58,6 @@ class Worker:
         self.claim_idle_s = claim_idle_s
         self.name = f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         self.inflight: dict[str, asyncio.Task[None]] = {}  # stream entry id → its task
-        self._lines: dict[str, tuple[str, list[dict[str, Any]]]] = {}  # batch → (tenant, lines)
 
     async def run(self, stop: asyncio.Event) -> None:
         await self.store.ensure_group()
@@ -90,7 +95,8 @@ class Worker:
         if eid in self.inflight:
             return
         f = {text(k): text(v) for k, v in fields.items()}
-        task = asyncio.create_task(self.line(eid, f.get("b", ""), int(f.get("i", -1))))
+        line = self.line(eid, f.get("t", ""), f.get("b", ""), int(f.get("i", -1)))
+        task = asyncio.create_task(line)
         self.inflight[eid] = task
 
         def done(_t: asyncio.Task[None], e: str = eid) -> None:
@@ -110,38 +116,52 @@ class Worker:
                 if fields:
                     log.info("batch line %s taken over from a silent worker", text(eid))
                     self._start(text(eid), fields)
-        open_ids = {text(b) for b in await self.redis.smembers(OPEN)}
-        for bid in set(self._lines) - open_ids:  # finished (finalized by another worker)
-            del self._lines[bid]
-        for bid in open_ids:
-            b = await self.store.get(bid)
-            if b is None:
-                await self.redis.srem(OPEN, bid)
-            elif int(b.get("completed", 0)) + int(b.get("failed", 0)) >= int(b.get("total", 0)):
-                await self.finalize(bid)
+        for bid, tenant in (await self.store.open_batches()).items():
+            try:
+                await self._check(tenant, bid)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # one batch's trouble must not stop the sweep for others
+                log.warning("batch %s: sweep failed: %r", bid, exc)
 
-    async def line(self, eid: str, bid: str, idx: int) -> None:
-        b = await self.store.get(bid)
+    async def _check(self, tenant: str, bid: str) -> None:
+        b = await self.store.get(tenant, bid)
+        if b is None:
+            await self.redis.hdel(OPEN, bid)
+            return
+        total = int(b.get("total", 0))
+        queued = int(b.get("queued", total))
+        if queued < total and time.time() - int(b.get("created_at", 0)) > ENQUEUE_AFTER_S:
+            log.info("batch %s: queueing lines %d.. its sidecar did not", bid, queued)
+            await self.store.enqueue(tenant, bid, total, queued)
+        elif int(b.get("completed", 0)) + int(b.get("failed", 0)) >= total:
+            await self.finalize(tenant, bid)
+
+    async def line(self, eid: str, tenant: str, bid: str, idx: int) -> None:
+        b = await self.store.get(tenant, bid) if tenant else None
         if b is None or idx < 0:
             await self._ack(eid)
             return
-        tenant, lines = await self._input(bid, b)
-        req = lines[idx]
-        cid = req["custom_id"]
-        if await self.redis.hexists(results_key(bid), cid):  # answered before a crash
+        if await self.store.answered(tenant, bid, idx):  # answered before a crash
             await self._ack(eid)
             return
+        raw = await self.store.line(tenant, b["input_file_id"], idx)
+        req: Any = json.loads(raw) if raw is not None else None
+        cid = req["custom_id"] if isinstance(req, dict) else f"line-{idx}"
         status = b.get("status")
-        if status == "cancelling" or status in TERMINAL:
+        if req is None:
+            answer = _error_line(cid, "input_file_gone", "the input file expired or was deleted")
+            ok = False
+        elif status == "cancelling" or status in TERMINAL:
             answer, ok = _error_line(cid, "batch_cancelled", "the batch was cancelled"), False
         elif time.time() > int(b.get("expires_at", 0) or 0):
             answer, ok = _error_line(cid, "batch_expired", "the batch's 24 h window ended"), False
         else:
             answer, ok = await self.send(tenant, req)
-        _recorded, done, total = await self.store.record(bid, cid, answer, ok)
+        _recorded, done, total = await self.store.record(tenant, bid, idx, answer, ok)
         await self._ack(eid)
         if done >= total:
-            await self.finalize(bid)
+            await self.finalize(tenant, bid)
 
     async def send(self, tenant: str, req: dict[str, Any]) -> tuple[dict[str, Any], bool]:
         """Run one request through the edge, retrying what may succeed later."""
@@ -185,44 +205,48 @@ class Worker:
                 "error": {"code": code or ("no_answer" if not status else f"http_{status}"),
                           "message": (err or {}).get("message", "") if isinstance(err, dict) else ""}}, False  # fmt: skip
 
-    async def finalize(self, bid: str) -> None:
+    async def finalize(self, tenant: str, bid: str) -> None:
         """Write the output and error files (input order) and close the batch; idempotent."""
-        b = await self.store.get(bid)
+        st = self.store
+        b = await st.get(tenant, bid)
         if b is None or b.get("status") in TERMINAL:
             return
         final = "cancelled" if b.get("cancelling_at") else "completed"
-        await self.store.set_status(bid, "finalizing", only_if=("in_progress", "cancelling",
+        await st.set_status(tenant, bid, "finalizing", only_if=("in_progress", "cancelling",
                                                                 "finalizing"))  # fmt: skip
-        _tenant, lines = await self._input(bid, b)
-        answers = await self.store.answers(bid)
-        out: list[str] = []
-        errs: list[str] = []
-        for ln in lines:
-            a = answers.get(ln["custom_id"])
-            if a is None:
-                return  # not every line answered yet (a sweep raced a recording): later
-            (out if json.loads(a).get("error") is None else errs).append(a)
+        total = int(b.get("total", 0))
+        out = PartWriter(st, tenant, f"file-{bid}-output")
+        errs = PartWriter(st, tenant, f"file-{bid}-errors")
+        counts = {"1": 0, "0": 0}
+        for lo in range(0, total, 1000):
+            for a in await st.answers(tenant, bid, lo, min(total, lo + 1000)):
+                if a is None:
+                    return  # not every line answered yet (a sweep raced a recording): later
+                await (out if a[0] == "1" else errs).write(a[1:].encode() + b"\n")
+                counts[a[0]] += 1
         fields: dict[str, Any] = {}
-        if out:
-            fields["output_file_id"] = f"file-{bid}-output"
-            await self.store.put_file(fields["output_file_id"], b["tenant"], f"{bid}_output.jsonl",
-                                      "batch_output", ("\n".join(out) + "\n").encode())  # fmt: skip
-        if errs:
-            fields["error_file_id"] = f"file-{bid}-errors"
-            await self.store.put_file(fields["error_file_id"], b["tenant"], f"{bid}_errors.jsonl",
-                                      "batch_output", ("\n".join(errs) + "\n").encode())  # fmt: skip
+        now = int(time.time())
+        life = self.policy().batch.file_ttl_s
+        for w, n, field, kind in (
+            (out, counts["1"], "output_file_id", "output"),
+            (errs, counts["0"], "error_file_id", "errors"),
+        ):
+            if n:
+                await w.close()
+                meta = {
+                    "filename": f"{bid}_{kind}.jsonl",
+                    "bytes": w.size,
+                    "purpose": "batch_output",
+                    "created_at": now,
+                    "expires_at": now + life,
+                    "parts": w.parts,
+                }
+                await st.commit_file(tenant, w.fid, meta)
+                fields[field] = w.fid
         if fields:
-            await self.store.set_fields(bid, **fields)
-        if await self.store.set_status(bid, final, only_if=("finalizing",)):
-            log.info("batch %s %s: %d answered, %d failed", bid, final, len(out), len(errs))
-        self._lines.pop(bid, None)
-
-    async def _input(self, bid: str, b: dict[str, str]) -> tuple[str, list[dict[str, Any]]]:
-        if bid not in self._lines:
-            data = await self.store.file_bytes(b["input_file_id"]) or b""
-            lines = [json.loads(x) for x in data.decode().splitlines() if x.strip()]
-            self._lines[bid] = (b["tenant"], lines)
-        return self._lines[bid]
+            await st.set_fields(tenant, bid, **fields)
+        if await st.set_status(tenant, bid, final, only_if=("finalizing",)):
+            log.info("batch %s %s: %d answered, %d failed", bid, final, counts["1"], counts["0"])
 
     async def _ack(self, eid: str) -> None:
         pipe = self.redis.pipeline(transaction=False)

@@ -139,7 +139,14 @@ class Checker:
         return self.number(m, key, path, None, lo=lo, lo_open=lo_open)
 
     def integer(
-        self, m: dict[Any, Any], key: str, path: str, default: int, *, lo: int | None = None
+        self,
+        m: dict[Any, Any],
+        key: str,
+        path: str,
+        default: int,
+        *,
+        lo: int | None = None,
+        hi: int | None = None,
     ) -> int:
         if key not in m:
             return default
@@ -150,6 +157,9 @@ class Checker:
             return default
         if lo is not None and v < lo:
             self.err(p, f"must be >= {lo}, got {v}")
+            return default
+        if hi is not None and v > hi:
+            self.err(p, f"must be <= {hi}, got {v}")
             return default
         return v
 

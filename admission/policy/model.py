@@ -181,6 +181,13 @@ class BatchSettings:
     max_open_per_tenant: int = 10  # batches not yet finished, per tenant; more: 429
     line_class: str = "offline"  # the class lines run at (the tenant's least urgent if not allowed)
     max_attempts: int = 8  # retryable refusals (429, 503, 5xx) before a line fails
+    # What one tenant may keep stored (inputs and outputs): bounds the Redis batch storage
+    # takes to tenants x max_stored_bytes_per_tenant, whatever a tenant uploads.
+    max_files_per_tenant: int = 100
+    max_stored_bytes_per_tenant: int = 1 << 30
+    max_uploads_per_min: int = 30  # per tenant; more: 429 uploads_per_min
+    file_ttl_s: int = 30 * 86400  # a file's life unless it asks for less (expires_after)
+    redis_url: str | None = None  # batch storage on its own Redis (default: redis.url)
 
 
 @dataclass(frozen=True)

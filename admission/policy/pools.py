@@ -49,6 +49,9 @@ def parse_pools(
     return pools, owner
 
 
+REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
 def parse_batch(c: Checker, raw: Any, classes: dict[str, Any]) -> BatchSettings:
     """`batch:`: the OpenAI Batch API's bounds and the class its lines run at."""
     m = c.mapping(raw, "batch", set(BatchSettings.__dataclass_fields__)) or {}
@@ -61,7 +64,21 @@ def parse_batch(c: Checker, raw: Any, classes: dict[str, Any]) -> BatchSettings:
         ),
         line_class=c.string(m, "line_class", "batch", d.line_class),
         max_attempts=c.integer(m, "max_attempts", "batch", d.max_attempts, lo=1),
+        max_files_per_tenant=c.integer(
+            m, "max_files_per_tenant", "batch", d.max_files_per_tenant, lo=1, hi=5000
+        ),
+        max_stored_bytes_per_tenant=c.integer(
+            m, "max_stored_bytes_per_tenant", "batch", d.max_stored_bytes_per_tenant, lo=1024
+        ),
+        max_uploads_per_min=c.integer(
+            m, "max_uploads_per_min", "batch", d.max_uploads_per_min, lo=1
+        ),
+        # OpenAI's bounds for expires_after.seconds: an hour to 30 days.
+        file_ttl_s=c.integer(m, "file_ttl_s", "batch", d.file_ttl_s, lo=3600, hi=30 * 86400),
+        redis_url=c.string(m, "redis_url", "batch", "", prefixes=REDIS_SCHEMES) or None,
     )
+    if b.max_stored_bytes_per_tenant < b.max_file_bytes:
+        c.err("batch.max_stored_bytes_per_tenant", "must be >= batch.max_file_bytes")
     # The default names a class the policy may not have: the worker then uses the tenant's
     # least urgent class. Set explicitly, it must exist.
     if "line_class" in m and classes and b.line_class not in classes:

@@ -9,7 +9,14 @@ from typing import Any
 from admission.metrics import Metrics
 from admission.policy import RedisSettings
 from admission.store.backlog import Backlog
-from admission.store.connection import REDIS_DOWN, PoolBusy, StoreDown, connect, is_down
+from admission.store.connection import (
+    REDIS_DOWN,
+    PoolBusy,
+    StoreDown,
+    connect,
+    connect_batch,
+    is_down,
+)
 from admission.store.scripts import Call, Orphan, Scripts
 
 
@@ -46,5 +53,5 @@ class Store:
 
 __all__ = [
     "REDIS_DOWN", "Backlog", "Call", "Orphan", "PoolBusy", "Scripts", "Store", "StoreDown",
-    "connect", "is_down",
+    "connect", "connect_batch", "is_down",
 ]  # fmt: skip

@@ -27,6 +27,10 @@ REDIS_DOWN: tuple[type[BaseException], ...] = (
     rex.TimeoutError,
     rex.BusyLoadingError,
     OSError,
+    # Redis Cluster: no node serves the slot, or redirections (MOVED/ASK storms during a
+    # reshard or failover) ran out of retries.
+    rex.ClusterError,
+    rex.SlotNotCoveredError,
 )
 
 # Reply-error prefixes that a retry later can cure; any other ResponseError is our bug.
@@ -132,3 +136,15 @@ def connect(settings: RedisSettings, *, read_timeouts: bool = True) -> Any:
     )
     pool.connection_class = _hiredis_packing(pool.connection_class)  # tcp, unix or tls
     return aioredis.Redis.from_pool(pool)  # the client owns (and closes) its pool
+
+
+def connect_batch(settings: RedisSettings, url: str | None = None) -> Any:
+    """A client for batch storage (files are megabytes, workers block on the stream): its own
+    pool and long timeouts (the admission path keeps its short ones), on `url` (the policy's
+    `batch.redis_url`) or the admission Redis; a Redis Cluster client when `redis.cluster`."""
+    url = url or settings.url
+    if settings.cluster:
+        return aioredis.RedisCluster.from_url(url, socket_timeout=60, socket_connect_timeout=5)
+    return aioredis.Redis.from_url(
+        url, socket_timeout=60, socket_connect_timeout=5, max_connections=64
+    )

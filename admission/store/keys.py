@@ -90,3 +90,66 @@ def node_admin(node: str) -> str:
 
 def all_tenant_keys_pattern() -> str:
     return f"{PREFIX}:{{t:*"
+
+
+# -- the Batch API (admission/batch) ------------------------------------------------------------
+# Every key of a tenant's files and batches shares the tag `{bt:<tenant>}`, so the scripts that
+# touch several (quota, commit, create, delete) run unchanged on Redis Cluster. Two keys are
+# global, each alone in its slot: the line stream and the index of open batches.
+BATCH_LINES = f"{PREFIX}:batch:lines"  # stream, group `workers`: {t: tenant, b: batch, i: line}
+BATCHES_OPEN = f"{PREFIX}:batch:open"  # hash batch id → tenant: batches not yet finished
+
+
+def _bt(tenant: str) -> str:
+    return f"{PREFIX}:{{bt:{tenant}}}"
+
+
+def batch_files(tenant: str) -> str:
+    """The tenant's files (zset id → expires_at s), uploads in progress included: the quota."""
+    return f"{_bt(tenant)}:files"
+
+
+def batch_usage(tenant: str) -> str:
+    """Bytes per file (hash id → bytes; an upload in progress: what it may take)."""
+    return f"{_bt(tenant)}:usage"
+
+
+def batch_uploads(tenant: str) -> str:
+    """Uploads begun in the last minute (zset id → s): the upload rate bound."""
+    return f"{_bt(tenant)}:uploads"
+
+
+def batch_file(tenant: str, fid: str) -> str:
+    """A file's meta (hash: filename, bytes, purpose, created_at, expires_at, parts; an input's
+    lines and urls); TTL = the file's life."""
+    return f"{_bt(tenant)}:file:{fid}"
+
+
+def batch_file_part(tenant: str, fid: str, n: int) -> str:
+    """Part n of a file's bytes (strings of at most PART_BYTES: no value near Redis's 512 MB)."""
+    return f"{_bt(tenant)}:file:{fid}:part:{n}"
+
+
+def batch_file_index(tenant: str, fid: str) -> str:
+    """An input file's lines: (start, end) byte offsets, little-endian uint32 pairs."""
+    return f"{_bt(tenant)}:file:{fid}:index"
+
+
+def batch(tenant: str, bid: str) -> str:
+    """A batch's fields (hash: the OpenAI batch object's fields, counts, timestamps)."""
+    return f"{_bt(tenant)}:batch:{bid}"
+
+
+def batch_results(tenant: str, bid: str) -> str:
+    """A batch's answers (hash line index → "1"|"0" + answer JSON): the exactly-once record."""
+    return f"{_bt(tenant)}:batch:{bid}:res"
+
+
+def tenant_batches(tenant: str) -> str:
+    """The tenant's batches (zset id → created_at): listing."""
+    return f"{_bt(tenant)}:batches"
+
+
+def tenant_open_batches(tenant: str) -> str:
+    """The tenant's batches not yet finished (set): max_open_per_tenant, and files in use."""
+    return f"{_bt(tenant)}:open"

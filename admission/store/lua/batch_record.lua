@@ -1,0 +1,9 @@
+-- batch_record: record one line's answer once, count it, say how far the batch is.
+-- KEYS: 1 results hash, 2 batch hash. ARGV: 1 line index, 2 "1"|"0" + answer JSON,
+-- 3 "completed"|"failed". Returns {recorded (0/1), answered lines, total}.
+local recorded = redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2])
+if recorded == 1 then
+  redis.call('HINCRBY', KEYS[2], ARGV[3], 1)
+end
+local b = redis.call('HMGET', KEYS[2], 'completed', 'failed', 'total')
+return {recorded, tonumber(b[1] or 0) + tonumber(b[2] or 0), tonumber(b[3] or 0)}
