@@ -23,7 +23,10 @@ pytestmark = pytest.mark.timeout(300)
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s = Stack(DEFAULT_POLICY, tmp_path_factory.mktemp("batch"), nodes=2, sidecars=2,
               batch_claim_idle_s=3.0,
-              policy_overrides={"batch": {"max_file_bytes": 400_000, "max_open_per_tenant": 3}})  # fmt: skip
+              policy_overrides={"batch": {"max_file_bytes": 400_000, "max_open_per_tenant": 3,
+                                          "max_files_per_tenant": 12,
+                                          "max_stored_bytes_per_tenant": 1_000_000,
+                                          "max_uploads_per_min": 20}})  # fmt: skip
     with s.running():
         yield s
 
@@ -155,3 +158,88 @@ def test_lines_answered_exactly_once_through_kills(stack: Stack) -> None:
     assert set(ids) == {f"k-{i}" for i in range(n)}
     assert done.request_counts.completed + done.request_counts.failed == n
     assert len(out) >= n * 0.95, [e["error"] for e in err][:5]  # failures: retries exhausted
+
+
+def create(c: openai.OpenAI, fid: str) -> Any:
+    return c.batches.create(
+        input_file_id=fid, endpoint="/v1/chat/completions", completion_window="24h"
+    )
+
+
+def test_files_list_expire_and_delete(stack: Stack) -> None:
+    """OpenAI's file routes: list, `expires_after`, DELETE (not of an open batch's input)."""
+    c = client(stack, "sk-demo-globex")
+    f = c.files.create(file=("in.jsonl", jsonl(2, "x", max_tokens=400)), purpose="batch",
+                       expires_after={"anchor": "created_at", "seconds": 3600})  # fmt: skip
+    assert f.expires_at == f.created_at + 3600
+    assert f.id in [x.id for x in c.files.list().data]
+    b = create(c, f.id)
+    with pytest.raises(openai.BadRequestError) as ei:
+        c.files.delete(f.id)  # an open batch reads it
+    assert ei.value.body["code"] == "file_in_use"  # type: ignore[index]
+    c.batches.cancel(b.id)
+    wait_done(c, b.id)
+    assert c.files.delete(f.id).deleted is True
+    with pytest.raises(openai.NotFoundError):
+        c.files.retrieve(f.id)
+    assert f.id not in [x.id for x in c.files.list().data]
+    with pytest.raises(openai.NotFoundError):
+        c.files.delete(f.id)
+
+
+def test_storage_quotas_per_tenant_and_admission_unaffected(stack: Stack) -> None:
+    """A tenant cannot fill the Redis every admission needs: files (12 here), bytes (1 MB)
+    and uploads a minute (20) are bounded per tenant; its chat requests still go through."""
+    c = client(stack, "sk-demo-acme").with_options(max_retries=0)
+    big = jsonl(1800, "big")  # ~325 kB
+    ids = [c.files.create(file=("b.jsonl", big), purpose="batch").id for _ in range(3)]
+    with pytest.raises(openai.APIStatusError) as ei:
+        c.files.create(file=("b.jsonl", big), purpose="batch")
+    assert ei.value.status_code == 413
+    assert ei.value.body["code"] == "storage_quota_exceeded"  # type: ignore[index]
+    for fid in ids:
+        c.files.delete(fid)
+    small = [c.files.create(file=("s.jsonl", jsonl(1)), purpose="batch").id for _ in range(12)]
+    with pytest.raises(openai.RateLimitError) as ei2:
+        c.files.create(file=("s.jsonl", jsonl(1)), purpose="batch")
+    assert ei2.value.body["code"] == "too_many_files"  # type: ignore[index]
+    c.files.delete(small[0])
+    with pytest.raises(openai.RateLimitError) as ei3:  # 15 uploads so far (refused: not counted)
+        for _ in range(6):
+            c.files.delete(c.files.create(file=("s.jsonl", jsonl(1)), purpose="batch").id)
+    assert ei3.value.body["code"] == "uploads_per_min"  # type: ignore[index]
+    answer = c.chat.completions.create(model="llama-3-8b", max_tokens=2,
+                                       messages=[{"role": "user", "content": "still served"}])  # fmt: skip
+    assert answer.choices[0].message.content
+
+
+def test_json_line_separators_ids_and_concurrent_creates(stack: Stack) -> None:
+    """U+2028 is valid raw inside a JSON string (str.splitlines split on it); a name that is
+    not an id answers 404, not a WRONGTYPE 500; concurrent creates cannot pass
+    max_open_per_tenant (3 here)."""
+    c = client(stack, "sk-demo-globex").with_options(max_retries=0)
+    line = {"custom_id": "sep", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "llama-3-8b", "max_tokens": 400,
+                     "messages": [{"role": "user", "content": "a\u2028b\u0085c"}]}}  # fmt: skip
+    raw = json.dumps(line, ensure_ascii=False).encode() + b"\n"
+    assert "\u2028".encode() in raw
+    f = c.files.create(file=("sep.jsonl", raw), purpose="batch")
+    with pytest.raises(openai.NotFoundError):
+        c.files.retrieve(f.id + ":data")
+    with pytest.raises(openai.NotFoundError):
+        c.batches.retrieve("batch_x:res")
+    from concurrent.futures import ThreadPoolExecutor
+
+    def attempt(_i: int) -> str:
+        try:
+            return create(c, f.id).id
+        except openai.RateLimitError:
+            return ""
+
+    with ThreadPoolExecutor(8) as pool:
+        made = [b for b in pool.map(attempt, range(8)) if b]
+    assert 1 <= len(made) <= 3, made
+    for bid in made:
+        c.batches.cancel(bid)
+    for bid in made:
+        assert wait_done(c, bid).request_counts.total == 1

@@ -1,4 +1,5 @@
-"""The limiter and leases on a real 3-master Redis Cluster on loopback (hash tags at work)."""
+"""The limiter, leases and batch storage on a real 3-master Redis Cluster on loopback (hash
+tags at work)."""
 
 from __future__ import annotations
 
@@ -104,5 +105,21 @@ async def test_acquire_with_lease_and_settle_with_release_on_cluster(cluster: st
         release = leases.give_back(T1)
         assert await lim.settle(p.tenants["t1"], "a", 10, also=release) == 90
         assert await client.zcard(keys.node_leases("n1")) == 0
+    finally:
+        await client.aclose()
+
+
+async def test_batch_storage_on_cluster(cluster: str) -> None:
+    """The Batch API's storage (every key of a tenant under one hash tag, scripts for what
+    touches several) on the cluster: files in parts, lines by index, create, record, finalize."""
+    from admission.store import connect_batch
+    from tests.test_batch_store import check_store
+
+    p = tenant_policy(cluster, "{requests_per_s: 100, tokens_per_min: 6000}")
+    settings = dataclasses.replace(p.redis, cluster=True)
+    client = connect_batch(settings)
+    try:
+        await client.flushall()
+        await check_store(client)
     finally:
         await client.aclose()
