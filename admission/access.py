@@ -1,12 +1,13 @@
 """Who may call what on a sidecar: the trust model, in one place.
 
 - `/admit` and `/release` are the edge's. On the unix socket, its permissions are the boundary
-  (`serve --socket-mode`, default 0660: run the sidecar with NGINX's group); whoever can connect
+  (`serve --socket-mode`, default 0660, `--socket-group`: NGINX's workers'); whoever can connect
   may name a tenant, exactly as NGINX does after checking the API key. Over TCP (the admin port)
   they are refused unless `serve --edge-over-tcp` says otherwise (benchmarks, tests).
-- Node admin (`POST /nodes/{node}/drain|undrain`) changes what the cluster serves: over TCP it
-  needs `Authorization: Bearer <admin token>` (`serve --admin-token-file`); without a configured
-  token it is only accepted on the unix socket.
+- Node admin (`POST /nodes/{node}/drain|undrain`) changes what the cluster serves: it needs
+  `Authorization: Bearer <admin token>` (`serve --admin-token-file`) on every transport where a
+  token is configured; without one it is only accepted on the unix socket (whose group is
+  NGINX's, and NGINX forwards nothing but the Batch API's own paths there).
 - Everything else (`/healthz`, `/metrics`, `/nodes`, the status page) is read-only.
 - The admin port listens on loopback; another `--host` is refused without an admin token.
 """
@@ -34,7 +35,7 @@ class Access:
             )
 
     def check_admin(self, request: web.Request) -> None:
-        if not over_tcp(request):
+        if not over_tcp(request) and self.admin_token is None:
             return
         if self.admin_token is None:
             raise Forbidden(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import grp
 import json
 import logging
 import os
@@ -112,9 +113,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
             names.append(f"unix:{args.admit_unix} (admissions)")
         for path in (args.unix, args.admit_unix):
             if path:
-                # Only NGINX's workers should reach the sidecar: in production run it with
-                # NGINX's group and the default 0660; the local stack (everything as one
-                # user, NGINX workers as another) passes 0666.
+                # Only NGINX's workers should reach the sidecar: its group (--socket-group, or
+                # the sidecar's own), mode 0660.
+                if args.socket_group:
+                    os.chown(path, -1, grp.getgrnam(args.socket_group).gr_gid)
                 os.chmod(path, int(args.socket_mode, 8))
         logging.info("sidecar listening on %s", ", ".join(names))
         # Everything allocated so far lives as long as the process: keep it out of the
@@ -268,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the edge's admission socket (JSON lines; NGINX's admit.lua uses it)")  # fmt: skip
     s.add_argument("--socket-mode", default="0660",
                    help="permissions of the unix socket, octal (default 0660: owner and group)")  # fmt: skip
+    s.add_argument(
+        "--socket-group",
+        help="group of the unix sockets: NGINX's workers' (default: the sidecar's)",
+    )
     s.add_argument("--host", default="127.0.0.1",
                    help="admin port address (loopback unless --admin-token-file is given)")  # fmt: skip
     s.add_argument("--port", type=int, help="admin port: health, metrics, nodes, status page")

@@ -10,6 +10,7 @@ nginx/*.conf. Everything runs in a run directory; Ctrl-C or SIGTERM stops every 
 from __future__ import annotations
 
 import contextlib
+import grp
 import json
 import os
 import resource
@@ -157,7 +158,12 @@ class Stack:
         # the run directory's parents may not allow (pytest's tmp dirs are 0700).
         self.sock_dir = Path(tempfile.mkdtemp(prefix="admission-"))
         self.internal_socket = self.sock_dir / "edge-internal.sock"
-        self.sock_dir.chmod(0o755)
+        # As strict as production: the sockets and this directory are for NGINX's workers'
+        # group only (0660 / 0750); started as root, the workers run as nobody:nogroup.
+        self.nginx_user = "user nobody nogroup;" if os.geteuid() == 0 else ""
+        self.socket_group = "nogroup" if os.geteuid() == 0 else grp.getgrgid(os.getgid()).gr_name
+        os.chown(self.sock_dir, -1, grp.getgrnam(self.socket_group).gr_gid)
+        self.sock_dir.chmod(0o750)
         shutil.copytree(NGINX_DIR / "lua", self.sock_dir / "lua")  # the checkout may be 0700 too
         raw = yaml.safe_load(self.policy_path.read_text())
         if self.redis_url is None:
@@ -189,7 +195,7 @@ class Stack:
         for i, sock in enumerate(sockets):
             args = [py, "-m", "admission.cli", "serve", "--policy", str(self.runtime_policy),
                     "--unix", str(sock), "--admit-unix", str(self.sock_dir / f"admit-{i}.sock"),
-                    "--socket-mode", "0666", "--edge-table", str(edge_table)]  # fmt: skip
+                    "--socket-group", self.socket_group, "--edge-table", str(edge_table)]  # fmt: skip
             if i == 0:
                 args += ["--port", str(self.admin_port),
                          "--admin-token-file", str(self.admin_token_file)]  # fmt: skip
@@ -234,6 +240,7 @@ class Stack:
             "@@MAX_FILE_BODY@@": str(policy.batch.max_file_bytes + 65536),
             "@@INTERNAL_SOCKET@@": str(self.internal_socket),
             "@@PORT@@": str(self.port),
+            "@@USER@@": self.nginx_user,
             "@@WORKERS@@": "2",
             "@@NOFILE@@": str(nofile),
             "@@WORKER_CONNECTIONS@@": str(min(16384, nofile)),

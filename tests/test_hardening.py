@@ -132,6 +132,76 @@ def test_a_plain_answer_waits_no_longer_than_its_lease(stack: Stack) -> None:
     assert took < LEASE_TTL_S + 3, took
 
 
+def test_sidecar_sockets_are_for_nginx_workers_only(stack: Stack) -> None:
+    """The local stack is as strict as production: sockets 0660 in a 0750 directory, group
+    NGINX's workers'. Any other local user cannot reach a sidecar (that could name any tenant
+    and drain nodes); before, 0666 in a 0755 directory let everyone in."""
+    import errno
+    import os
+    import pwd
+    import stat
+    from pathlib import Path
+
+    for sock in [*stack.sock_dir.glob("sidecar-*.sock"), *stack.sock_dir.glob("admit-*.sock")]:
+        assert stat.S_IMODE(sock.stat().st_mode) == 0o660, sock
+    assert stat.S_IMODE(stack.sock_dir.stat().st_mode) == 0o750
+    if os.geteuid() != 0:
+        pytest.skip("needs root to try as another user")
+    daemon = pwd.getpwnam("daemon")  # not in NGINX's group
+
+    def reach(path: Path) -> int:
+        """As that user, in a child process: 0 connected, else the errno."""
+        pid = os.fork()
+        if pid == 0:  # the child: never returns to pytest
+            code = 0
+            try:
+                os.setgroups([])
+                os.setgid(daemon.pw_gid)
+                os.setuid(daemon.pw_uid)
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.connect(str(path))
+            except OSError as exc:
+                code = exc.errno or 1
+            os._exit(code)
+        return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+
+    # The sidecar's, and NGINX's internal one (where the tenant is named by a header).
+    for name in ("sidecar-0.sock", "admit-0.sock", "edge-internal.sock"):
+        assert reach(stack.sock_dir / name) == errno.EACCES, name
+
+
+def test_node_admin_on_the_unix_socket_needs_the_token(stack: Stack) -> None:
+    """Where a token is configured, draining a node needs it on the unix socket too."""
+    sock = str(stack.sock_dir / "sidecar-0.sock")
+
+    def drain(headers: str) -> bytes:
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(sock)
+            s.sendall(b"POST /nodes/node-0/undrain HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n"
+                      + headers.encode() + b"Connection: close\r\n\r\n")  # fmt: skip
+            return s.recv(65536)
+
+    assert drain("").startswith(b"HTTP/1.1 401")
+    assert drain(f"Authorization: Bearer {stack.admin_token}\r\n").startswith(b"HTTP/1.1 200")
+
+
+@pytest.mark.parametrize(
+    "path",
+    [b"/nodes/node-0/x/../../../v1/files", b"/v1/files/%2e%2e/%2e%2e/nodes/node-0/drain",
+     b"/v1/files/a%2Fb", b"/v1/batches/x/cancel/extra"],
+)  # fmt: skip
+def test_only_the_batch_apis_own_paths_reach_the_sidecar(stack: Stack, path: bytes) -> None:
+    with socket.create_connection(("127.0.0.1", stack.port), timeout=10) as s:
+        s.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-demo-acme"
+                  b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")  # fmt: skip
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 404"), got[:300]
+    assert b"unknown_url" in body, got[:300]
+
+
 def node_requests(stack: Stack) -> list[float]:
     out = []
     for port in stack.node_ports:

@@ -24,9 +24,11 @@ end
 local fail_open_rr = 0
 
 function _M.run()
-  -- On the internal server (`server_name admission-internal`, a unix socket for the batch
-  -- workers) the tenant is named by header; everywhere else by the API key.
+  -- On the internal server (`server_name admission-internal`, listening on a unix socket for
+  -- the batch workers: both are checked) the tenant is named by header; everywhere else by the
+  -- API key.
   local trusted = ngx_var.server_name == "admission-internal"
+    and string.sub(ngx_var.server_addr or "", 1, 5) == "unix:"
     and ngx_var.http_x_admission_batch_tenant
   identify.strip_internal_headers()
   local tid, tenant
@@ -102,7 +104,26 @@ end
 
 -- /v1/files and /v1/batches: authenticate like every call, then hand the request to a sidecar
 -- with the tenant named (the key itself goes no further).
+-- The Batch API's paths, exactly (ids are [A-Za-z0-9_-]): anything else under /v1/files or
+-- /v1/batches (dot segments, encoded slashes, other routes of the sidecar) is not passed on.
+local BATCH_PATHS = {
+  "^/v1/files$", "^/v1/files/[%w_%-]+$", "^/v1/files/[%w_%-]+/content$",
+  "^/v1/batches$", "^/v1/batches/[%w_%-]+$", "^/v1/batches/[%w_%-]+/cancel$",
+}
+
+local function batch_path()
+  local raw = string.match(ngx_var.request_uri or "", "^[^?]*")
+  if raw ~= ngx_var.uri then return false end -- encoded or unnormalised: not ours
+  for _, pattern in ipairs(BATCH_PATHS) do
+    if string.find(raw, pattern) then return true end
+  end
+  return false
+end
+
 function _M.forward_tenant()
+  if not batch_path() then
+    return respond.not_served()
+  end
   identify.strip_internal_headers()
   local tid, tenant = identify.tenant()
   if not tid then
