@@ -21,8 +21,8 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from admission.answer import DECIDER, error_body
 from admission.errors import AdmissionError, BadRequest
-from admission.server import decide
 
 log = logging.getLogger(__name__)
 
@@ -74,11 +74,9 @@ class EdgeProtocol(asyncio.Protocol):
         try:
             if ask is TOO_LARGE:
                 raise BadRequest(f"an ask is at most {MAX_LINE} bytes", code="body_too_large")
-            out: dict[str, Any] = {"status": 200, "body": await decide(self.app, ask)}
+            out: dict[str, Any] = {"status": 200, "body": await self.app[DECIDER].decide(ask)}
         except AdmissionError as exc:
-            out = {"status": exc.status,
-                   "body": {"error": {"message": exc.message, "type": exc.error_type,
-                                      "code": exc.code}}}  # fmt: skip
+            out = {"status": exc.status, "body": error_body(exc)}
             if (ra := exc.retry_after_s()) is not None:
                 out["retry_after"] = ra
         except asyncio.CancelledError:

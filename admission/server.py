@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -21,23 +20,18 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from admission import status
 from admission.access import Access
+from admission.answer import DECIDER, Decider, error_body, loads
 from admission.batch.api import BatchApi
 from admission.batch.store import BatchStore
 from admission.errors import (
     AdmissionError,
     BadRequest,
-    Forbidden,
     NotFound,
-    QueueTimeout,
-    Throttled,
-    Unauthorized,
 )
 from admission.limits import Limiter
 from admission.metrics import Metrics
-from admission.policy import Policy, Tenant
 from admission.reload import PolicyHolder, write_edge_table
-from admission.scheduling import Dispatcher, prefixes
-from admission.scheduling.leases import REQUEST_ID
+from admission.scheduling import Dispatcher
 from admission.store import Store, connect_batch
 from admission.usage import release_args
 
@@ -52,24 +46,11 @@ DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 ACCESS = web.AppKey("access", Access)
 RECENT = web.AppKey("recent", status.Recent)
 
-ADMIT_KEYS = {
-    "tenant",
-    "class",
-    "model",
-    "prompt_tokens",
-    "max_tokens",
-    "stream",
-    "request_id",
-    "arrived_at",
-    "prefix",
-    "prefix_chars",
-}
-MAX_TOKENS_LIMIT = 10_000_000
 MAX_RELEASE_BATCH = 256
 
 
 def error_response(exc: AdmissionError) -> web.Response:
-    body = {"error": {"message": exc.message, "type": exc.error_type, "code": exc.code}}
+    body = error_body(exc)
     headers = {}
     if (ra := exc.retry_after_s()) is not None:
         headers["Retry-After"] = str(ra)
@@ -88,124 +69,17 @@ async def error_middleware(
         return error_response(BadRequest("request body too large", code="body_too_large"))
 
 
-def _loads(raw: bytes) -> Any:
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"body is not valid JSON: {exc}", code="invalid_json") from exc
-
-
 async def _json_body(request: web.Request) -> Any:
-    return _loads(await request.read())
+    return loads(await request.read())
 
 
 def _json(doc: Any) -> web.Response:
     return web.Response(body=orjson.dumps(doc), content_type="application/json")
 
 
-def _json_object(raw: bytes, allowed: set[str]) -> dict[str, Any]:
-    body = _loads(raw)
-    if not isinstance(body, dict):
-        raise BadRequest("body must be a JSON object", code="invalid_json")
-    unknown = sorted(set(body) - allowed)
-    if unknown:
-        raise BadRequest(f"unknown field(s): {', '.join(unknown)}", code="unknown_field")
-    return body
-
-
-def _int_field(body: dict[str, Any], key: str, *, lo: int, default: int | None = None) -> int:
-    v = body.get(key, default)
-    if v is None and default is not None:
-        v = default
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= MAX_TOKENS_LIMIT:
-        raise BadRequest(f"{key} must be an integer in [{lo}, {MAX_TOKENS_LIMIT}], got {v!r}")
-    return v
-
-
-def _tenant(policy: Policy, body: dict[str, Any]) -> Tenant:
-    tid = body.get("tenant")
-    if not isinstance(tid, str):
-        raise BadRequest("tenant must be a string")
-    tenant = policy.tenants.get(tid)
-    if tenant is None:
-        raise Unauthorized("unknown tenant", code="invalid_api_key")
-    return tenant
-
-
 async def admit(request: web.Request) -> web.Response:
     request.app[ACCESS].check_edge(request)
-    return _json(await decide(request.app, await request.read()))
-
-
-async def decide(app: web.Application, raw: bytes) -> dict[str, Any]:
-    """One admission decision from the edge's JSON ask: the answer, or an AdmissionError (the
-    HTTP route and the edge's own socket, admission.edge_socket, both answer with this)."""
-    started = time.perf_counter()
-    holder, metrics = app[POLICY], app[METRICS]
-    policy = holder.current
-    body = _json_object(raw, ADMIT_KEYS)
-    tenant = _tenant(policy, body)
-    cls = body.get("class") or tenant.default_class
-    if not isinstance(cls, str) or cls not in tenant.classes:
-        raise Forbidden(f"class {cls!r} is not allowed for this tenant", code="class_not_allowed")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("model must be a non-empty string", code="invalid_model")
-    dispatcher = app[DISPATCHER]
-    if not dispatcher.nodes.serves(model):
-        raise NotFound(f"model {model!r} does not exist", code="model_not_found")
-    if tenant.models and model not in tenant.models:
-        raise Forbidden(f"model {model!r} is not allowed for this tenant", code="model_not_allowed")
-    prompt = _int_field(body, "prompt_tokens", lo=0, default=0)
-    max_tokens = _int_field(body, "max_tokens", lo=1, default=policy.edge.default_max_tokens)
-    if "stream" in body and not isinstance(body["stream"], bool):
-        raise BadRequest("stream must be true or false")
-    waited_s = 0.0
-    if (arrived := body.get("arrived_at")) is not None:
-        if isinstance(arrived, bool) or not isinstance(arrived, (int, float)):
-            raise BadRequest("arrived_at must be a number (seconds since the epoch)")
-        # The edge and its sidecars share a host (unix sockets), so one clock. Bounded: a
-        # skewed or forged value can neither jump the queue by more than the class deadline
-        # nor make a request younger than now.
-        waited_s = min(max(0.0, time.time() - arrived), policy.classes[cls].deadline_s)
-    rid = body.get("request_id")
-    if rid is not None and not (isinstance(rid, str) and REQUEST_ID.fullmatch(rid)):
-        raise BadRequest("request_id must be 8 to 64 characters of [A-Za-z0-9_-]")
-    try:
-        prefix = prefixes.parse(
-            body.get("prefix"), body.get("prefix_chars"), policy.edge.chars_per_token
-        )
-    except ValueError as exc:
-        raise BadRequest(str(exc)) from None
-    outcome, reason = "error", "internal"
-    try:
-        adm = await dispatcher.admit(tenant, cls, model, prompt, max_tokens, waited_s, rid, prefix)
-        outcome, reason = "admitted", "degraded" if app[LIMITER].degraded else "ok"
-        return {
-            "ticket": adm.ticket,
-            "node": adm.node,
-            "url": adm.url,
-            "fallbacks": [{"node": n, "url": u} for n, u in adm.fallbacks],
-            "priority": adm.priority,
-            "class": adm.cls,
-            "queued_ms": round(adm.queued_s * 1000, 3),
-        }
-    except QueueTimeout:
-        outcome, reason = "timeout", "queue_timeout"
-        raise
-    except Throttled as exc:
-        outcome, reason = "throttled", exc.reason
-        raise
-    except asyncio.CancelledError:
-        outcome, reason = "cancelled", "client_gone"
-        raise
-    except AdmissionError as exc:
-        outcome, reason = "rejected", exc.code
-        raise
-    finally:
-        metrics.decided(tenant.id, cls, outcome, reason, time.perf_counter() - started)
-        app[RECENT].decided(tenant.id, cls, outcome, reason,
-                                    adm.queued_s if outcome == "admitted" else 0.0)  # fmt: skip
+    return _json(await request.app[DECIDER].decide(await request.read()))
 
 
 async def release(request: web.Request) -> web.Response:
@@ -342,6 +216,7 @@ def build_app(
         d = Dispatcher(app[STORE], app[LIMITER], holder, app[METRICS])
         holder.listeners.append(d.set_policy)
         app[DISPATCHER] = d
+        app[DECIDER] = Decider(holder, app[METRICS], d, app[LIMITER], app[RECENT])
         if edge_table is not None:  # nodes closing or opening change the edge's fail-open peers
             d.nodes.on_unusable = lambda closed: write_edge_table(
                 holder.current, edge_table, closed
