@@ -145,8 +145,9 @@ class Decider:
             raise BadRequest(str(exc)) from None
         outcome, reason = "error", "internal"
         try:
+            reask = body.get("reask") is True
             adm = await dispatcher.admit(
-                tenant, cls, model, prompt, max_tokens, waited_s, rid, prefix
+                tenant, cls, model, prompt, max_tokens, waited_s, rid, prefix, reask
             )
             outcome, reason = "admitted", "degraded" if self.limiter.degraded else "ok"
             return {

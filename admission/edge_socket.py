@@ -9,12 +9,18 @@ as `/admit` answers. One ask at a time per connection; a connection that closes 
 waits (the client went away, NGINX aborted the request) cancels it, which frees its queue
 slot, as a dropped HTTP request does. Unix socket only (its file mode is the boundary, like the
 HTTP socket's); `/admit` stays for tools and tests.
+
+An ask with `"ack": true` is acknowledged by the edge with a line `+` once it has read the
+answer. A connection that closes before the `+` of an admission (NGINX aborted the request
+after the sidecar wrote its answer, so no release will ever come) gives that lease back at
+once, with nothing charged: it no longer waits out `lease_ttl_s`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections import deque
 from typing import Any
 
@@ -27,6 +33,9 @@ from admission.errors import AdmissionError, BadRequest
 log = logging.getLogger(__name__)
 
 MAX_LINE = 64 * 1024  # as /admit's body limit
+ACK = b"+"  # the edge read the answer
+ACK_ASKED = re.compile(rb'"ack"\s*:\s*true')
+GIVING_BACK: set[asyncio.Future[None]] = set()  # leases of answers nobody read, going back
 TOO_LARGE = b"\x00too large"  # marks an ask cut off at MAX_LINE (compared by identity)
 
 
@@ -38,6 +47,7 @@ class EdgeProtocol(asyncio.Protocol):
         self.asks: deque[bytes] = deque()
         self.task: asyncio.Task[None] | None = None
         self.transport: asyncio.Transport | None = None
+        self.unacked: str | None = None  # the ticket of an answer the edge has not confirmed
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -46,8 +56,13 @@ class EdgeProtocol(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.buf += data
         while (i := self.buf.find(b"\n")) >= 0:
-            self.asks.append(bytes(self.buf[:i]) if i <= MAX_LINE else TOO_LARGE)
+            line = bytes(self.buf[:i]) if i <= MAX_LINE else TOO_LARGE
             del self.buf[: i + 1]
+            if line == ACK:
+                self.unacked = None
+                continue
+            self.unacked = None  # a new ask: the last answer was read
+            self.asks.append(line)
         if len(self.buf) > MAX_LINE:
             self.asks.append(TOO_LARGE)  # answered 400, then the connection is closed
             self.buf.clear()
@@ -58,6 +73,18 @@ class EdgeProtocol(asyncio.Protocol):
         self.asks.clear()
         if self.task is not None:
             self.task.cancel()
+        if (ticket := self.unacked) is not None:
+            self.unacked = None
+            task = asyncio.ensure_future(self._unanswered(ticket))
+            GIVING_BACK.add(task)
+            task.add_done_callback(GIVING_BACK.discard)
+
+    async def _unanswered(self, ticket: str) -> None:
+        log.warning("admission %s: the edge left before reading it; lease given back", ticket)
+        try:
+            await self.app[DECIDER].dispatcher.release(ticket, 0)  # the engine never saw it
+        except Exception as exc:  # Redis away: the lease expires at lease_ttl_s
+            log.warning("admission %s: lease not given back (%r)", ticket, exc)
 
     def _next(self) -> None:
         if self.task is None and self.asks:
@@ -75,6 +102,8 @@ class EdgeProtocol(asyncio.Protocol):
             if ask is TOO_LARGE:
                 raise BadRequest(f"an ask is at most {MAX_LINE} bytes", code="body_too_large")
             out: dict[str, Any] = {"status": 200, "body": await self.app[DECIDER].decide(ask)}
+            if ACK_ASKED.search(ask):
+                self.unacked = out["body"]["ticket"]
         except AdmissionError as exc:
             out = {"status": exc.status, "body": error_body(exc)}
             if (ra := exc.retry_after_s()) is not None:

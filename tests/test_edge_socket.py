@@ -10,10 +10,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 
 from admission import edge_socket
+from admission.metrics import Metrics
+from admission.policy import load_policy
+from admission.reload import PolicyHolder
+from admission.server import build_app
 from admission.store import keys
-from tests.test_server import admit_body, sidecar  # noqa: F401 (fixture)
+from devstack.procs import RedisServer
+from tests.conftest import BASE_POLICY
+from tests.test_server import admit_body, set_node, sidecar  # noqa: F401 (fixture)
 
 
 @pytest.fixture
@@ -103,3 +110,59 @@ async def test_a_closed_connection_cancels_its_queued_ask(edge: Any, redis: Any)
     a = (await ask(path, json.dumps(admit_body(max_tokens=10)).encode()))[0]
     assert a["status"] == 200  # the freed slot went to a live ask, not to the one that left
     assert await redis.zcard(keys.node_leases("n1")) == 4
+
+
+@pytest.mark.parametrize("acked", [False, True])
+async def test_an_answer_the_edge_never_read_gives_its_lease_back(
+    edge: Any, redis: Any, acked: bool
+) -> None:
+    """NGINX aborted the request (the client left) after the sidecar wrote its admission: no
+    release will ever come. The edge acknowledges each answer it reads (`+`); a connection that
+    closes before that gives the lease back now instead of holding it for lease_ttl_s."""
+    _client, path = edge
+    reader, writer = await asyncio.open_unix_connection(path)
+    writer.write(json.dumps(admit_body(ack=True)).encode() + b"\n")
+    await writer.drain()
+    answer = json.loads(await asyncio.wait_for(reader.readline(), 10))
+    assert answer["status"] == 200
+    assert await redis.zcard(keys.node_leases("n1")) == 1
+    if acked:
+        writer.write(b"+\n")
+        await writer.drain()
+        await asyncio.sleep(0.05)
+    writer.close()
+    await asyncio.sleep(0.3)
+    assert await redis.zcard(keys.node_leases("n1")) == (1 if acked else 0)
+
+
+async def test_a_reasked_request_gives_back_the_lease_its_lost_sidecar_took(
+    redis: Any, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """A sidecar leased node n1 for a request and died before the edge read the answer; the
+    edge asks another sidecar again (same request id, `reask`), which places it on n2: the lease
+    on n1 goes back at once (no release would ever come for it)."""
+    path = tmp_path / "policies.yaml"
+    two = BASE_POLICY.replace(
+        "nodes:\n",
+        "nodes:\n  n2: {url: 'http://127.0.0.1:2', models: [m], memory_source: kv, max_inflight: 4}\n",
+    )
+    path.write_text(two.replace("REDIS_URL", redis_server.url))
+    holder = PolicyHolder(path, load_policy(path), Metrics())
+    await set_node(redis, "n1")
+    await set_node(redis, "n2", state="drain")
+    client = TestClient(TestServer(build_app(holder)))
+    await client.start_server()
+    try:
+        rid = "r" * 32
+        first = await (await client.post("/admit", json=admit_body(request_id=rid))).json()
+        assert first["node"] == "n1"
+        await set_node(redis, "n1", state="drain")  # the request now fits only n2
+        await set_node(redis, "n2")
+        await asyncio.sleep(0.3)
+        body = admit_body(request_id=rid, reask=True)
+        again = await (await client.post("/admit", json=body)).json()
+        assert again["node"] == "n2", again
+        assert await redis.zcard(keys.node_leases("n1")) == 0
+        assert await redis.zscore(keys.node_leases("n2"), again["ticket"]) is not None
+    finally:
+        await client.close()

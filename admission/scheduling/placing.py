@@ -6,6 +6,7 @@ back. The dispatcher decides who goes and where; this module does the taking and
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,9 @@ from admission.scheduling.nodetable import NodeTable
 from admission.scheduling.queue import Item
 from admission.scheduling.routing import engine_priority
 from admission.scheduling.views import NodeView
-from admission.store import REDIS_DOWN, PoolBusy, Store
+from admission.store import REDIS_DOWN, PoolBusy, Store, keys
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,26 @@ class Placer:
         except REDIS_DOWN:
             self.metrics.redis_errors.labels("release").inc()
             self.store.backlog.add(call)
+
+    async def drop_stale(self, ticket: str, model: str) -> None:
+        """`ticket` placed a request asked again: a lease of the same request on another node
+        of the model (its lost first sidecar took it, and no release will come for it) goes
+        back — its node part only: the reservation is the live request's."""
+        rid, keep, tenant = leases.parse_ticket(ticket)
+        nodes = [n for n, v in self.nodes.views.items() if n != keep and model in v.node.models]
+        others = [
+            leases.make_ticket(rid, n, tenant, ahead) for n in nodes for ahead in (False, True)
+        ]
+        try:
+            pipe = self.store.redis.pipeline(transaction=False)
+            for t in others:
+                pipe.zscore(keys.node_leases(leases.parse_ticket(t)[1]), t)
+            found = [t for t, at in zip(others, await pipe.execute(), strict=True) if at]
+        except REDIS_DOWN:
+            return  # they expire at lease_ttl_s
+        for t in found:
+            log.warning("request %s asked again: its lease %s on another node given back", rid, t)
+            await self.give_back(t)
 
     def freed(self, node: str) -> None:
         self.active = True

@@ -59,11 +59,18 @@ local function over_socket(line)
     if ok then
       local got = sock:send(line) and sock:receive("*l")
       if got then
-        sock:setkeepalive(75000, 1024)
         local a = cjson.decode(got)
         if type(a) ~= "table" or type(a.status) ~= "number" then
+          sock:close()
           return nil, nil, "malformed sidecar answer"
         end
+        -- Read: say so (the ask carried ack = true). Until this line arrives, the sidecar
+        -- gives the lease back if the connection closes (the request was aborted meanwhile).
+        if a.status == 200 and not sock:send("+\n") then
+          sock:close()
+          return nil, nil, "sidecar connection lost"
+        end
+        sock:setkeepalive(75000, 1024)
         return decoded(a.status, a.body, a.retry_after)
       end
       local reused = sock:getreusedtimes()
@@ -107,6 +114,7 @@ end
 -- failure, not at the ask: a request that waited 8 s in a sidecar's queue when that sidecar died
 -- is still re-asked (with its arrival time, so it keeps its turn).
 function _M.ask(req)
+  req.ack = #sockets > 0 or nil -- the socket protocol's acknowledgement (edge_socket)
   local body = cjson.encode(req)
   local deadline
   local delay = 0.01
@@ -114,6 +122,12 @@ function _M.ask(req)
     local d, res, err = once(body)
     if d or res then
       return d, res, err
+    end
+    if not req.reask then
+      -- Asked again from now on: a sidecar that took the ask and died may have leased a node
+      -- for it; the one that admits it now gives any other lease of this request back.
+      req.reask = true
+      body = cjson.encode(req)
     end
     deadline = deadline or ngx_now() + RETRY_FOR_S
     if ngx_now() >= deadline then

@@ -128,7 +128,9 @@ function _M.log()
   local last = tonumber(str_match(statuses, "(%d+)%s*$"))
   local headers = v.upstream_header_time or ""
   local first_header = tonumber(str_match(headers, "^%s*([%d.]+)"))
-  local status = last or ngx.status or 0
+  -- No upstream status at all: no engine was contacted (the client left before the proxy
+  -- started): 0, nothing ran — not the 499 NGINX logs for it.
+  local status = last or 0
   -- header_s: how long the last engine took to answer its status line (nil: it never did).
   -- The sidecar believes a quick 4xx did no work, not a slow one (admission/usage.py).
   local body = cjson.encode({ ticket = ctx.ticket, status = status,
