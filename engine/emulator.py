@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from engine.openai_api import MAX_MODEL_LEN, err_body, prompt_of
+from engine.openai_api import MAX_MODEL_LEN, err_body, full_body, prompt_of
 from engine.profiles import PROFILES, Profile
 from engine.scheduler import Scheduler, Seq, block_hashes
 
@@ -247,19 +247,10 @@ async def generate(request: web.Request) -> web.StreamResponse:
                 total_tokens=prompt + seq.generated,
                 prompt_tokens_details={"cached_tokens": max(0, seq.cached_tokens)},
             )
-            text = "".join(f" tok{i}" for i in range(seq.generated))
-            choice: dict[str, Any] = {
-                "index": 0,
-                "logprobs": None,
-                "finish_reason": seq.finish_reason,
-                "stop_reason": None,
-            }
-            if chat:
-                choice["message"] = {"role": "assistant", "content": text, "refusal": None}
-            else:
-                choice["text"] = text
-            return web.json_response({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                                      "created": created, "model": engine.model, "choices": [choice], "usage": usage}, headers=echo)  # fmt: skip
+            doc = full_body(
+                body, chat, rid, created, engine.model, seq.generated, seq.finish_reason
+            )
+            return web.json_response({**doc, "usage": usage}, headers=echo)
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **echo}
         )

@@ -1,4 +1,5 @@
-"""The emulator's reading of OpenAI-compatible request bodies, and vLLM's error body."""
+"""The emulator's reading of OpenAI-compatible request bodies, its answers' bodies, and
+vLLM's error body."""
 
 from __future__ import annotations
 
@@ -36,3 +37,38 @@ def err_body(msg: str, code: int = 400) -> str:
     return json.dumps(
         {"object": "error", "message": msg, "type": "BadRequestError", "param": None, "code": code}
     )
+
+
+def full_body(
+    body: dict[str, Any], chat: bool, rid: str, created: int, model: str, n: int, finish: Any
+) -> dict[str, Any]:
+    """A non-streamed answer of `n` generated tokens, usage aside. Chat `logprobs` (with
+    `top_logprobs` alternatives per token) as vLLM writes them: large answers come from there."""
+    tokens = [f" tok{i}" for i in range(n)]
+    choice: dict[str, Any] = {
+        "index": 0,
+        "logprobs": None,
+        "finish_reason": finish,
+        "stop_reason": None,
+    }
+    if chat:
+        choice["message"] = {"role": "assistant", "content": "".join(tokens), "refusal": None}
+        if body.get("logprobs"):
+            top = int(body.get("top_logprobs") or 0)
+
+            def entry(t: str, lp: float) -> dict[str, Any]:
+                return {"token": t, "logprob": lp, "bytes": list(t.encode())}
+
+            choice["logprobs"] = {
+                "content": [
+                    {
+                        **entry(t, -0.01),
+                        "top_logprobs": [entry(f" alt{k}", -1.0 - k) for k in range(top)],
+                    }
+                    for t in tokens
+                ]
+            }
+    else:
+        choice["text"] = "".join(tokens)
+    obj = "chat.completion" if chat else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}

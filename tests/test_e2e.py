@@ -430,6 +430,47 @@ def test_only_allowed_headers_reach_the_engines(stack: Stack) -> None:
     assert len(h["X-Request-Id"]) == 32 and all(c in "0123456789abcdef" for c in h["X-Request-Id"])
 
 
+def refunded(stack: Stack, tenant: str) -> float:
+    """Tokens refunded to `tenant` so far, over every sidecar (metrics on their unix sockets)."""
+    total = 0.0
+    for sock in sorted(stack.sock_dir.glob("sidecar-*.sock")):
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(sock))
+            s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            got = b""
+            while chunk := s.recv(65536):
+                got += chunk
+        for line in got.decode().splitlines():
+            if line.startswith(
+                f'admission_settled_tokens_total{{direction="refund",tenant="{tenant}"}}'
+            ):
+                total += float(line.split()[-1])
+    return total
+
+
+def test_usage_of_an_answer_over_a_mebibyte_is_read_and_settled(stack: Stack) -> None:
+    """`top_logprobs: 20` makes a plain answer larger than the edge parses whole (1 MiB): its
+    usage is found as the body passes, and the charge settled to it (an image part is booked
+    as 765 tokens, the engine counts far fewer: refunded). Dropped, the answer was a 200 whose
+    prompt estimate was never settled."""
+    content = [
+        {"type": "text", "text": "hi"},
+        {"type": "image_url", "image_url": {"url": "data:,x"}},
+    ]
+    body = chat(messages=[{"role": "user", "content": content}], max_tokens=900, ignore_eos=True,
+                logprobs=True, top_logprobs=20)  # fmt: skip
+    before = refunded(stack, "acme")
+    status, _h, out = raw(stack, body)
+    assert status == 200 and len(out) > 1_048_576, (status, len(out))
+    usage = json.loads(out)["usage"]
+    assert usage["completion_tokens"] == 900
+    for _ in range(50):  # the release is delivered just after the answer
+        if refunded(stack, "acme") > before:
+            break
+        time.sleep(0.1)
+    assert refunded(stack, "acme") - before > 700
+
+
 def test_zz_sidecars_gone_fail_closed(stack: Stack) -> None:
     """Runs last in this module: with no sidecar left, the policy's fail-closed answers 503."""
     for name, proc in stack.procs:

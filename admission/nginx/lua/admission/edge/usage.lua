@@ -11,7 +11,39 @@ local tbl_concat = table.concat
 local _M = { _VERSION = "0.1.0" }
 
 local TAIL = 8192 -- bytes of a stream kept to find the usage chunk
-local MAX_JSON = 1048576 -- a plain response larger than this is not parsed for usage
+local MAX_JSON = 1048576 -- a plain response up to this is parsed whole; larger, scanned
+local WINDOW = 4096 -- bytes of a large plain response kept between chunks (usage is < 1 KiB)
+local USAGE_MAX = 2048
+
+-- The last complete `"usage":{...}` object in `buf` (its JSON text), or nil. Inside a JSON
+-- string every quote is escaped, so a match not preceded by a backslash is a key; a usage
+-- object holds only numbers and objects of numbers, so braces balance without strings.
+local function scan_usage(buf)
+  local found
+  local pos = 1
+  while true do
+    local s, e = str_find(buf, '"usage"%s*:%s*{', pos)
+    if not s then break end
+    pos = e + 1
+    if s == 1 or str_sub(buf, s - 1, s - 1) ~= "\\" then
+      local depth, i = 0, e
+      while i <= #buf and i - e < USAGE_MAX do
+        local c = str_sub(buf, i, i)
+        if c == "{" then
+          depth = depth + 1
+        elseif c == "}" then
+          depth = depth - 1
+          if depth == 0 then
+            found = str_sub(buf, e, i)
+            break
+          end
+        end
+        i = i + 1
+      end
+    end
+  end
+  return found
+end
 
 function _M.body_filter()
   local ctx = ngx.ctx
@@ -41,29 +73,41 @@ function _M.body_filter()
   -- A plain body: collect the parts and join them once, at the end (no copy per chunk).
   local size = (ctx.usage_size or 0) + #chunk
   ctx.usage_size = size
-  if size > MAX_JSON then
-    ctx.usage_parts = nil
+  if size <= MAX_JSON then
+    local parts = ctx.usage_parts
+    if not parts then
+      parts = {}
+      ctx.usage_parts = parts
+    end
+    parts[#parts + 1] = chunk
     return
   end
-  local parts = ctx.usage_parts
-  if not parts then
-    parts = {}
-    ctx.usage_parts = parts
+  -- Larger (n, top_logprobs, echo): keep nothing whole. Scan a sliding window for the
+  -- top-level "usage" object as the body passes; the last one seen is the answer's.
+  local win = ctx.usage_win
+  if ctx.usage_parts then
+    win = str_sub(tbl_concat(ctx.usage_parts), -WINDOW)
+    ctx.usage_parts = nil
   end
-  parts[#parts + 1] = chunk
+  win = (win or "") .. chunk
+  local found = scan_usage(win)
+  if found then ctx.usage_found = found end
+  ctx.usage_win = str_sub(win, -WINDOW)
 end
 
 -- Returns {prompt_tokens, completion_tokens} or nil.
 function _M.extract(ctx)
   local buf = ctx.usage_buf
-  if not ctx.stream and ctx.usage_parts then
+  if ctx.usage_found then -- a large plain body: its scanned usage
+    buf = '{"usage":' .. ctx.usage_found .. "}"
+  elseif not ctx.stream and ctx.usage_parts then
     buf = tbl_concat(ctx.usage_parts)
   end
   if not buf or buf == "" then
     return nil
   end
   local doc
-  if ctx.stream then
+  if ctx.stream and not ctx.usage_found then
     local last
     local pos = 1
     while true do
