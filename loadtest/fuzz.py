@@ -11,7 +11,9 @@ Policy: hypothesis mutates the shipped policies.yaml (lines deleted, duplicated,
 values replaced, bytes inserted, invalid UTF-8, truncation); `load_policy` must return a policy
 or raise PolicyError, whose messages never carry a key.
 
-    python -m loadtest.fuzz --edge-cases 100000 --policy-cases 100000
+    python -m loadtest.fuzz --edge-cases 100000 --policy-cases 100000 --batch-api-cases 10000
+
+The Batch API's files and batches are fuzzed through the same edge (loadtest/fuzz_batch.py).
 
 Short runs of both are part of the test suite (tests/test_fuzz.py).
 """
@@ -35,6 +37,7 @@ import aiohttp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from loadtest.fuzz_batch import fuzz_batch
 from loadtest.fuzz_policy import fuzz_policy
 
 # Every random API key the fuzzer sends carries this mark, so that the logs can be searched for
@@ -280,7 +283,9 @@ async def _session() -> aiohttp.ClientSession:
 
 
 # -- the command -----------------------------------------------------------------------------
-def run_edge(n_cases: int, batch: int, work: Path, report: Callable[[str], None]) -> list[str]:
+def run_edge(
+    n_cases: int, batch: int, work: Path, report: Callable[[str], None], batch_cases: int = 0
+) -> list[str]:
     from devstack.stack import DEFAULT_POLICY, Stack
 
     stack = Stack(DEFAULT_POLICY, work, nodes=2, sidecars=2,
@@ -296,6 +301,18 @@ def run_edge(n_cases: int, batch: int, work: Path, report: Callable[[str], None]
         report(f"edge: slowest answer {tally.slowest[0]:.2f} s: {tally.slowest[1][:160]}")
         report("edge: codes " + ", ".join(f"{k} ×{v}" for k, v in tally.codes.most_common(12)))
         failures += tally.failures
+        if batch_cases:
+            t0 = time.monotonic()
+            bt = Tally()
+            fuzz_batch(stack.url, batch_cases, check, bt)
+            report(
+                f"batch API: {bt.cases:,} operations in {time.monotonic() - t0:.0f} s; "
+                f"statuses {dict(sorted(bt.statuses.items()))}"
+            )
+            report(
+                "batch API: codes " + ", ".join(f"{k} ×{v}" for k, v in bt.codes.most_common(12))
+            )
+            failures += bt.failures
         failures += _after(stack, tally.secrets_sent)
     finally:
         stack.stop()
@@ -321,6 +338,12 @@ def main(argv: list[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--edge-cases", type=int, default=10000)
     p.add_argument("--policy-cases", type=int, default=10000)
+    p.add_argument(
+        "--batch-api-cases",
+        type=int,
+        default=2000,
+        help="Batch API operations (files, batches) through the same edge",
+    )
     p.add_argument("--batch", type=int, default=32, help="edge requests in flight together")
     p.add_argument("--work", default=None, help="run directory (default: a temporary one)")
     a = p.parse_args(argv)
@@ -334,7 +357,9 @@ def main(argv: list[str] | None = None) -> int:
         failures += pt.failures
     if a.edge_cases:
         work = Path(a.work or tempfile.mkdtemp(prefix="fuzz-"))
-        failures += run_edge(a.edge_cases, a.batch, work, lambda s: print(s, flush=True))
+        failures += run_edge(
+            a.edge_cases, a.batch, work, lambda s: print(s, flush=True), a.batch_api_cases
+        )
     for f in failures[:30]:
         print("FAIL", f)
     print(

@@ -45,6 +45,20 @@ def test_edge_answers_every_drawn_request_with_a_defined_answer(stack: Stack) ->
     assert not _after(stack, tally.secrets_sent)
 
 
+def test_batch_api_answers_every_drawn_operation_with_a_defined_answer(stack: Stack) -> None:
+    """Files and batches: drawn uploads (encodings, separators, junk lines, purposes, lives)
+    and calls on real, foreign and impossible ids; every answer defined, nothing left behind."""
+    from loadtest.fuzz import Tally
+    from loadtest.fuzz_batch import fuzz_batch
+
+    tally = Tally()
+    fuzz_batch(stack.url, 300, check, tally)
+    assert tally.cases == 300
+    assert not tally.failures, tally.failures[:10]
+    assert tally.statuses[200] > 30 and tally.statuses[400] > 10 and tally.statuses[404] > 10
+    assert not _after(stack, set())
+
+
 def test_the_checker_catches_what_it_must() -> None:
     """The fuzzer's own oracle can fail: undefined answers are reported."""
     case = Case("/v1/chat/completions", b"{}", {"Authorization": f"Bearer {FUZZ_KEY}"})
