@@ -71,6 +71,28 @@ def error_body(exc: AdmissionError) -> dict[str, Any]:
     return {"error": {"message": exc.message, "type": exc.error_type, "code": exc.code}}
 
 
+def ratelimit_headers(rl: dict[str, float] | None) -> dict[str, str]:
+    """OpenAI's x-ratelimit-* headers from `Limiter.headroom` (the same names the edge sets
+    from an admission's `ratelimit`, edge/respond.lua)."""
+    out: dict[str, str] = {}
+    for kind in ("requests", "tokens"):
+        if rl and kind in rl:
+            out[f"x-ratelimit-limit-{kind}"] = str(int(rl[kind]))
+        if rl and f"{kind}_remaining" in rl:
+            out[f"x-ratelimit-remaining-{kind}"] = str(int(rl[f"{kind}_remaining"]))
+            out[f"x-ratelimit-reset-{kind}"] = duration(rl[f"{kind}_reset_s"])
+    return out
+
+
+def duration(s: float) -> str:
+    """As OpenAI writes a reset: 20ms, 1.5s, 6m0s."""
+    if s < 1:
+        return f"{max(0, round(s * 1000))}ms"
+    if s < 60:
+        return f"{s:.1f}".rstrip("0").rstrip(".") + "s"
+    return f"{int(s // 60)}m{int(s % 60)}s"
+
+
 def loads(raw: bytes) -> Any:
     try:
         return orjson.loads(raw)
@@ -151,6 +173,7 @@ class Decider:
             )
             outcome, reason = "admitted", "degraded" if self.limiter.degraded else "ok"
             return {
+                "ratelimit": self.limiter.headroom(tenant),
                 "ticket": adm.ticket,
                 "node": adm.node,
                 "url": adm.url,
@@ -164,6 +187,7 @@ class Decider:
             raise
         except Throttled as exc:
             outcome, reason = "throttled", exc.reason
+            exc.ratelimit = self.limiter.headroom(tenant, exc.reason, exc.retry_after or 0.0)
             raise
         except asyncio.CancelledError:
             outcome, reason = "cancelled", "client_gone"

@@ -106,6 +106,8 @@ class EdgeProtocol(asyncio.Protocol):
                 self.unacked = out["body"]["ticket"]
         except AdmissionError as exc:
             out = {"status": exc.status, "body": error_body(exc)}
+            if exc.ratelimit:
+                out["ratelimit"] = exc.ratelimit
             if (ra := exc.retry_after_s()) is not None:
                 out["retry_after"] = ra
         except asyncio.CancelledError:

@@ -31,6 +31,8 @@ class AdmissionError(Exception):
         self.code = code
 
     retry_after: float | None = None  # seconds until retrying can help; None: it cannot
+    # The tenant's buckets as this answer saw them (answer.ratelimit_headers), when known.
+    ratelimit: dict[str, float] | None = None
 
     def retry_after_s(self) -> int | None:
         """The Retry-After header: whole seconds, rounded up and never 0 (clients would spin);

@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from admission import status
 from admission.access import Access
-from admission.answer import DECIDER, Decider, error_body, loads
+from admission.answer import DECIDER, Decider, error_body, loads, ratelimit_headers
 from admission.batch.api import BatchApi
 from admission.batch.store import BatchStore
 from admission.errors import (
@@ -51,7 +51,7 @@ MAX_RELEASE_BATCH = 256
 
 def error_response(exc: AdmissionError) -> web.Response:
     body = error_body(exc)
-    headers = {}
+    headers = ratelimit_headers(exc.ratelimit)
     if (ra := exc.retry_after_s()) is not None:
         headers["Retry-After"] = str(ra)
     return web.json_response(body, status=exc.status, headers=headers)

@@ -430,6 +430,34 @@ def test_only_allowed_headers_reach_the_engines(stack: Stack) -> None:
     assert len(h["X-Request-Id"]) == 32 and all(c in "0123456789abcdef" for c in h["X-Request-Id"])
 
 
+def test_rate_limit_headers_and_request_id_as_openai_sends_them(stack: Stack) -> None:
+    """The openai SDK sees OpenAI's x-ratelimit-* headers (the tenant's buckets as the admission
+    saw them) and an x-request-id on a 200 and on a 429."""
+    c = client(stack, "sk-demo-hobbyist")
+    raw_answer = c.chat.completions.with_raw_response.create(
+        model="llama-3-8b", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+    )
+    h = raw_answer.headers
+    assert h["x-ratelimit-limit-requests"] == "5" and h["x-ratelimit-limit-tokens"] == "8000"
+    assert 0 <= int(h["x-ratelimit-remaining-requests"]) < 5
+    assert 0 < int(h["x-ratelimit-remaining-tokens"]) < 8000
+    assert h["x-ratelimit-reset-requests"].endswith("s")
+    assert len(h["x-request-id"]) == 32
+    refused = None
+    for _ in range(12):  # burst 5 at 2 requests/s
+        try:
+            c.chat.completions.create(model="llama-3-8b", max_tokens=4,
+                                      messages=[{"role": "user", "content": "hi"}])  # fmt: skip
+        except openai.RateLimitError as exc:
+            refused = exc.response.headers
+            break
+    assert refused is not None
+    assert refused["x-ratelimit-remaining-requests"] == "0"
+    assert refused["x-ratelimit-limit-requests"] == "5"
+    assert refused["x-ratelimit-reset-requests"].endswith("s")
+    assert len(refused["x-request-id"]) == 32
+
+
 def refunded(stack: Stack, tenant: str) -> float:
     """Tokens refunded to `tenant` so far, over every sidecar (metrics on their unix sockets)."""
     total = 0.0

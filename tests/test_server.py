@@ -554,3 +554,22 @@ async def test_releases_teach_the_decode_guard_how_long_urgent_answers_are(
         assert data["decode_guard"] == {**guard, "active": True}
     finally:
         await client.close()
+
+
+async def test_answers_carry_the_tenants_buckets(sidecar: Any) -> None:
+    # small: request burst 2, token burst 300. The admission says what is left of each bucket
+    # (the edge turns it into OpenAI's x-ratelimit-* headers); a 429 says it on the HTTP route.
+    client, _h, _p = sidecar
+    first = await (await client.post("/admit", json=admit_body(tenant="small"))).json()
+    rl = first["ratelimit"]
+    assert rl["requests"] == 2 and rl["tokens"] == 300
+    assert rl["requests_remaining"] == 1 and rl["tokens_remaining"] == 200  # 100 booked
+    assert 0 < rl["requests_reset_s"] <= 1.0
+    await client.post("/admit", json=admit_body(tenant="small"))
+    r = await client.post("/admit", json=admit_body(tenant="small"))
+    assert r.status == 429
+    assert r.headers["x-ratelimit-remaining-requests"] == "0"
+    assert r.headers["x-ratelimit-limit-requests"] == "2"
+    assert r.headers["x-ratelimit-reset-requests"].endswith("ms") or r.headers[
+        "x-ratelimit-reset-requests"
+    ].endswith("s")

@@ -142,6 +142,29 @@ class Limiter:
                 and (not lim.max_concurrent or r.running + m <= lim.max_concurrent)
                 and (not lim.burst_max or r.in_window + m <= lim.burst_max))  # fmt: skip
 
+    def headroom(self, tenant: Tenant, denied: str = "", wait_s: float = 0.0) -> dict[str, float]:
+        """The tenant's request and token buckets as the last reply from Redis left them,
+        refilled since: capacity, what is left, seconds until full again (OpenAI's
+        x-ratelimit-* headers). `denied`: the limit that refused this request (nothing left of
+        it for `wait_s`). Without a reply yet (or in the failure mode), capacities only."""
+        lim = tenant.limits
+        out: dict[str, float] = {"requests": lim.request_burst, "tokens": lim.token_burst}
+        r = self._room.get(tenant.id)
+        if r is not None and not self.degraded:
+            dt = max(0.0, self.clock() - r.at)
+            for kind, level, cap, rate in (
+                ("requests", r.req_u / U, lim.request_burst, lim.requests_per_s),
+                ("tokens", r.tok_u / U, lim.token_burst, lim.tokens_per_min / 60),
+            ):
+                now = min(cap, level + rate * dt)
+                out[f"{kind}_remaining"] = max(0, int(now))
+                out[f"{kind}_reset_s"] = round((cap - now) / rate, 3) if rate > 0 else 0.0
+        if denied:
+            kind = "tokens" if denied.startswith("tokens") else "requests"
+            out[f"{kind}_remaining"] = 0
+            out[f"{kind}_reset_s"] = round(wait_s, 3)
+        return out
+
     async def acquire(
         self,
         tenant: Tenant,

@@ -93,6 +93,7 @@ function _M.run()
     return respond.error(503, "admission_unavailable", "admission service unavailable", 1)
   end
   ctx.ticket = d.ticket
+  ctx.ratelimit = d.ratelimit -- x-ratelimit-* on the answer (respond.header_filter)
   -- The lease expires lease_ttl_s from now: the answer must be over by then (balancer.lua
   -- bounds the wait for the engine, usage.lua cuts a response still running).
   ctx.lease_until = ngx.now() + (t.lease_ttl_s or 600) - 1

@@ -33,7 +33,16 @@ function _M.configure(paths)
   next_socket = ngx.worker.id() or 0 -- workers start on different sidecars
 end
 
-local function decoded(status, body, retry_after)
+-- x-ratelimit-* header values from a sidecar's `ratelimit` (respond.ratelimit sets them).
+local function ratelimit_header(header, rl)
+  if type(rl) ~= "table" then return header end
+  local h = {}
+  for k, v in pairs(header) do h[k] = v end
+  h.ratelimit = rl
+  return h
+end
+
+local function decoded(status, body, retry_after, ratelimit)
   if status == 200 then
     if type(body) == "table" and body.ticket then
       return body
@@ -44,7 +53,8 @@ local function decoded(status, body, retry_after)
   if retry_after then
     header = { ["Content-Type"] = "application/json", ["Retry-After"] = tostring(retry_after) }
   end
-  return nil, { status = status, header = header, body = cjson.encode(body) }
+  return nil, { status = status, header = ratelimit_header(header, ratelimit),
+                body = cjson.encode(body) }
 end
 
 local function over_socket(line)
@@ -71,7 +81,7 @@ local function over_socket(line)
           return nil, nil, "sidecar connection lost"
         end
         sock:setkeepalive(75000, 1024)
-        return decoded(a.status, a.body, a.retry_after)
+        return decoded(a.status, a.body, a.retry_after, a.ratelimit)
       end
       local reused = sock:getreusedtimes()
       sock:close()

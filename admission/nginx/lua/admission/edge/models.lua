@@ -18,6 +18,7 @@ function _M.serve()
     data[i] = { id = m, object = "model", owned_by = "admission" }
   end
   ngx.header["Content-Type"] = "application/json"
+  ngx.header["X-Request-Id"] = ngx.var.request_id
   ngx.say(cjson.encode({ object = "list", data = data }))
 end
 

@@ -14,8 +14,41 @@ local TYPES = {
   [503] = "service_unavailable",
 }
 
+-- As OpenAI writes a reset: 20ms, 1.5s, 6m0s (admission/answer.py's duration, the same).
+local function duration(s)
+  if s < 1 then
+    return string.format("%dms", math.max(0, math.floor(s * 1000 + 0.5)))
+  end
+  if s < 60 then
+    return (string.format("%.1f", s):gsub("%.0$", "")) .. "s"
+  end
+  return string.format("%dm%ds", math.floor(s / 60), math.floor(s % 60))
+end
+
+-- OpenAI's x-ratelimit-* headers from a sidecar's `ratelimit` (the tenant's request and token
+-- buckets as the admission saw them: capacity, what is left, time until full).
+function _M.ratelimit(rl)
+  if type(rl) ~= "table" then return end
+  for _, kind in ipairs({ "requests", "tokens" }) do
+    if type(rl[kind]) == "number" then
+      ngx.header["x-ratelimit-limit-" .. kind] = tostring(math.floor(rl[kind]))
+    end
+    local left, reset = rl[kind .. "_remaining"], rl[kind .. "_reset_s"]
+    if type(left) == "number" and type(reset) == "number" then
+      ngx.header["x-ratelimit-remaining-" .. kind] = tostring(math.floor(left))
+      ngx.header["x-ratelimit-reset-" .. kind] = duration(reset)
+    end
+  end
+end
+
+-- Every answer names NGINX's request id: the id the charge is keyed on, the engine's request id.
+local function request_id()
+  ngx.header["X-Request-Id"] = ngx.var.request_id
+end
+
 function _M.error(status, code, message, retry_after)
   ngx.status = status
+  request_id()
   ngx.header["Content-Type"] = "application/json"
   if retry_after then
     ngx.header["Retry-After"] = tostring(retry_after)
@@ -47,6 +80,14 @@ end
 -- Pass a sidecar error answer through unchanged (it is already in OpenAI's shape).
 function _M.passthrough(res)
   ngx.status = res.status
+  request_id()
+  local header = res.header or {}
+  for name, value in pairs(header) do -- the HTTP route's own x-ratelimit-* headers
+    if type(value) == "string" and string.find(string.lower(name), "^x%-ratelimit%-") then
+      ngx.header[name] = value
+    end
+  end
+  _M.ratelimit(header.ratelimit) -- the admission socket's, as figures
   ngx.header["Content-Type"] = "application/json"
   local ra = res.header and res.header["Retry-After"]
   if ra then
@@ -67,6 +108,8 @@ local ENGINE_ERRORS = {
 }
 
 function _M.header_filter()
+  request_id()
+  _M.ratelimit(ngx.ctx.ratelimit)
   local e = ENGINE_ERRORS[ngx.status]
   if not e or ngx.var.upstream_http_content_type then
     return
