@@ -232,6 +232,18 @@ def cmd_systemd_units(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_nginx_snippets(args: argparse.Namespace) -> int:
+    """Render the edge's NGINX files for this installation into --out, and say what else."""
+    from admission import snippets
+
+    policy = load_policy(args.policy)
+    out, socket_dir = Path(args.out).resolve(), Path(args.socket_dir)
+    for path in snippets.render(policy, out, args.sidecars, socket_dir):
+        print(path)
+    print(snippets.note(out, socket_dir, args.group))
+    return 0
+
+
 def _raise_open_files(want: int = 65536) -> None:
     """Every request waiting in the queue holds one admission connection from NGINX: lift the
     soft limit on open files (often 1,024) towards the hard one, so overload queues instead of
@@ -319,6 +331,14 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--policy", default="/etc/admission/policies.yaml")
     u.add_argument("--admission", help="path of the admission command (default: this one)")
     u.set_defaults(fn=cmd_systemd_units)
+
+    n = sub.add_parser("nginx-snippets", help="write the edge's NGINX files for this installation")
+    n.add_argument("--out", required=True, help="directory, e.g. /etc/nginx/admission")
+    n.add_argument("--policy", default="/etc/admission/policies.yaml")
+    n.add_argument("--sidecars", type=int, default=2, help="sidecar processes (units @0..N-1)")
+    n.add_argument("--socket-dir", default="/run/admission", help="where their sockets are")
+    n.add_argument("--group", default="www-data", help="NGINX's workers' group")
+    n.set_defaults(fn=cmd_nginx_snippets)
 
     for ep in entry_points(group="admission.commands"):
         try:

@@ -29,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from admission import snippets
 from admission.policy import Policy, load_policy
 from devstack.nodes import NodeSet
 from devstack.procs import (
@@ -44,10 +45,7 @@ from devstack.procs import (
 # Shipped inside the product package, so an installed `admission` finds them from any directory.
 NGINX_DIR = Path(str(resources.files("admission") / "nginx"))
 DEFAULT_POLICY = Path(str(resources.files("admission") / "policies.yaml"))
-MODULES = (
-    "/usr/lib/nginx/modules/ndk_http_module.so",
-    "/usr/lib/nginx/modules/ngx_http_lua_module.so",
-)
+MODULES = snippets.MODULES
 
 
 class Stack:
@@ -227,17 +225,11 @@ class Stack:
         hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]  # NGINX inherits ours
         nofile = 65536 if hard == resource.RLIM_INFINITY else min(65536, hard)
         subs = {
+            **snippets.placeholders(
+                policy, self.sock_dir / "lua", self.sock_dir, len(sockets), edge_table
+            ),
             "@@RUN_DIR@@": str(self.run_dir),
             "@@TEMP_DIR@@": str(self.sock_dir / "tmp"),
-            "@@LUA_DIR@@": str(self.sock_dir / "lua"),
-            "@@EDGE_TABLE@@": str(edge_table),
-            "@@SIDECAR_SOCKET_LIST@@": ", ".join(f'"{s}"' for s in sockets),
-            "@@ADMIT_SOCKET_LIST@@": ", ".join(
-                f'"{self.sock_dir / f"admit-{i}.sock"}"' for i in range(len(sockets))
-            ),
-            "@@SIDECAR_SERVERS@@": "\n".join(f"    server unix:{s} max_fails=0;" for s in sockets),
-            "@@MAX_BODY@@": str(policy.edge.max_body_bytes),
-            "@@MAX_FILE_BODY@@": str(policy.batch.max_file_bytes + 65536),
             "@@INTERNAL_SOCKET@@": str(self.internal_socket),
             "@@PORT@@": str(self.port),
             "@@USER@@": self.nginx_user,
@@ -247,10 +239,8 @@ class Stack:
             "@@EXTRA_HTTP@@": self.extra_nginx_http,
             "@@LOAD_MODULES@@": "\n".join(f"load_module {m};" for m in MODULES if Path(m).exists()),
         }
-        for name in ("admission_http.conf", "admission_locations.conf", "nginx.conf.template"):
-            text = (NGINX_DIR / name).read_text()
-            for k, v in subs.items():
-                text = text.replace(k, v)
+        for name in (*snippets.FILES, "nginx.conf.template"):
+            text = snippets.fill((NGINX_DIR / name).read_text(), subs)
             (self.run_dir / name.replace(".template", "")).write_text(text)
         for d in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"):
             (self.sock_dir / "tmp" / d).mkdir(parents=True, exist_ok=True)

@@ -15,9 +15,11 @@ local raw_current = nil
 local path = nil
 
 local function load()
-  local f = io_open(path, "rb")
+  local f, why = io_open(path, "rb")
   if not f then
-    return nil, "cannot open " .. path
+    -- io.open's reason names the path and the OS error ("…: Permission denied"): NGINX's
+    -- workers must be in the sidecars' socket group to read it.
+    return nil, "cannot open the edge table: " .. tostring(why)
   end
   local raw = f:read("*a")
   f:close()
