@@ -1,0 +1,43 @@
+"""README.md and docs/ point at what exists: every relative link resolves, every repository
+path they name in backticks exists (and every `tests/…::test_name` is a test there), and
+nothing points outside the repository (the team's shared/ notes are not shipped)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+PATH = re.compile(
+    r"`((?:admission|engine|devstack|loadtest|tests|docs|scripts)/[\w./@-]+?\.(?:py|lua|md|conf|"
+    r"yaml|template|json|service|sh|png))(?:::([\w\[\]-]+))?`"
+)
+
+
+def test_relative_links_resolve() -> None:
+    bad = []
+    for doc in DOCS:
+        for target in LINK.findall(doc.read_text()):
+            if re.match(r"[a-z]+:|#", target):
+                continue
+            if not (doc.parent / target.split("#")[0]).exists():
+                bad.append(f"{doc.name}: {target}")
+    assert not bad, bad
+
+
+def test_named_paths_and_tests_exist() -> None:
+    bad = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for path, test in PATH.findall(text):
+            f = ROOT / path
+            if not f.exists():
+                bad.append(f"{doc.name}: {path}")
+            elif test and not re.search(rf"def {re.escape(test.split('[')[0])}\b", f.read_text()):
+                bad.append(f"{doc.name}: {path}::{test}")
+        if "shared/" in text:
+            bad.append(f"{doc.name}: names shared/ (not in the repository)")
+    assert not bad, bad
