@@ -95,6 +95,12 @@ def ask_for(
     )
 
 
+def booked_kv(v: NodeView, ask: Ask) -> int:
+    """KV the node would have booked with this ask, as its class's memory gate counts it: the
+    urgent class only its own and the shared prefix blocks (vLLM preempts the rest for it)."""
+    return (v.kv_urgent + v.kv_shared if ask.urgent else v.kv_reserved) + ask.new_kv
+
+
 def keeps_reserve(v: NodeView, ask: Ask, now: float) -> bool:
     """Whether a lower-class ask leaves the urgent reserve free (lease.lua decides)."""
     if ask.urgent or ask.reserve_limit < 0:
@@ -122,8 +128,8 @@ def why_not(
     limit = policy.watermarks.drain if hurry else policy.watermarks.hold
     if v.memory - (v.preemptible() if hurry else 0.0) >= limit:
         return "measured"
-    if v.per_token > 0 and v.projected(ask.new_kv, urgent=hurry) >= limit:
-        return "booked"
+    if ask.kv_limit >= 0 and booked_kv(v, ask) > ask.kv_limit:
+        return "booked"  # the watermark in tokens (ask_for), as lease.lua checks it
     if not hurry and ask.decode_limit_s and v.tpot_s > ask.decode_limit_s:
         return "decode"  # decode is already as slow as the urgent class may see: no more batch
     if not keeps_reserve(v, ask, now):
