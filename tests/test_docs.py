@@ -5,7 +5,6 @@ nothing points outside the repository (the team's shared/ notes are not shipped)
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 from tests.conftest import ROOT
 

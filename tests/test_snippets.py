@@ -7,8 +7,8 @@ directory), and the openai SDK is served through it."""
 from __future__ import annotations
 
 import grp
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys
