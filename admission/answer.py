@@ -197,8 +197,9 @@ class Decider:
             raise
         finally:
             metrics.decided(tenant.id, cls, outcome, reason, time.perf_counter() - started)
-            self.recent.decided(tenant.id, cls, outcome, reason,
-                                        adm.queued_s if outcome == "admitted" else 0.0)  # fmt: skip
+            self.recent.decided(
+                tenant.id, cls, outcome, reason, adm.queued_s if outcome == "admitted" else 0.0
+            )
 
 
 DECIDER = web.AppKey("decider", Decider)

@@ -81,8 +81,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
             logging.error("admin token: %s", exc)
             return 2
     if args.port is not None and not is_loopback(args.host) and token is None:
-        logging.error("refusing to serve the admin port on %s without --admin-token-file "
-                      "(node admin would be open to the network)", args.host)  # fmt: skip
+        logging.error(
+            "refusing to serve the admin port on %s without --admin-token-file "
+            "(node admin would be open to the network)",
+            args.host,
+        )
         return 2
     _raise_open_files()
     _use_uvloop()
@@ -278,21 +281,32 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="run the admission sidecar")
     s.add_argument("--policy", default="policies.yaml")
     s.add_argument("--unix", help="listen on this unix socket")
-    s.add_argument("--admit-unix",
-                   help="the edge's admission socket (JSON lines; NGINX's admit.lua uses it)")  # fmt: skip
-    s.add_argument("--socket-mode", default="0660",
-                   help="permissions of the unix socket, octal (default 0660: owner and group)")  # fmt: skip
+    s.add_argument(
+        "--admit-unix", help="the edge's admission socket (JSON lines; NGINX's admit.lua uses it)"
+    )
+    s.add_argument(
+        "--socket-mode",
+        default="0660",
+        help="permissions of the unix socket, octal (default 0660: owner and group)",
+    )
     s.add_argument(
         "--socket-group",
         help="group of the unix sockets: NGINX's workers' (default: the sidecar's)",
     )
-    s.add_argument("--host", default="127.0.0.1",
-                   help="admin port address (loopback unless --admin-token-file is given)")  # fmt: skip
+    s.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="admin port address (loopback unless --admin-token-file is given)",
+    )
     s.add_argument("--port", type=int, help="admin port: health, metrics, nodes, status page")
-    s.add_argument("--admin-token-file",
-                   help="file holding the bearer token that node admin over TCP requires")  # fmt: skip
-    s.add_argument("--edge-over-tcp", action="store_true",
-                   help="also take /admit and /release on the TCP port (benchmarks, tests)")  # fmt: skip
+    s.add_argument(
+        "--admin-token-file", help="file holding the bearer token that node admin over TCP requires"
+    )
+    s.add_argument(
+        "--edge-over-tcp",
+        action="store_true",
+        help="also take /admit and /release on the TCP port (benchmarks, tests)",
+    )
     s.add_argument("--edge-table", help="write the edge's tenant table here (JSON) on each load")
     s.set_defaults(fn=cmd_serve)
 
@@ -311,16 +325,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     w = sub.add_parser("batch-worker", help="run OpenAI batch lines through the edge")
     w.add_argument("--policy", default="policies.yaml")
-    w.add_argument("--edge-socket", required=True,
-                   help="the edge's internal unix socket (the server with the trusted tenant)")  # fmt: skip
+    w.add_argument(
+        "--edge-socket",
+        required=True,
+        help="the edge's internal unix socket (the server with the trusted tenant)",
+    )
     w.add_argument(
         "--concurrency",
         type=int,
         default=16,
         help="most lines in flight (the worker keeps fewer while the cluster is busy)",
     )
-    w.add_argument("--claim-idle-s", type=float, default=30.0,
-                   help="take over a silent worker's lines after this long")  # fmt: skip
+    w.add_argument(
+        "--claim-idle-s",
+        type=float,
+        default=30.0,
+        help="take over a silent worker's lines after this long",
+    )
     w.set_defaults(fn=cmd_batch_worker)
 
     e = sub.add_parser("example-policy", help="print the policies.yaml shipped with the package")

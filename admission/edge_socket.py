@@ -114,8 +114,16 @@ class EdgeProtocol(asyncio.Protocol):
             raise
         except Exception:
             log.exception("admission failed")
-            out = {"status": 500, "body": {"error": {"message": "internal error",
-                                                     "type": "server_error", "code": "internal"}}}  # fmt: skip
+            out = {
+                "status": 500,
+                "body": {
+                    "error": {
+                        "message": "internal error",
+                        "type": "server_error",
+                        "code": "internal",
+                    }
+                },
+            }
         if self.transport is not None and not self.transport.is_closing():
             self.transport.write(orjson.dumps(out) + b"\n")
             if ask is TOO_LARGE:  # the rest of that line is still coming: no way to resync

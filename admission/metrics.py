@@ -108,8 +108,10 @@ class Metrics:
             registry=r,
         )
         # Children resolved once (exported at 0 from the start): no label lookup per booking.
-        self.ahead_by = {result: self.ahead.labels(result)
-                         for result in ("confirmed", "over_limits", "over_node", "unconfirmed")}  # fmt: skip
+        self.ahead_by = {
+            result: self.ahead.labels(result)
+            for result in ("confirmed", "over_limits", "over_node", "unconfirmed")
+        }
         self.redis_errors = Counter(
             "admission_redis_errors_total",
             "Redis calls that failed, by operation.",
@@ -201,7 +203,9 @@ class Metrics:
         key = (tenant, cls, outcome, reason)
         pair = self._decided.get(key)
         if pair is None:
-            pair = self._decided[key] = (self.decisions.labels(*key),
-                                         self.decision_seconds.labels(cls))  # fmt: skip
+            pair = self._decided[key] = (
+                self.decisions.labels(*key),
+                self.decision_seconds.labels(cls),
+            )
         pair[0].inc()
         pair[1].observe(seconds)

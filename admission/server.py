@@ -145,8 +145,11 @@ async def status_page(_request: web.Request) -> web.Response:
 async def status_view(request: web.Request) -> web.Response:
     app = request.app
     holder = app[POLICY]
-    return web.json_response(status.snapshot(app[DISPATCHER], app[RECENT], holder.version,
-                                             holder.loaded_at, app[LIMITER].degraded))  # fmt: skip
+    return web.json_response(
+        status.snapshot(
+            app[DISPATCHER], app[RECENT], holder.version, holder.loaded_at, app[LIMITER].degraded
+        )
+    )
 
 
 async def nodes_view(request: web.Request) -> web.Response:

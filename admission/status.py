@@ -111,8 +111,11 @@ def _decode_guard(dispatcher: Any) -> dict[str, Any]:
     active = limit is not None and urgent_present(
         list(dispatcher.nodes.views.values()), None, waiting
     )
-    return {"urgent_output_tokens": round(mean, 1),
-            "limit_ms": None if limit is None else round(limit * 1000, 1), "active": active}  # fmt: skip
+    return {
+        "urgent_output_tokens": round(mean, 1),
+        "limit_ms": None if limit is None else round(limit * 1000, 1),
+        "active": active,
+    }
 
 
 def _grouped(refusals: deque[Refusal]) -> list[dict[str, Any]]:
@@ -120,8 +123,10 @@ def _grouped(refusals: deque[Refusal]) -> list[dict[str, Any]]:
     most recent first."""
     groups: dict[tuple[str, str, str], dict[str, Any]] = {}
     for r in refusals:
-        g = groups.setdefault((r.tenant, r.cls, r.reason), {"tenant": r.tenant, "class": r.cls,
-                              "reason": r.reason, "count": 0, "last_at": 0.0})  # fmt: skip
+        g = groups.setdefault(
+            (r.tenant, r.cls, r.reason),
+            {"tenant": r.tenant, "class": r.cls, "reason": r.reason, "count": 0, "last_at": 0.0},
+        )
         g["count"] += 1
         g["last_at"] = max(g["last_at"], r.at)
     return sorted(groups.values(), key=lambda g: -g["last_at"])

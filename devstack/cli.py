@@ -18,8 +18,11 @@ from devstack.stack import DEFAULT_POLICY, Stack
 
 
 def add_stack_args(p: argparse.ArgumentParser, engines: list[str]) -> None:
-    p.add_argument("--policy", default=str(DEFAULT_POLICY),
-                   help="policies.yaml to run (default: the one shipped with the package)")  # fmt: skip
+    p.add_argument(
+        "--policy",
+        default=str(DEFAULT_POLICY),
+        help="policies.yaml to run (default: the one shipped with the package)",
+    )
     p.add_argument("--engine", choices=engines, default="sim")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--sidecars", type=int, default=2)
@@ -31,8 +34,15 @@ def cmd_up(args: argparse.Namespace) -> int:
     run_dir = Path(args.run_dir).resolve()
     if run_dir.exists():
         shutil.rmtree(run_dir)
-    stack = Stack(Path(args.policy), run_dir, engine=args.engine, nodes=args.nodes, port=args.port,
-                  sidecars=args.sidecars, redis_url=args.redis_url)  # fmt: skip
+    stack = Stack(
+        Path(args.policy),
+        run_dir,
+        engine=args.engine,
+        nodes=args.nodes,
+        port=args.port,
+        sidecars=args.sidecars,
+        redis_url=args.redis_url,
+    )
     stop = False
 
     def on_signal(_sig: int, _frame: Any) -> None:
@@ -46,8 +56,10 @@ def cmd_up(args: argparse.Namespace) -> int:
         policy = load_policy(stack.runtime_policy)
         print(f"\nadmission edge ready: {stack.url}/v1  (health: {stack.url}/healthz)")
         print(f"sidecar admin: {stack.sidecar_url}/nodes   logs: {run_dir}")
-        print(f"node admin:    admission node drain NODE --sidecar {stack.sidecar_url} "
-              f"--token-file {stack.admin_token_file}")  # fmt: skip
+        print(
+            f"node admin:    admission node drain NODE --sidecar {stack.sidecar_url} "
+            f"--token-file {stack.admin_token_file}"
+        )
         for t in policy.tenants.values():
             for k in t.demo_keys:
                 print(f"  tenant {t.id:<12} classes {','.join(t.classes):<18} key {k}")

@@ -18,10 +18,19 @@ def node_entry(port: int, model: str, engine: str, max_inflight: int) -> dict[st
     """The policies.yaml entry for a local node on `port`."""
     url = f"http://127.0.0.1:{port}"
     if engine == "vllm":  # no NVML on CPU: the KV cache usage is the memory signal
-        return {"url": url, "models": [model], "memory_source": "kv",
-                "max_inflight": min(max_inflight, 64)}  # fmt: skip
-    return {"url": url, "models": [model], "memory_source": "effective",
-            "device_url": f"{url}/sim/device", "max_inflight": max_inflight}  # fmt: skip
+        return {
+            "url": url,
+            "models": [model],
+            "memory_source": "kv",
+            "max_inflight": min(max_inflight, 64),
+        }
+    return {
+        "url": url,
+        "models": [model],
+        "memory_source": "effective",
+        "device_url": f"{url}/sim/device",
+        "max_inflight": max_inflight,
+    }
 
 
 class NodeSet:
@@ -53,8 +62,17 @@ class NodeSet:
                 )
                 env = {**os.environ, **extra}
             else:
-                args = [sys.executable, "-m", "engine", "--port", str(p), "--profile", profile,
-                        "--scheduling-policy", scheduling_policy]  # fmt: skip
+                args = [
+                    sys.executable,
+                    "-m",
+                    "engine",
+                    "--port",
+                    str(p),
+                    "--profile",
+                    profile,
+                    "--scheduling-policy",
+                    scheduling_policy,
+                ]
                 if num_gpu_blocks:
                     args += ["--num-gpu-blocks-override", str(num_gpu_blocks)]
                 args += list(engine_args)
@@ -63,8 +81,9 @@ class NodeSet:
         try:
             for p, proc in zip(self.ports, self.procs, strict=True):
                 health = f"http://127.0.0.1:{p}/health"
-                wait_for(partial(http_ok, health), 600 if engine == "vllm" else 30,
-                         f"node on {p}", proc)  # fmt: skip
+                wait_for(
+                    partial(http_ok, health), 600 if engine == "vllm" else 30, f"node on {p}", proc
+                )
         except BaseException:
             self.stop()
             raise
@@ -72,8 +91,14 @@ class NodeSet:
     def _popen(self, i: int) -> subprocess.Popen[bytes]:
         args, env = self.specs[i]
         with open(self.run / f"node-{self.ports[i]}.log", "ab") as log:
-            return subprocess.Popen(args, cwd=self.run, start_new_session=True, stdout=log,
-                                    stderr=subprocess.STDOUT, env=env)  # fmt: skip
+            return subprocess.Popen(
+                args,
+                cwd=self.run,
+                start_new_session=True,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
 
     def supervise(self, restarter: Restarter) -> list[str]:
         """Restart nodes that died (same port), through `restarter`'s backoff."""
@@ -84,13 +109,17 @@ class NodeSet:
                 kill_group(proc)
                 self.procs[i] = self._popen(i)
                 restarter.started(name)
-                events.append(f"{name} exited with {proc.returncode}; restarted "
-                              f"(restart {restarter.restarts[name]})")  # fmt: skip
+                events.append(
+                    f"{name} exited with {proc.returncode}; restarted "
+                    f"(restart {restarter.restarts[name]})"
+                )
         return events
 
     def policy_nodes(self, max_inflight: int) -> dict[str, Any]:
-        return {f"node-{i}": node_entry(p, self.model, self.engine, max_inflight)
-                for i, p in enumerate(self.ports)}  # fmt: skip
+        return {
+            f"node-{i}": node_entry(p, self.model, self.engine, max_inflight)
+            for i, p in enumerate(self.ports)
+        }
 
     def stop(self) -> None:
         for p in self.procs:

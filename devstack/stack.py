@@ -120,9 +120,13 @@ class Stack:
         args, env = self.specs[name]
         log = open(self.run_dir / f"{name}.log", "ab")  # noqa: SIM115 - closed with the process
         proc = subprocess.Popen(
-            args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.run_dir,
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            cwd=self.run_dir,
             env={**os.environ, **(env or {})},
-        )  # fmt: skip
+        )
         log.close()
         self.restarter.started(name)
         return proc
@@ -144,8 +148,10 @@ class Stack:
                     (self.sock_dir / f"{name}.sock").unlink(missing_ok=True)
                     (self.sock_dir / f"admit-{name.split('-')[1]}.sock").unlink(missing_ok=True)
                 self.procs[i] = (name, self._popen(name))
-                events.append(f"{name} exited with {proc.returncode}; restarted "
-                              f"(restart {self.restarter.restarts[name]})")  # fmt: skip
+                events.append(
+                    f"{name} exited with {proc.returncode}; restarted "
+                    f"(restart {self.restarter.restarts[name]})"
+                )
         if self.nodes is not None:
             events += self.nodes.supervise(self.restarter)
         return events
@@ -166,9 +172,24 @@ class Stack:
         raw = yaml.safe_load(self.policy_path.read_text())
         if self.redis_url is None:
             rport = free_port()
-            p = self._spawn("redis", ["redis-server", "--port", str(rport), "--bind", "127.0.0.1",
-                                      "--save", "", "--appendonly", "yes", "--appendfsync", "everysec",
-                                      "--dir", str(self.run_dir)])  # fmt: skip
+            p = self._spawn(
+                "redis",
+                [
+                    "redis-server",
+                    "--port",
+                    str(rport),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "yes",
+                    "--appendfsync",
+                    "everysec",
+                    "--dir",
+                    str(self.run_dir),
+                ],
+            )
             self.redis_url = f"redis://127.0.0.1:{rport}/0"
             wait_for(lambda: port_open(rport), 10, "redis", p)
         raw.setdefault("redis", {})["url"] = self.redis_url
@@ -191,12 +212,29 @@ class Stack:
         sockets = [self.sock_dir / f"sidecar-{i}.sock" for i in range(self.n_sidecars)]
         edge_table = self.sock_dir / "edge.json"
         for i, sock in enumerate(sockets):
-            args = [py, "-m", "admission.cli", "serve", "--policy", str(self.runtime_policy),
-                    "--unix", str(sock), "--admit-unix", str(self.sock_dir / f"admit-{i}.sock"),
-                    "--socket-group", self.socket_group, "--edge-table", str(edge_table)]  # fmt: skip
+            args = [
+                py,
+                "-m",
+                "admission.cli",
+                "serve",
+                "--policy",
+                str(self.runtime_policy),
+                "--unix",
+                str(sock),
+                "--admit-unix",
+                str(self.sock_dir / f"admit-{i}.sock"),
+                "--socket-group",
+                self.socket_group,
+                "--edge-table",
+                str(edge_table),
+            ]
             if i == 0:
-                args += ["--port", str(self.admin_port),
-                         "--admin-token-file", str(self.admin_token_file)]  # fmt: skip
+                args += [
+                    "--port",
+                    str(self.admin_port),
+                    "--admin-token-file",
+                    str(self.admin_token_file),
+                ]
             p = self._spawn(f"sidecar-{i}", args)
             wait_for((self.sock_dir / f"admit-{i}.sock").exists, 30, f"sidecar {i}", p)  # the last
         self._write_nginx(policy, sockets, edge_table)
@@ -205,10 +243,23 @@ class Stack:
         )
         wait_for(lambda: http_ok(f"{self.url}/healthz"), 30, "nginx", p)
         for i in range(self.batch_workers):  # OpenAI batches, through the internal socket
-            self._spawn(f"batch-worker-{i}", [py, "-m", "admission.cli", "batch-worker", "--policy",
-                        str(self.runtime_policy), "--edge-socket", str(self.internal_socket),
-                        "--claim-idle-s", str(self.batch_claim_idle_s),
-                        "--concurrency", str(self.batch_concurrency)])  # fmt: skip
+            self._spawn(
+                f"batch-worker-{i}",
+                [
+                    py,
+                    "-m",
+                    "admission.cli",
+                    "batch-worker",
+                    "--policy",
+                    str(self.runtime_policy),
+                    "--edge-socket",
+                    str(self.internal_socket),
+                    "--claim-idle-s",
+                    str(self.batch_claim_idle_s),
+                    "--concurrency",
+                    str(self.batch_concurrency),
+                ],
+            )
         for _ in range(100):  # nodes become open once the agent has sampled them
             with urllib.request.urlopen(f"{self.sidecar_url}/healthz", timeout=2) as r:
                 states = json.load(r)["nodes"]
@@ -217,8 +268,13 @@ class Stack:
             time.sleep(0.1)
 
     def _start_nodes(self) -> dict[str, Any]:
-        self.nodes = NodeSet(self.n_nodes, self.run_dir, engine=self.engine, profile=self.profile,
-                             num_gpu_blocks=self.num_gpu_blocks)  # fmt: skip
+        self.nodes = NodeSet(
+            self.n_nodes,
+            self.run_dir,
+            engine=self.engine,
+            profile=self.profile,
+            num_gpu_blocks=self.num_gpu_blocks,
+        )
         return self.nodes.policy_nodes(max_inflight=self.node_max_inflight)
 
     def _write_nginx(self, policy: Policy, sockets: list[Path], edge_table: Path) -> None:

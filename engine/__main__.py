@@ -1,10 +1,10 @@
-"""`python -m engine`: run one emulated vLLM node (see engine.emulator)."""
+"""`python -m engine`: run one emulated vLLM node (see engine.emulator, engine.api)."""
 
 from __future__ import annotations
 
 import argparse
 
-from engine.emulator import serve
+from engine.api import serve
 from engine.profiles import PROFILES
 
 
@@ -18,12 +18,24 @@ def main() -> None:
     p.add_argument("--start-delay-s", type=float, default=0.0, help="fault injection: slow start")
     p.add_argument("--max-num-queued-tokens", type=int, default=0, help="vLLM's valve (0 = off)")
     p.add_argument("--max-num-queued-reqs", type=int, default=0, help="vLLM's valve (0 = off)")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=True, help="as vLLM V1: on unless --no-enable-prefix-caching")  # fmt: skip
+    p.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="as vLLM V1: on unless --no-enable-prefix-caching",
+    )
     a = p.parse_args()
-    serve(a.port, a.profile, a.scheduling_policy, a.num_gpu_blocks_override, a.served_model_name,
-          a.start_delay_s, max_queued_tokens=a.max_num_queued_tokens,
-          max_queued_reqs=a.max_num_queued_reqs, prefix_caching=a.enable_prefix_caching)  # fmt: skip
+    serve(
+        a.port,
+        a.profile,
+        a.scheduling_policy,
+        a.num_gpu_blocks_override,
+        a.served_model_name,
+        a.start_delay_s,
+        max_queued_tokens=a.max_num_queued_tokens,
+        max_queued_reqs=a.max_num_queued_reqs,
+        prefix_caching=a.enable_prefix_caching,
+    )
 
 
 if __name__ == "__main__":

@@ -1,28 +1,21 @@
 """A vLLM-compatible emulated node: vLLM's OpenAI API and metrics over `engine.scheduler`.
 
-Speaks /v1/completions and /v1/chat/completions (JSON and SSE, with the final usage chunk under
-stream_options.include_usage), /v1/models, /health, /version and /metrics with vLLM's names.
-Extra, for tests and the node agent: GET /sim/device (the simulated GPU: NVML-like used/total
-bytes, with the KV pool pre-allocated like vLLM does) and POST /sim/fault (leak, hang, errors,
-drop: close connections unanswered, crash). Run: `python -m engine --port 8101`.
+The engine itself (its scheduler, metrics and simulated device: NVML-like used/total bytes,
+with the KV pool pre-allocated like vLLM does, and the faults tests inject: leak, hang, errors,
+drop, crash); its HTTP side, vLLM's OpenAI API, is engine/api.py. Run: `python -m engine
+--port 8101`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import random
 import time
-import uuid
 from typing import Any
 
-from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from engine.openai_api import MAX_MODEL_LEN, err_body, full_body, prompt_of
-from engine.profiles import PROFILES, Profile
-from engine.scheduler import Scheduler, Seq, block_hashes
+from engine.profiles import Profile
+from engine.scheduler import Scheduler, Seq
 
 LAT = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -30,9 +23,16 @@ LAT = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 12
 class Engine:
     """Runs the scheduler in real time and exposes what vLLM would."""
 
-    def __init__(self, profile: Profile, policy: str = "priority", num_blocks: int | None = None,
-                 model_name: str | None = None, max_queued_tokens: int = 0,
-                 max_queued_reqs: int = 0, prefix_caching: bool = True) -> None:  # fmt: skip
+    def __init__(
+        self,
+        profile: Profile,
+        policy: str = "priority",
+        num_blocks: int | None = None,
+        model_name: str | None = None,
+        max_queued_tokens: int = 0,
+        max_queued_reqs: int = 0,
+        prefix_caching: bool = True,
+    ) -> None:
         self.profile = profile
         # vLLM 0.32's admission valves (0 = off): requests waiting + running, and prompt tokens
         # still to prefill; past either, a new request is answered 503 (shed, not queued).
@@ -80,9 +80,10 @@ class Engine:
         # Not a vLLM metric: lets edge tests prove that client-sent internal headers never
         # reach an engine.
         self.m_spoofed = Counter(
-            "sim_internal_headers", "Requests that arrived with a client X-Tenant* header.",
+            "sim_internal_headers",
+            "Requests that arrived with a client X-Tenant* header.",
             registry=r,
-        )  # fmt: skip
+        )
         self.m_prio = Counter(
             "emulator_requests_by_priority", "Requests by priority field.", ["priority"], registry=r
         )
@@ -90,13 +91,25 @@ class Engine:
             k: Histogram(n, d, names, buckets=LAT, registry=r).labels(**lab)
             for k, (n, d) in hist.items()
         }
-        info = Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",
-                     ["block_size", "num_gpu_blocks", "gpu_memory_utilization", "kv_cache_memory_bytes",
-                      "engine"], registry=r)  # fmt: skip
+        info = Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            [
+                "block_size",
+                "num_gpu_blocks",
+                "gpu_memory_utilization",
+                "kv_cache_memory_bytes",
+                "engine",
+            ],
+            registry=r,
+        )
         info.labels(
-            str(profile.block_size), str(self.sched.num_blocks), str(profile.gpu_memory_utilization),
-            str(self.sched.num_blocks * profile.block_size * profile.kv_bytes_per_token), "0",
-        ).set(1)  # fmt: skip
+            str(profile.block_size),
+            str(self.sched.num_blocks),
+            str(profile.gpu_memory_utilization),
+            str(self.sched.num_blocks * profile.block_size * profile.kv_bytes_per_token),
+            "0",
+        ).set(1)
 
     # -- the loop ---------------------------------------------------------------------------
     async def run(self) -> None:
@@ -162,224 +175,3 @@ class Engine:
         )
         used += self.leak_bytes + p.context_bytes
         return {"used_bytes": min(used, p.total_bytes), "total_bytes": p.total_bytes}
-
-
-ENGINE = web.AppKey("engine", Engine)
-
-
-async def generate(request: web.Request) -> web.StreamResponse:
-    engine = request.app[ENGINE]
-    chat = request.path.endswith("/chat/completions")
-    if any(h.lower().startswith("x-tenant") for h in request.headers):
-        engine.m_spoofed.inc()
-    try:
-        body = await request.json()
-    except json.JSONDecodeError:
-        raise web.HTTPBadRequest(
-            text=err_body("invalid JSON"), content_type="application/json"
-        ) from None
-    if engine.drop and request.transport is not None:  # dies mid-request: no answer at all
-        request.transport.abort()
-        raise web.HTTPInternalServerError()
-    if engine.error_rate and random.random() < engine.error_rate:
-        raise web.HTTPInternalServerError(
-            text=err_body("injected error", 500), content_type="application/json"
-        )
-    if body.get("model") not in (engine.model, None):
-        raise web.HTTPNotFound(text=err_body(f"The model `{body.get('model')}` does not exist.", 404),
-                               content_type="application/json")  # fmt: skip
-    # As vLLM reads them: max_completion_tokens wins on chat; with neither set, a chat request
-    # generates up to the model's length (MAX_MODEL_LEN here), a completion 16 tokens.
-    max_tokens = (
-        (chat and body.get("max_completion_tokens")) or body.get("max_tokens")
-        or (MAX_MODEL_LEN if chat else 16)
-    )  # fmt: skip
-    if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise web.HTTPBadRequest(
-            text=err_body("max_tokens must be at least 1"), content_type="application/json"
-        )
-    prompt, text = prompt_of(body, chat)
-    seq = Seq(prompt, max_tokens, priority=int(body.get("priority", 0)), arrival=time.monotonic())
-    if engine.sched.prefix_caching:
-        seq.hashes = block_hashes(text, engine.profile.block_size)
-    engine.m_prio.labels(str(seq.priority)).inc()
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    created = int(time.time())
-    usage: dict[str, Any] = {
-        "prompt_tokens": prompt,
-        "completion_tokens": 0,
-        "total_tokens": prompt,
-    }
-    stream = bool(body.get("stream"))
-    # vLLM with --enable-request-id-headers echoes the caller's X-Request-Id.
-    echo = (
-        {"X-Request-Id": request.headers["X-Request-Id"]}
-        if "X-Request-Id" in request.headers
-        else {}
-    )
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    if stream:
-        seq.on_token = lambda s: queue.put_nowait(s.generated)
-    else:
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-
-        def on_token(s: Seq) -> None:
-            if s.finish_reason and not done.done():
-                done.set_result(None)
-
-        seq.on_token = on_token
-    try:
-        engine.submit(seq)
-    except OverflowError:
-        raise web.HTTPServiceUnavailable(
-            text=err_body("engine queue full", 503), content_type="application/json"
-        ) from None
-    try:
-        if not stream:
-            await done
-            if chat and body.get("tools") and body.get("tool_choice") == "required":
-                # vLLM parses a required tool call only once it is generated: text that is not
-                # a JSON list of calls (the emulator's always) is a 400, after the work is done.
-                msg = err_body("output is not a valid tool call list")
-                raise web.HTTPBadRequest(text=msg, content_type="application/json")
-            usage.update(
-                completion_tokens=seq.generated,
-                total_tokens=prompt + seq.generated,
-                prompt_tokens_details={"cached_tokens": max(0, seq.cached_tokens)},
-            )
-            doc = full_body(
-                body, chat, rid, created, engine.model, seq.generated, seq.finish_reason
-            )
-            return web.json_response({**doc, "usage": usage}, headers=echo)
-        resp = web.StreamResponse(
-            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **echo}
-        )
-        await resp.prepare(request)
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(delta: str, finish: str | None, first: bool = False) -> bytes:
-            c: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
-            if chat:
-                c["delta"] = (
-                    {"role": "assistant", "content": delta} if first else {"content": delta}
-                )
-            else:
-                c["text"] = delta
-            d = {
-                "id": rid,
-                "object": obj,
-                "created": created,
-                "model": engine.model,
-                "choices": [c],
-            }
-            return b"data: " + json.dumps(d).encode() + b"\n\n"
-
-        if chat:
-            await resp.write(chunk("", None, first=True))
-        sent = 0
-        while sent < seq.max_tokens:
-            n = await queue.get()
-            parts = "".join(f" tok{i}" for i in range(sent, n))
-            sent = n
-            await resp.write(chunk(parts, seq.finish_reason if sent >= seq.max_tokens else None))
-        opts = body.get("stream_options") or {}
-        if opts.get("include_usage"):
-            usage.update(
-                completion_tokens=sent,
-                total_tokens=prompt + sent,
-                prompt_tokens_details={"cached_tokens": max(0, seq.cached_tokens)},
-            )
-            d = {"id": rid, "object": obj, "created": created, "model": engine.model,
-                 "choices": [], "usage": usage}  # fmt: skip
-            await resp.write(b"data: " + json.dumps(d).encode() + b"\n\n")
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
-    except (asyncio.CancelledError, ConnectionResetError):
-        engine.abort(seq)  # the client went away: vLLM aborts the request
-        raise
-
-
-async def models(request: web.Request) -> web.Response:
-    e = request.app[ENGINE]
-    return web.json_response({"object": "list", "data": [{"id": e.model, "object": "model", "owned_by": "vllm",
-                                                          "max_model_len": 8192}]})  # fmt: skip
-
-
-async def health(request: web.Request) -> web.Response:
-    if request.app[ENGINE].hang:
-        await asyncio.sleep(3600)
-    return web.Response()
-
-
-async def metrics(request: web.Request) -> web.Response:
-    return web.Response(
-        body=generate_latest(request.app[ENGINE].registry), content_type="text/plain"
-    )
-
-
-async def device(request: web.Request) -> web.Response:
-    return web.json_response(request.app[ENGINE].device())
-
-
-async def fault(request: web.Request) -> web.Response:
-    e = request.app[ENGINE]
-    body = await request.json()
-    e.leak_bytes = int(body.get("leak_bytes", e.leak_bytes))
-    e.hang = bool(body.get("hang", e.hang))
-    e.error_rate = float(body.get("error_rate", e.error_rate))
-    e.drop = bool(body.get("drop", e.drop))
-    if body.get("crash"):
-        os._exit(1)
-    e.wake.set()
-    return web.json_response({"leak_bytes": e.leak_bytes, "hang": e.hang,
-                              "error_rate": e.error_rate, "drop": e.drop})  # fmt: skip
-
-
-def build_app(engine: Engine) -> web.Application:
-    app = web.Application(client_max_size=8 << 20)
-    app[ENGINE] = engine
-
-    async def loop_ctx(app: web.Application) -> Any:
-        task = asyncio.create_task(engine.run(), name="engine-loop")
-        yield
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-
-    app.cleanup_ctx.append(loop_ctx)
-    app.router.add_post("/v1/completions", generate)
-    app.router.add_post("/v1/chat/completions", generate)
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    app.router.add_get("/version", lambda _r: _version())
-    app.router.add_get("/metrics", metrics)
-    app.router.add_get("/sim/device", device)
-    app.router.add_post("/sim/fault", fault)
-    return app
-
-
-async def _version() -> web.Response:
-    return web.json_response({"version": "emulated"})
-
-
-def serve(port: int, profile: str, policy: str, num_blocks: int | None, model: str | None,
-          start_delay_s: float = 0.0, host: str = "127.0.0.1", max_queued_tokens: int = 0,
-          max_queued_reqs: int = 0, prefix_caching: bool = True) -> None:  # fmt: skip
-    if start_delay_s:
-        time.sleep(start_delay_s)  # slow start: the port refuses connections meanwhile, like vLLM
-    engine_args = (PROFILES[profile], policy, num_blocks, model, max_queued_tokens,
-                   max_queued_reqs, prefix_caching)  # fmt: skip
-
-    async def main() -> None:
-        app = build_app(Engine(*engine_args))
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, host, port).start()
-        stop = asyncio.Event()
-        import signal
-
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-        await stop.wait()
-        await runner.cleanup()
-
-    asyncio.run(main())

@@ -83,9 +83,12 @@ class StepResult:
 
 class Scheduler:
     def __init__(
-        self, profile: Profile, policy: str = "priority", num_blocks: int | None = None,
+        self,
+        profile: Profile,
+        policy: str = "priority",
+        num_blocks: int | None = None,
         prefix_caching: bool = True,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.p = profile
         self.policy = policy
         self.num_blocks = num_blocks if num_blocks is not None else profile.num_blocks
@@ -215,8 +218,9 @@ class Scheduler:
         for seq in finished:
             self.running.remove(seq)
             self._free(seq)
-        return StepResult(duration, prefill, decoded, finished, preempted, self._hits,
-                          self._queries)  # fmt: skip
+        return StepResult(
+            duration, prefill, decoded, finished, preempted, self._hits, self._queries
+        )
 
     # -- internals --------------------------------------------------------------------------
     def _order(self, s: Seq) -> tuple[float, float, int]:

@@ -47,7 +47,35 @@ def build_tiny_model(model_dir: Path) -> Path:
         special_tokens=special,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "tenants", "send", "chat", "requests", "to", "nodes", "with", "gpu", "memory", "and", "tokens", "per", "minute", "limits", "queue", "admission", "batch"]  # fmt: skip
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "a",
+        "lazy",
+        "dog",
+        "while",
+        "tenants",
+        "send",
+        "chat",
+        "requests",
+        "to",
+        "nodes",
+        "with",
+        "gpu",
+        "memory",
+        "and",
+        "tokens",
+        "per",
+        "minute",
+        "limits",
+        "queue",
+        "admission",
+        "batch",
+    ]
     corpus = [" ".join(words[(i * 7 + j) % len(words)] for j in range(12)) for i in range(2000)]
     tok.train_from_iterator(corpus, trainer=trainer)
     from tokenizers import decoders
@@ -55,17 +83,39 @@ def build_tiny_model(model_dir: Path) -> Path:
     tok.decoder = decoders.ByteLevel()
     vocab = tok.get_vocab_size()
     tok.save(str(model_dir / "tokenizer.json"))
-    (model_dir / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-        "unk_token": "<unk>", "chat_template": CHAT_TEMPLATE, "model_max_length": 2048,
-    }))  # fmt: skip
-    (model_dir / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
-        "intermediate_size": 512, "num_attention_heads": 4, "num_key_value_heads": 4,
-        "num_hidden_layers": 2, "vocab_size": vocab, "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "torch_dtype": "bfloat16",
-        "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
-    }))  # fmt: skip
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "chat_template": CHAT_TEMPLATE,
+                "model_max_length": 2048,
+            }
+        )
+    )
+    (model_dir / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 256,
+                "intermediate_size": 512,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "num_hidden_layers": 2,
+                "vocab_size": vocab,
+                "max_position_embeddings": 2048,
+                "rms_norm_eps": 1e-5,
+                "rope_theta": 10000.0,
+                "torch_dtype": "bfloat16",
+                "bos_token_id": 1,
+                "eos_token_id": 2,
+                "tie_word_embeddings": False,
+            }
+        )
+    )
     (model_dir / "generation_config.json").write_text(
         json.dumps({"bos_token_id": 1, "eos_token_id": 2})
     )
@@ -81,18 +131,40 @@ def vllm_command(
     """(argv, extra env, served model name) for one CPU vLLM node on 127.0.0.1:`port`."""
     build_tiny_model(model_dir)
     args = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir), "--served-model-name", TINY_MODEL, "--load-format", "dummy",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--scheduling-policy", scheduling_policy,
-        "--max-num-seqs", "64", "--max-num-batched-tokens", "2048", "--max-model-len", "2048",
-        "--num-gpu-blocks-override", str(num_gpu_blocks or 48),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        TINY_MODEL,
+        "--load-format",
+        "dummy",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--scheduling-policy",
+        scheduling_policy,
+        "--max-num-seqs",
+        "64",
+        "--max-num-batched-tokens",
+        "2048",
+        "--max-model-len",
+        "2048",
+        "--num-gpu-blocks-override",
+        str(num_gpu_blocks or 48),
         # usage.prompt_tokens_details.cached_tokens: what its prefix cache saved each request,
         # which the sidecar compares with what it booked as cached.
         "--enable-prompt-tokens-details",
-    ]  # fmt: skip
-    env = {"VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "OMP_NUM_THREADS": "1"}  # fmt: skip
+    ]
+    env = {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "OMP_NUM_THREADS": "1",
+    }
     return args, env, TINY_MODEL
 
 

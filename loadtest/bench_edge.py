@@ -95,16 +95,24 @@ def samples(sidecar_url: str) -> dict[tuple[str, str], float]:
 
     with urllib.request.urlopen(f"{sidecar_url}/metrics", timeout=5) as r:
         text = r.read().decode()
-    return {(s.name, next(iter(s.labels.values()), "")): s.value
-            for fam in text_string_to_metric_families(text) if fam.type == "counter"
-            for s in fam.samples if s.name.endswith("_total")}  # fmt: skip
+    return {
+        (s.name, next(iter(s.labels.values()), "")): s.value
+        for fam in text_string_to_metric_families(text)
+        if fam.type == "counter"
+        for s in fam.samples
+        if s.name.endswith("_total")
+    }
 
 
-def counters(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float],
-             prefix: str) -> str:  # fmt: skip
+def counters(
+    before: dict[tuple[str, str], float], after: dict[tuple[str, str], float], prefix: str
+) -> str:
     """What a labelled counter counted between two reads, by label."""
-    parts = [f"{label} {v - before.get((name, label), 0.0):,.0f}"
-             for (name, label), v in sorted(after.items()) if name.startswith(prefix)]  # fmt: skip
+    parts = [
+        f"{label} {v - before.get((name, label), 0.0):,.0f}"
+        for (name, label), v in sorted(after.items())
+        if name.startswith(prefix)
+    ]
     return ", ".join(parts) or "none"
 
 
@@ -138,8 +146,11 @@ def inside(before: dict[str, Any], after: dict[str, Any], name: str) -> str:
     n = c1 - c0
     if n <= 0:
         return "none"
-    shares = ", ".join(f"≤ {le * 1000:g} ms {(b1[le] - b0.get(le, 0.0)) / n:.1%}"
-                       for le in (0.0005, 0.001, 0.002) if le in b1)  # fmt: skip
+    shares = ", ".join(
+        f"≤ {le * 1000:g} ms {(b1[le] - b0.get(le, 0.0)) / n:.1%}"
+        for le in (0.0005, 0.001, 0.002)
+        if le in b1
+    )
     return f"mean {(s1 - s0) / n * 1000:.2f} ms over {n:,.0f} ({shares})"
 
 
@@ -150,11 +161,18 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=500, help="requests/s on each path")
     ap.add_argument("--seconds", type=float, default=20)
     ap.add_argument("--delay-ms", type=float, default=20)
-    ap.add_argument("--stub", choices=("python", "nginx"), default="python",
-                    help="the node stub: aiohttp (~150 µs of CPU per answer on the same cores) or "
-                         "NGINX + Lua (~15 µs; a real node is another machine)")  # fmt: skip
-    ap.add_argument("--wait-for-redis", action="store_true",
-                    help="redis.answer_ahead: false (every answer waits for its Redis round trip)")  # fmt: skip
+    ap.add_argument(
+        "--stub",
+        choices=("python", "nginx"),
+        default="python",
+        help="the node stub: aiohttp (~150 µs of CPU per answer on the same cores) or "
+        "NGINX + Lua (~15 µs; a real node is another machine)",
+    )
+    ap.add_argument(
+        "--wait-for-redis",
+        action="store_true",
+        help="redis.answer_ahead: false (every answer waits for its Redis round trip)",
+    )
     add_flag(ap)
     a = ap.parse_args()
     stub_port, direct_port = free_port(), free_port()
@@ -162,8 +180,18 @@ def main() -> None:
     if a.stub == "nginx":
         stub = nginx_stub(work / "stub", stub_port, a.delay_ms)
     else:
-        stub = subprocess.Popen([sys.executable, "-m", "loadtest.stub", "--port", str(stub_port),
-                                 "--delay-ms", str(a.delay_ms)], start_new_session=True)  # fmt: skip
+        stub = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "loadtest.stub",
+                "--port",
+                str(stub_port),
+                "--delay-ms",
+                str(a.delay_ms),
+            ],
+            start_new_session=True,
+        )
         wait_for(lambda: http_ok(f"http://127.0.0.1:{stub_port}/health"), 20, "stub", stub)
     stack = beside_plain_nginx(stub_port, direct_port, work / "stack", 1, not a.wait_for_redis)
     try:
@@ -171,8 +199,10 @@ def main() -> None:
         body = json.dumps(
             {"model": "stub", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}
         ).encode()
-        urls = {"nginx direct": f"http://127.0.0.1:{direct_port}/v1/chat/completions",
-                "nginx + admission": f"{stack.url}/v1/chat/completions"}  # fmt: skip
+        urls = {
+            "nginx direct": f"http://127.0.0.1:{direct_port}/v1/chat/completions",
+            "nginx + admission": f"{stack.url}/v1/chat/completions",
+        }
         asyncio.run(load(urls, 50, 2, body))  # warm-up: connections, caches, JIT of Lua
         os.sched_setaffinity(0, os.sched_getaffinity(0))
         before, rbefore = histograms(stack.sidecar_url), redis_calls(stack.redis_url or "")
@@ -180,8 +210,10 @@ def main() -> None:
         lat, late, errors = asyncio.run(load(urls, a.rate, a.seconds, body))
         after, rafter = histograms(stack.sidecar_url), redis_calls(stack.redis_url or "")
         after_c = samples(stack.sidecar_url)
-        print(f"{a.rate:.0f} req/s on each path for {a.seconds:.0f}s, stub latency {a.delay_ms:.0f} ms "
-              f"(generator lateness p50 {pct(late, 50):.2f} ms, p99 {pct(late, 99):.2f} ms)")  # fmt: skip
+        print(
+            f"{a.rate:.0f} req/s on each path for {a.seconds:.0f}s, stub latency {a.delay_ms:.0f} ms "
+            f"(generator lateness p50 {pct(late, 50):.2f} ms, p99 {pct(late, 99):.2f} ms)"
+        )
         print(f"{'path':<20} {'n':>6} {'err':>4} {'p50 ms':>8} {'p99 ms':>8}")
         for k, v in lat.items():
             print(f"{k:<20} {len(v):>6} {errors[k]:>4} {pct(v, 50):>8.2f} {pct(v, 99):>8.2f}")
@@ -192,10 +224,14 @@ def main() -> None:
         # Of what is added, the part spent inside the sidecar (ask read → answer written), and
         # of that its Redis round trips; the rest is the hops (NGINX ↔ sidecar, each process's
         # wake-up) and NGINX's Lua.
-        print("inside the sidecar, per decision: "
-              + inside(before, after, "admission_decision_seconds"))  # fmt: skip
-        print("of which Redis, per round trip:  "
-              + inside(before, after, "admission_redis_round_trip_seconds"))  # fmt: skip
+        print(
+            "inside the sidecar, per decision: "
+            + inside(before, after, "admission_decision_seconds")
+        )
+        print(
+            "of which Redis, per round trip:  "
+            + inside(before, after, "admission_redis_round_trip_seconds")
+        )
         print("answered ahead of Redis:          " + counters(before_c, after_c, "admission_ahead"))
         # Redis's own CPU per command (a script call's time inside Redis, without the hop).
         print("inside Redis, CPU per call:       " + redis_cpu(rbefore, rafter))

@@ -83,8 +83,11 @@ async def drive(ports: list[int], rate: float, seconds: float) -> int:
 
         async def one(port: int) -> None:
             nonlocal ok
-            async with s.post(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                              headers={"Content-Type": "application/json"}) as r:  # fmt: skip
+            async with s.post(
+                f"http://127.0.0.1:{port}/v1/completions",
+                data=body,
+                headers={"Content-Type": "application/json"},
+            ) as r:
                 await r.read()
                 ok += r.status == 200
 
@@ -118,8 +121,10 @@ def main() -> None:
     ap.add_argument("--cpu-seconds", type=float, default=10)
     a = ap.parse_args()
     p = PROFILES[a.profile]
-    print(f"profile {p.name}: KV pool {p.kv_pool_bytes / 2**30:.1f} GiB = {p.num_blocks * p.block_size:,} tokens, "
-          f"max_num_seqs {p.max_num_seqs}, max_num_batched_tokens {p.max_num_batched_tokens}")  # fmt: skip
+    print(
+        f"profile {p.name}: KV pool {p.kv_pool_bytes / 2**30:.1f} GiB = {p.num_blocks * p.block_size:,} tokens, "
+        f"max_num_seqs {p.max_num_seqs}, max_num_batched_tokens {p.max_num_batched_tokens}"
+    )
     print(f"public figure: {PUBLIC.get(a.profile, 'none')}\n")
     print(
         "| offered req/s | served req/s | output tok/s | TTFT p50 ms | TTFT p99 ms | peak KV | preemptions |"
@@ -127,13 +132,20 @@ def main() -> None:
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for rate in [float(x) for x in a.rates.split(",")]:
         r = simulate(a.profile, rate, a.seconds)
-        print(f"| {rate:.0f} | {r['rps']:.1f} | {r['tok_s']:,.0f} | {r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | "
-              f"{r['kv_max']:.0%} | {r['preempt']:.0f} |")  # fmt: skip
+        print(
+            f"| {rate:.0f} | {r['rps']:.1f} | {r['tok_s']:,.0f} | {r['ttft_p50']:.0f} | {r['ttft_p99']:.0f} | "
+            f"{r['kv_max']:.0%} | {r['preempt']:.0f} |"
+        )
     if a.nodes <= 0:
         return
     ports = [free_port() for _ in range(a.nodes)]
-    procs = [subprocess.Popen([sys.executable, "-m", "engine", "--port", str(pt), "--profile", a.profile],
-                              start_new_session=True) for pt in ports]  # fmt: skip
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "engine", "--port", str(pt), "--profile", a.profile],
+            start_new_session=True,
+        )
+        for pt in ports
+    ]
     try:
         for pt in ports:
             wait_for(
@@ -146,9 +158,11 @@ def main() -> None:
         ok = asyncio.run(drive(ports, a.node_rate, a.cpu_seconds))
         wall = time.perf_counter() - t0
         used = sum(cpu_seconds(pr.pid) - b for pr, b in zip(procs, before, strict=True))
-        print(f"\n{a.nodes} emulated nodes in real time, {a.node_rate:.0f} req/s each ({a.nodes * a.node_rate:.0f} req/s, "
-              f"100 output tokens each) for {wall:.1f}s: {ok} answered; emulator CPU {used:.2f} s = "
-              f"{used / wall:.0%} of one core ({used / wall / 2:.0%} of this 2-core machine)")  # fmt: skip
+        print(
+            f"\n{a.nodes} emulated nodes in real time, {a.node_rate:.0f} req/s each ({a.nodes * a.node_rate:.0f} req/s, "
+            f"100 output tokens each) for {wall:.1f}s: {ok} answered; emulator CPU {used:.2f} s = "
+            f"{used / wall:.0%} of one core ({used / wall / 2:.0%} of this 2-core machine)"
+        )
     finally:
         for pr in procs:
             stop_process(pr)

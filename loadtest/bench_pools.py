@@ -28,8 +28,8 @@ from devstack.nodes import NodeSet
 from devstack.stack import DEFAULT_POLICY, Stack
 from engine.profiles import PROFILES
 from loadtest import report
-from loadtest.bench import drive
 from loadtest.capacity import capacity
+from loadtest.drive import drive
 from loadtest.scratch import add_flag, scratch
 from loadtest.workload import Kind, schedule
 
@@ -37,8 +37,15 @@ CHAT = (50, 400), (30, 150)  # prompt and output tokens, as the mixed benchmark'
 
 
 def tenants(limits: dict[str, Any]) -> dict[str, Any]:
-    return {t: {"tier": "gold", "keys": [f"plain:sk-bench-{t}"], "classes": ["realtime"],
-                "limits": limits} for t in ("vip", "flood")}  # fmt: skip
+    return {
+        t: {
+            "tier": "gold",
+            "keys": [f"plain:sk-bench-{t}"],
+            "classes": ["realtime"],
+            "limits": limits,
+        }
+        for t in ("vip", "flood")
+    }
 
 
 def run(name: str, a: argparse.Namespace, reqs: list[Any], work: Path) -> report.SystemResult:
@@ -46,8 +53,14 @@ def run(name: str, a: argparse.Namespace, reqs: list[Any], work: Path) -> report
     run_dir.mkdir(parents=True)
     nodes = NodeSet(a.nodes, run_dir, profile=a.profile)
     entries = nodes.policy_nodes(max_inflight=a.max_inflight)
-    limits = {"requests_per_s": 10000, "request_burst": 10000, "tokens_per_min": 10**9,
-              "token_burst": 10**6, "max_concurrent": 100000, "max_queued": 100000}  # fmt: skip
+    limits = {
+        "requests_per_s": 10000,
+        "request_burst": 10000,
+        "tokens_per_min": 10**9,
+        "token_burst": 10**6,
+        "max_concurrent": 100000,
+        "max_queued": 100000,
+    }
     overrides: dict[str, Any] = {"tenants": tenants(limits)}
     if name == "pool":
         entries["node-0"]["pool"] = "vip-pool"
@@ -56,9 +69,18 @@ def run(name: str, a: argparse.Namespace, reqs: list[Any], work: Path) -> report
     try:
         stack.start()
         keys = {t: f"sk-bench-{t}" for t in ("vip", "flood")}
-        return asyncio.run(drive(f"{stack.url}/v1/chat/completions", reqs, keys, None, name,
-                                 PROFILES[a.profile].model, nodes.ports,
-                                 f"{stack.sidecar_url}/healthz"))  # fmt: skip
+        return asyncio.run(
+            drive(
+                f"{stack.url}/v1/chat/completions",
+                reqs,
+                keys,
+                None,
+                name,
+                PROFILES[a.profile].model,
+                nodes.ports,
+                f"{stack.sidecar_url}/healthz",
+            )
+        )
     finally:
         stack.stop()
         nodes.stop()
@@ -101,26 +123,37 @@ def main(argv: list[str] | None = None) -> int:
     flood_kind = Kind("chat", "realtime", ("flood",), 1.0, *CHAT)
     node_cap = capacity(a.profile, kinds=(vip_kind,))
     vip_rate, flood_rate = node_cap * a.vip_load, node_cap * a.nodes * a.flood_load
-    reqs = sorted(schedule(vip_rate, a.seconds, seed=a.seed, kinds=(vip_kind,))
-                  + schedule(flood_rate, a.seconds, seed=a.seed + 1, kinds=(flood_kind,)),
-                  key=lambda r: r.at_s)  # fmt: skip
-    target_s = next(c.slo_ttft_ms for c in load_policy(DEFAULT_POLICY).classes.values()
-                    if c.slo_ttft_ms) / 1000  # fmt: skip
-    print(f"one node: {node_cap:.1f} chats/s; vip offers {vip_rate:.1f}/s ({a.vip_load}× a node), "
-          f"flood {flood_rate:.1f}/s ({a.flood_load}× {a.nodes} nodes) for {a.seconds:.0f} s; "
-          f"TTFT target {target_s * 1000:.0f} ms", flush=True)  # fmt: skip
+    reqs = sorted(
+        schedule(vip_rate, a.seconds, seed=a.seed, kinds=(vip_kind,))
+        + schedule(flood_rate, a.seconds, seed=a.seed + 1, kinds=(flood_kind,)),
+        key=lambda r: r.at_s,
+    )
+    target_s = (
+        next(c.slo_ttft_ms for c in load_policy(DEFAULT_POLICY).classes.values() if c.slo_ttft_ms)
+        / 1000
+    )
+    print(
+        f"one node: {node_cap:.1f} chats/s; vip offers {vip_rate:.1f}/s ({a.vip_load}× a node), "
+        f"flood {flood_rate:.1f}/s ({a.flood_load}× {a.nodes} nodes) for {a.seconds:.0f} s; "
+        f"TTFT target {target_s * 1000:.0f} ms",
+        flush=True,
+    )
     work = scratch("bench-pools-", a.keep_work)
     rows = []
     for name in a.runs.split(","):
         res = run(name, a, reqs, work)
         for t, m in per_tenant(res, target_s).items():
             rows.append((name, t, m))
-    print("\n| run | tenant | sent | answered | TTFT p50 / p95 / p99 ms | TTFT ≤ target | "
-          "output tok/s | lost |\n|---|---|---:|---:|---|---:|---:|---:|")  # fmt: skip
+    print(
+        "\n| run | tenant | sent | answered | TTFT p50 / p95 / p99 ms | TTFT ≤ target | "
+        "output tok/s | lost |\n|---|---|---:|---:|---|---:|---:|---:|"
+    )
     for name, t, m in rows:
-        print(f"| {name} | {t} | {m['sent']} | {m['ok']} | {m['ttft_p50_ms']:.0f} / "
-              f"{m['ttft_p95_ms']:.0f} / {m['ttft_p99_ms']:.0f} | {m['attainment'] * 100:.1f} % | "
-              f"{m['tokens_per_s']:.0f} | {m['lost']} |")  # fmt: skip
+        print(
+            f"| {name} | {t} | {m['sent']} | {m['ok']} | {m['ttft_p50_ms']:.0f} / "
+            f"{m['ttft_p95_ms']:.0f} / {m['ttft_p99_ms']:.0f} | {m['attainment'] * 100:.1f} % | "
+            f"{m['tokens_per_s']:.0f} | {m['lost']} |"
+        )
     return 0
 
 

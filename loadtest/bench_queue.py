@@ -78,8 +78,10 @@ def main() -> None:
         nxt.tenant, nxt.cls = it.tenant, it.requested_cls or it.cls
         q.push(nxt)
     cpu, wall = time.process_time() - cpu0, time.perf_counter() - wall0
-    print(f"{a.decisions:,} decisions with {len(q):,} queued ({a.tenants} tenants, 3 classes): "
-          f"{a.decisions / wall:,.0f} decisions/s, {cpu / a.decisions * 1e6:.1f} µs CPU per decision")  # fmt: skip
+    print(
+        f"{a.decisions:,} decisions with {len(q):,} queued ({a.tenants} tenants, 3 classes): "
+        f"{a.decisions / wall:,.0f} decisions/s, {cpu / a.decisions * 1e6:.1f} µs CPU per decision"
+    )
     total = sum(served_cls.values())
     weights = {"realtime": 8, "batch": 3, "offline": 1}
     print("class shares of admitted tokens (saturated):")

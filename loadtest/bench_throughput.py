@@ -32,8 +32,9 @@ from loadtest.scratch import add_flag, keep, scratch
 from loadtest.stub import beside_plain_nginx, nginx_stub
 
 TICK = os.sysconf("SC_CLK_TCK")
-BODY = json.dumps({"model": "stub", "messages": [{"role": "user", "content": "hello"}],
-                   "max_tokens": 16})  # fmt: skip
+BODY = json.dumps(
+    {"model": "stub", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 16}
+)
 # wrk: POST the chat with the demo key; count answers by status and, for refusals, by code.
 WRK_LUA = """wrk.method = "POST"
 wrk.body = [[{body}]]
@@ -103,16 +104,36 @@ def groups(stack: Stack, stub: subprocess.Popen[bytes]) -> dict[str, list[int]]:
 
 
 def measure(
-    url: str, clients: int, seconds: float, script: Path, roles: dict[str, list[int]],
+    url: str,
+    clients: int,
+    seconds: float,
+    script: Path,
+    roles: dict[str, list[int]],
     threads: int = 2,
-) -> Step:  # fmt: skip
+) -> Step:
     before = {r: sum(cpu_s(p) for p in ps) for r, ps in roles.items()}
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)  # wrk, once it has been waited for
     before["wrk (client)"] = ru.ru_utime + ru.ru_stime
     t0 = time.monotonic()
-    wrk = subprocess.run(["wrk", "-t", str(min(threads, clients)), "-c", str(clients), "-d",
-                          f"{seconds:g}s", "--timeout", "30s", "-s", str(script), url],
-                         capture_output=True, text=True, check=True)  # fmt: skip
+    wrk = subprocess.run(
+        [
+            "wrk",
+            "-t",
+            str(min(threads, clients)),
+            "-c",
+            str(clients),
+            "-d",
+            f"{seconds:g}s",
+            "--timeout",
+            "30s",
+            "-s",
+            str(script),
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     wall = time.monotonic() - t0
     cpu = {r: sum(cpu_s(p) for p in ps) - before[r] for r, ps in roles.items()}
     ru = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -124,9 +145,15 @@ def measure(
         raise RuntimeError(f"wrk printed no summary: {out[-500:]} {wrk.stderr[-500:]}")
     answers: dict[str, int] = json.loads(got.group(1))
     n = sum(answers.values())
-    return Step(n / wall, n, float(lat.group(1)), float(lat.group(2)), answers,
-                {r: c / wall for r, c in cpu.items()},
-                {r: c / n * 1e6 if n else 0.0 for r, c in cpu.items()})  # fmt: skip
+    return Step(
+        n / wall,
+        n,
+        float(lat.group(1)),
+        float(lat.group(2)),
+        answers,
+        {r: c / wall for r, c in cpu.items()},
+        {r: c / n * 1e6 if n else 0.0 for r, c in cpu.items()},
+    )
 
 
 def fmt_answers(a: dict[str, int]) -> str:
@@ -155,8 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     closed.write_text(WRK_LUA.format(body=BODY, gap=0))
     paced = work / "paced.lua"  # 2 connections, each waiting 80 ms after an answer: ~20 req/s
     paced.write_text(WRK_LUA.format(body=BODY, gap=80))
-    paths = {"plain NGINX": f"http://127.0.0.1:{direct_port}/v1/chat/completions",
-             "full edge": f"{stack.url}/v1/chat/completions"}  # fmt: skip
+    paths = {
+        "plain NGINX": f"http://127.0.0.1:{direct_port}/v1/chat/completions",
+        "full edge": f"{stack.url}/v1/chat/completions",
+    }
     try:
         stack.start()
         roles = groups(stack, stub)
@@ -166,8 +195,11 @@ def main(argv: list[str] | None = None) -> int:
         before = {r: sum(cpu_s(p) for p in ps) for r, ps in roles.items()}
         time.sleep(a.idle_s)
         idle = {r: sum(cpu_s(p) for p in ps) - before[r] for r, ps in roles.items()}
-        print(f"idle ({a.idle_s:g} s, no requests), cores: " + ", ".join(
-            f"{r} {c / a.idle_s:.3f}" for r, c in idle.items()), flush=True)  # fmt: skip
+        print(
+            f"idle ({a.idle_s:g} s, no requests), cores: "
+            + ", ".join(f"{r} {c / a.idle_s:.3f}" for r, c in idle.items()),
+            flush=True,
+        )
         for name, url in paths.items():
             rows.append((name, "~20 req/s", measure(url, 2, min(a.seconds, 15), paced, roles, 1)))
         for c in (int(x) for x in a.clients.split(",")):
@@ -185,13 +217,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(rows: list[tuple[str, str, Step]]) -> None:
-    print("\n| path | load | req/s | ratio to plain | p50 / p99 ms | answers |\n"
-          "|---|---|---:|---:|---|---|")  # fmt: skip
+    print(
+        "\n| path | load | req/s | ratio to plain | p50 / p99 ms | answers |\n"
+        "|---|---|---:|---:|---|---|"
+    )
     plain = {s: r.rps for n, s, r in rows if n == "plain NGINX"}
     for name, step, r in rows:
         ratio = r.rps / plain[step] if plain.get(step) else 0.0
-        print(f"| {name} | {step} | {r.rps:,.0f} | {ratio:.2f} | {r.p50:.2f} / {r.p99:.2f} "
-              f"| {fmt_answers(r.answers)} |")  # fmt: skip
+        print(
+            f"| {name} | {step} | {r.rps:,.0f} | {ratio:.2f} | {r.p50:.2f} / {r.p99:.2f} "
+            f"| {fmt_answers(r.answers)} |"
+        )
     roles = list(rows[0][2].cores)
     print("\nCPU per request (µs) by process; cores in use in brackets\n")
     print("| path | load | " + " | ".join(roles) + " |\n|---|---|" + "---:|" * len(roles))

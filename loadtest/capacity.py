@@ -27,8 +27,14 @@ def completed_rate(
     while t < seconds:
         while i < len(reqs) and reqs[i].at_s <= t:
             r = reqs[i]
-            s.add(Seq(r.prompt_tokens, r.max_tokens, arrival=r.at_s,
-                      hashes=prefix_hashes(r, s.p.block_size)))  # fmt: skip
+            s.add(
+                Seq(
+                    r.prompt_tokens,
+                    r.max_tokens,
+                    arrival=r.at_s,
+                    hashes=prefix_hashes(r, s.p.block_size),
+                )
+            )
             i += 1
         if s.idle():
             t = reqs[i].at_s if i < len(reqs) else seconds
@@ -97,9 +103,14 @@ def demand(profile: str, reqs: Iterable[Req], nodes: int, seconds: float) -> dic
 
 
 def first_token_bound(
-    profile: str, reqs: list[Req], cls: str, before: Iterable[str], nodes: int, seconds: float,
+    profile: str,
+    reqs: list[Req],
+    cls: str,
+    before: Iterable[str],
+    nodes: int,
+    seconds: float,
     target_s: float,
-) -> float:  # fmt: skip
+) -> float:
     """The largest fraction of `cls`'s requests that any order can give a first token within
     `target_s` while the classes `before` it get theirs within the window: every such prompt
     must be prefilled by the window's end + the target, so the prefills of `before` and of the

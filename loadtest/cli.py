@@ -15,11 +15,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from loadtest.bench import main as bench_main
 
     out = Path(args.run_dir).resolve().parent / "demo-report"
-    print(f"demo: {args.seconds:g} s of mixed overload (1.5x capacity) on {args.nodes} emulated "
-          "A100 nodes, first through plain NGINX round-robin (FIFO), then through the admission "
-          "stack ...", flush=True)  # fmt: skip
-    rc = bench_main(["--systems", "fifo,admission", "--nodes", str(args.nodes),
-                     "--seconds", str(args.seconds), "--out", str(out)])  # fmt: skip
+    print(
+        f"demo: {args.seconds:g} s of mixed overload (1.5x capacity) on {args.nodes} emulated "
+        "A100 nodes, first through plain NGINX round-robin (FIFO), then through the admission "
+        "stack ...",
+        flush=True,
+    )
+    rc = bench_main(
+        [
+            "--systems",
+            "fifo,admission",
+            "--nodes",
+            str(args.nodes),
+            "--seconds",
+            str(args.seconds),
+            "--out",
+            str(out),
+        ]
+    )
     if rc or args.no_serve:
         return rc
     print("\nnow serving the stack for you to try (Ctrl-C stops everything):", flush=True)

@@ -46,8 +46,14 @@ SECRET_MARK = "sk-fuzzsecret-"
 FUZZ_KEY = "sk-fuzz-tenant-0123456789"
 DEMO_KEYS = ("sk-demo-acme", "sk-demo-etl", "sk-demo-hobbyist")
 # 5xx an edge may answer, each documented in the README's failure modes.
-DEFINED_5XX = {"admission_unavailable", "limiter_unavailable", "admission_busy", "queue_timeout",
-               "engine_unavailable", "engine_timeout"}  # fmt: skip
+DEFINED_5XX = {
+    "admission_unavailable",
+    "limiter_unavailable",
+    "admission_busy",
+    "queue_timeout",
+    "engine_unavailable",
+    "engine_timeout",
+}
 FUZZ_TENANT = {
     "fuzz": {
         "keys": [f"plain:{FUZZ_KEY}"],
@@ -258,8 +264,13 @@ def fuzz_edge(url: str, n_cases: int, batch: int = 32, seed: int | None = None) 
         finally:
             slots.release()
 
-    @settings(max_examples=n_cases, deadline=None, database=None,
-              derandomize=seed is not None, suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=n_cases,
+        deadline=None,
+        database=None,
+        derandomize=seed is not None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(cases)
     def run(case: Case) -> None:
         slots.acquire()
@@ -278,8 +289,9 @@ def fuzz_edge(url: str, n_cases: int, batch: int = 32, seed: int | None = None) 
 
 
 async def _session() -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120),
-                                 connector=aiohttp.TCPConnector(limit=64))  # fmt: skip
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=120), connector=aiohttp.TCPConnector(limit=64)
+    )
 
 
 # -- the command -----------------------------------------------------------------------------
@@ -288,16 +300,19 @@ def run_edge(
 ) -> list[str]:
     from devstack.stack import DEFAULT_POLICY, Stack
 
-    stack = Stack(DEFAULT_POLICY, work, nodes=2, sidecars=2,
-                  policy_overrides={"tenants": FUZZ_TENANT})  # fmt: skip
+    stack = Stack(
+        DEFAULT_POLICY, work, nodes=2, sidecars=2, policy_overrides={"tenants": FUZZ_TENANT}
+    )
     failures: list[str] = []
     try:
         stack.start()
         t0 = time.monotonic()
         tally = fuzz_edge(stack.url, n_cases, batch)
         secs = time.monotonic() - t0
-        report(f"edge: {tally.cases:,} cases in {secs:.0f} s ({tally.cases / secs:,.0f}/s); "
-               f"statuses {dict(sorted(tally.statuses.items()))}")  # fmt: skip
+        report(
+            f"edge: {tally.cases:,} cases in {secs:.0f} s ({tally.cases / secs:,.0f}/s); "
+            f"statuses {dict(sorted(tally.statuses.items()))}"
+        )
         report(f"edge: slowest answer {tally.slowest[0]:.2f} s: {tally.slowest[1][:160]}")
         report("edge: codes " + ", ".join(f"{k} ×{v}" for k, v in tally.codes.most_common(12)))
         failures += tally.failures
@@ -334,8 +349,11 @@ def _after(stack: Any, secrets_sent: set[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.fuzz", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.fuzz",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--edge-cases", type=int, default=10000)
     p.add_argument("--policy-cases", type=int, default=10000)
     p.add_argument(
@@ -351,9 +369,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.policy_cases:
         t0 = time.monotonic()
         pt = fuzz_policy(a.policy_cases)
-        print(f"policy: {pt.valid + pt.invalid:,} mutations in {time.monotonic() - t0:.0f} s: "
-              f"{pt.valid:,} valid, {pt.invalid:,} rejected with PolicyError; "
-              f"{len(pt.failures)} failures", flush=True)  # fmt: skip
+        print(
+            f"policy: {pt.valid + pt.invalid:,} mutations in {time.monotonic() - t0:.0f} s: "
+            f"{pt.valid:,} valid, {pt.invalid:,} rejected with PolicyError; "
+            f"{len(pt.failures)} failures",
+            flush=True,
+        )
         failures += pt.failures
     if a.edge_cases:
         work = Path(a.work or tempfile.mkdtemp(prefix="fuzz-"))

@@ -45,11 +45,30 @@ def mutate(text: str, ops: list[tuple[str, int, str]]) -> bytes:
     return "\n".join(lines).encode() + tail
 
 
-yaml_scalar = st.sampled_from(["", "~", "-1", "0", "1e309", "[a, b]", "{x: 1}", "'q'", "*a",
-                               "&a x", "!!python/object:os.system x", "true", "0.0001", "3",
-                               "{{", "\t", "'plain:sk-demo-acme'"]) | st.text(max_size=20)  # fmt: skip
-mutations = st.lists(st.tuples(st.sampled_from(OPS), st.integers(0, 10**6), yaml_scalar),
-                     min_size=1, max_size=4)  # fmt: skip
+yaml_scalar = st.sampled_from(
+    [
+        "",
+        "~",
+        "-1",
+        "0",
+        "1e309",
+        "[a, b]",
+        "{x: 1}",
+        "'q'",
+        "*a",
+        "&a x",
+        "!!python/object:os.system x",
+        "true",
+        "0.0001",
+        "3",
+        "{{",
+        "\t",
+        "'plain:sk-demo-acme'",
+    ]
+) | st.text(max_size=20)
+mutations = st.lists(
+    st.tuples(st.sampled_from(OPS), st.integers(0, 10**6), yaml_scalar), min_size=1, max_size=4
+)
 
 
 @dataclass
@@ -63,14 +82,23 @@ def fuzz_policy(n_cases: int, seed: int | None = None) -> PolicyTally:
     """`load_policy` on `n_cases` mutations of the shipped policy: a Policy or a PolicyError,
     never another exception, and no key in any message."""
     base = resources.files("admission").joinpath("policies.yaml").read_text()
-    plain_keys = [k for w in base.split() if "plain:" in w
-                  if len(k := w.split("plain:", 1)[1].rstrip("\"']")) >= 8]  # fmt: skip
+    plain_keys = [
+        k
+        for w in base.split()
+        if "plain:" in w
+        if len(k := w.split("plain:", 1)[1].rstrip("\"']")) >= 8
+    ]
     tally = PolicyTally()
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "policies.yaml"
 
-        @settings(max_examples=n_cases, deadline=None, database=None,
-                  derandomize=seed is not None, suppress_health_check=list(HealthCheck))  # fmt: skip
+        @settings(
+            max_examples=n_cases,
+            deadline=None,
+            database=None,
+            derandomize=seed is not None,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(mutations)
         def run(ops: list[tuple[str, int, str]]) -> None:
             path.write_bytes(mutate(base, ops))

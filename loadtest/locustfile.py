@@ -91,16 +91,28 @@ class _Base(HttpUser):
         }
         start = time.perf_counter()
         name = f"chat {self.cls}"
-        with self.client.post("/v1/chat/completions", json=body, headers=self.headers, stream=True, name=name,
-                              catch_response=True) as r:  # fmt: skip
+        with self.client.post(
+            "/v1/chat/completions",
+            json=body,
+            headers=self.headers,
+            stream=True,
+            name=name,
+            catch_response=True,
+        ) as r:
             if r.status_code != 200:
                 try:
                     code = r.json()["error"]["code"]
                 except (ValueError, KeyError, TypeError):
                     code = "unknown"
                 r.failure(f"{r.status_code} {code}")
-                events.request.fire(request_type="refused", name=f"{r.status_code} {code}", response_time=0,
-                                    response_length=0, exception=None, context={})  # fmt: skip
+                events.request.fire(
+                    request_type="refused",
+                    name=f"{r.status_code} {code}",
+                    response_time=0,
+                    response_length=0,
+                    exception=None,
+                    context={},
+                )
                 return
             first = None
             for line in r.iter_lines():
@@ -108,9 +120,14 @@ class _Base(HttpUser):
                     choices = json.loads(line[6:]).get("choices") or []
                     if choices and (choices[0].get("delta") or {}).get("content"):
                         first = time.perf_counter()
-                        events.request.fire(request_type="TTFT", name=self.cls,
-                                            response_time=(first - start) * 1000, response_length=0,
-                                            exception=None, context={})  # fmt: skip
+                        events.request.fire(
+                            request_type="TTFT",
+                            name=self.cls,
+                            response_time=(first - start) * 1000,
+                            response_length=0,
+                            exception=None,
+                            context={},
+                        )
             r.success()
 
 

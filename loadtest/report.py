@@ -14,9 +14,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-POLICY_CODES = {"queue_timeout", "queue_full", "limiter_unavailable", "admission_unavailable", "requests_per_s",
-                "tokens_per_min", "burst", "concurrency", "request_exceeds_limit", "slo_unreachable",
-                "engine_refused"}  # fmt: skip
+POLICY_CODES = {
+    "queue_timeout",
+    "queue_full",
+    "limiter_unavailable",
+    "admission_unavailable",
+    "requests_per_s",
+    "tokens_per_min",
+    "burst",
+    "concurrency",
+    "request_exceeds_limit",
+    "slo_unreachable",
+    "engine_refused",
+}
 
 
 @dataclass
@@ -189,8 +199,10 @@ def _f(x: Any, fmt: str = "{:.0f}") -> str:
 
 
 def markdown(summaries: list[dict[str, Any]]) -> str:
-    lines = ["| system | class | sent | SLO (TTFT) attainment | e2e / TPOT SLO | TTFT p50 / p99 ms | e2e p50 / p99 ms | refused | lost |",
-             "|---|---|---:|---:|---:|---:|---:|---|---:|"]  # fmt: skip
+    lines = [
+        "| system | class | sent | SLO (TTFT) attainment | e2e / TPOT SLO | TTFT p50 / p99 ms | e2e p50 / p99 ms | refused | lost |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|",
+    ]
     for s in summaries:
         for cls, c in s["classes"].items():
             att = _f(c["slo_attainment"], "{:.1%}") + (
@@ -200,8 +212,10 @@ def markdown(summaries: list[dict[str, Any]]) -> str:
             e2e = _f(c.get("e2e_attainment"), "{:.1%}")
             if c.get("tpot_attainment") is not None:
                 e2e += f" / {c['tpot_attainment']:.1%}"
-            lines.append(f"| {s['system']} | {cls} | {c['sent']} | {att} | {e2e} | {_f(c['ttft_p50_ms'])} / {_f(c['ttft_p99_ms'])} "
-                         f"| {_f(c['e2e_p50_ms'])} / {_f(c['e2e_p99_ms'])} | {ref} | {c['lost']} |")  # fmt: skip
+            lines.append(
+                f"| {s['system']} | {cls} | {c['sent']} | {att} | {e2e} | {_f(c['ttft_p50_ms'])} / {_f(c['ttft_p99_ms'])} "
+                f"| {_f(c['e2e_p50_ms'])} / {_f(c['e2e_p99_ms'])} | {ref} | {c['lost']} |"
+            )
     lines += [
         "",
         "| system | goodput tok/s | good tokens | makespan s | throughput tok/s | completed/s | lost | realtime token shares (served vs weight) | peak effective memory | preemptions | prefix hits |",
@@ -265,11 +279,20 @@ def plots(
     tenants = list(summaries[0]["realtime_shares"]) if summaries else []
     width = 0.8 / (len(summaries) + 1)
     for i, s in enumerate(summaries):
-        ax.bar([j + i * width for j in range(len(tenants))], [s["realtime_shares"][t]["served"] for t in tenants], width,
-               label=s["system"])  # fmt: skip
+        ax.bar(
+            [j + i * width for j in range(len(tenants))],
+            [s["realtime_shares"][t]["served"] for t in tenants],
+            width,
+            label=s["system"],
+        )
     if summaries:
-        ax.bar([j + len(summaries) * width for j in range(len(tenants))],
-               [summaries[0]["realtime_shares"][t]["weight"] for t in tenants], width, label="weight", color="black")  # fmt: skip
+        ax.bar(
+            [j + len(summaries) * width for j in range(len(tenants))],
+            [summaries[0]["realtime_shares"][t]["weight"] for t in tenants],
+            width,
+            label="weight",
+            color="black",
+        )
     ax.set_xticks([j + 0.4 for j in range(len(tenants))], tenants)
     ax.set_title("realtime: share of served tokens vs weight")
     ax.legend(fontsize=8)

@@ -16,8 +16,11 @@ from pathlib import Path
 
 
 def add_flag(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--keep-work", action="store_true",
-                    help="keep the run's scratch directory (configs and logs of every process)")  # fmt: skip
+    ap.add_argument(
+        "--keep-work",
+        action="store_true",
+        help="keep the run's scratch directory (configs and logs of every process)",
+    )
 
 
 _KEPT: set[Path] = set()

@@ -19,11 +19,18 @@ from aiohttp import web
 from devstack.procs import http_ok, wait_for
 from devstack.stack import DEFAULT_POLICY, MODULES, Stack
 
-BODY = json.dumps({
-    "id": "chatcmpl-stub", "object": "chat.completion", "created": 0, "model": "stub",
-    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
-    "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
-}).encode()  # fmt: skip
+BODY = json.dumps(
+    {
+        "id": "chatcmpl-stub",
+        "object": "chat.completion",
+        "created": 0,
+        "model": "stub",
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}
+        ],
+        "usage": {"prompt_tokens": 5, "completion_tokens": 1, "total_tokens": 6},
+    }
+).encode()
 METRICS = b'vllm:kv_cache_usage_perc{engine="0",model_name="stub"} 0.0\n'
 
 
@@ -57,10 +64,12 @@ def nginx_stub(work: Path, port: int, delay_ms: float) -> subprocess.Popen[bytes
     """Start the NGINX stub on 127.0.0.1:`port` (files under `work`); returns its master."""
     (work / "tmp").mkdir(parents=True, exist_ok=True)
     modules = "\n".join(f"load_module {m};" for m in MODULES if Path(m).exists())
-    (work / "stub.conf").write_text(NGINX_STUB_CONF.format(d=work, modules=modules, port=port,
-                                                           delay=delay_ms / 1000))  # fmt: skip
-    stub = subprocess.Popen(["nginx", "-c", str(work / "stub.conf"), "-p", str(work)],
-                            start_new_session=True)  # fmt: skip
+    (work / "stub.conf").write_text(
+        NGINX_STUB_CONF.format(d=work, modules=modules, port=port, delay=delay_ms / 1000)
+    )
+    stub = subprocess.Popen(
+        ["nginx", "-c", str(work / "stub.conf"), "-p", str(work)], start_new_session=True
+    )
     wait_for(lambda: http_ok(f"http://127.0.0.1:{port}/health"), 20, "stub", stub)
     return stub
 
@@ -79,16 +88,37 @@ def beside_plain_nginx(
         location / {{ proxy_pass http://bench_direct; proxy_http_version 1.1;
                      proxy_set_header Connection ""; proxy_buffering off; }}
     }}"""
-    nodes = {"stub": {"url": f"http://127.0.0.1:{stub_port}", "models": ["stub"], "memory_source": "kv",
-                      "max_inflight": 100000}}  # fmt: skip
-    tenants = {"acme": {"tier": "platinum", "keys": ["plain:sk-demo-acme"], "classes": ["realtime"],
-                        "models": ["stub"],
-                        "limits": {"requests_per_s": 100000, "request_burst": 100000,
-                                   "tokens_per_min": 1e9, "token_burst": 100000000,
-                                   "max_concurrent": 100000}}}  # fmt: skip
-    return Stack(DEFAULT_POLICY, run_dir, external_nodes=nodes, extra_nginx_http=direct,
-                 policy_overrides={"tenants": tenants, "redis": {"answer_ahead": ahead}},
-                 sidecars=sidecars)  # fmt: skip
+    nodes = {
+        "stub": {
+            "url": f"http://127.0.0.1:{stub_port}",
+            "models": ["stub"],
+            "memory_source": "kv",
+            "max_inflight": 100000,
+        }
+    }
+    tenants = {
+        "acme": {
+            "tier": "platinum",
+            "keys": ["plain:sk-demo-acme"],
+            "classes": ["realtime"],
+            "models": ["stub"],
+            "limits": {
+                "requests_per_s": 100000,
+                "request_burst": 100000,
+                "tokens_per_min": 1e9,
+                "token_burst": 100000000,
+                "max_concurrent": 100000,
+            },
+        }
+    }
+    return Stack(
+        DEFAULT_POLICY,
+        run_dir,
+        external_nodes=nodes,
+        extra_nginx_http=direct,
+        policy_overrides={"tenants": tenants, "redis": {"answer_ahead": ahead}},
+        sidecars=sidecars,
+    )
 
 
 def main() -> None:

@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 from devstack.stack import DEFAULT_POLICY, Stack
-from loadtest.bench import drive
 from loadtest.capacity import capacity
+from loadtest.drive import drive
 from loadtest.workload import schedule
 
 
@@ -34,21 +34,46 @@ def main() -> int:
         stack.start()
         rate = capacity("a100-40gb-llama3-8b") * 2 * 1.5
         reqs = schedule(rate, a.after_s + 10)
-        keys = {"acme": "sk-demo-acme", "globex": "sk-demo-globex",
-                "hobbyist": "sk-demo-hobbyist", "nightly-etl": "sk-demo-etl"}  # fmt: skip
+        keys = {
+            "acme": "sk-demo-acme",
+            "globex": "sk-demo-globex",
+            "hobbyist": "sk-demo-hobbyist",
+            "nightly-etl": "sk-demo-etl",
+        }
         out = Path(a.out).resolve()
 
         def shoot() -> None:
             time.sleep(a.after_s)
-            subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu",
-                            "--hide-scrollbars", "--virtual-time-budget=3000",
-                            "--window-size=1280,860", f"--screenshot={out}",
-                            f"{stack.sidecar_url}/status"], check=True, capture_output=True)  # fmt: skip
+            subprocess.run(
+                [
+                    chromium,
+                    "--headless",
+                    "--no-sandbox",
+                    "--disable-gpu",
+                    "--hide-scrollbars",
+                    "--virtual-time-budget=3000",
+                    "--window-size=1280,860",
+                    f"--screenshot={out}",
+                    f"{stack.sidecar_url}/status",
+                ],
+                check=True,
+                capture_output=True,
+            )
 
         t = threading.Thread(target=shoot)
         t.start()
-        asyncio.run(drive(f"{stack.url}/v1/chat/completions", reqs, keys, None, "admission",
-                          "llama-3-8b", stack.node_ports, None))  # fmt: skip
+        asyncio.run(
+            drive(
+                f"{stack.url}/v1/chat/completions",
+                reqs,
+                keys,
+                None,
+                "admission",
+                "llama-3-8b",
+                stack.node_ports,
+                None,
+            )
+        )
         t.join()
         print(out)
     finally:

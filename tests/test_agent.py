@@ -44,8 +44,11 @@ nodes:
 @pytest.fixture(scope="module")
 def node() -> Iterator[int]:
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "engine", "--port", str(port), "--profile", "tiny"], cwd=ROOT,
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "engine", "--port", str(port), "--profile", "tiny"],
+        cwd=ROOT,
+        start_new_session=True,
+    )
     wait_for(
         lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/health").status == 200,
         30,

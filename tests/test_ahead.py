@@ -105,9 +105,10 @@ async def test_without_room_for_one_more_the_answer_waits(
 
 async def test_policy_can_make_every_answer_wait(redis: Any, redis_server: RedisServer) -> None:
     p = tenant_policy(
-        redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000}",
+        redis_server.url,
+        "{requests_per_s: 100, tokens_per_min: 60000}",
         redis_extra=", answer_ahead: false",
-    )  # fmt: skip
+    )
     assert not p.redis.answer_ahead
     d, client = make(p)
     await one(d, p)
@@ -276,8 +277,9 @@ async def test_bookings_out_are_bounded_so_a_flood_waits_for_redis(
     # The waited round trip is the sidecar's backpressure: past MAX_OUT bookings on their way,
     # admissions wait for Redis again instead of piling up bookings behind each other.
     p = tenant_policy(
-        redis_server.url, "{requests_per_s: 100000, tokens_per_min: 100000000, token_burst: 100000000}"
-    )  # fmt: skip
+        redis_server.url,
+        "{requests_per_s: 100000, tokens_per_min: 100000000, token_burst: 100000000}",
+    )
     d, client = make(p)
     v = d.nodes.views["n1"]
     v.node = dataclasses.replace(v.node, max_inflight=100_000)
@@ -296,10 +298,14 @@ async def test_bookings_out_are_bounded_so_a_flood_waits_for_redis(
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["admit", "admit", "release", "release", "gate"]), st.integers(0, 1),
-              st.integers(0, 7)),
-    min_size=1, max_size=30,
-)  # fmt: skip
+    st.tuples(
+        st.sampled_from(["admit", "admit", "release", "release", "gate"]),
+        st.integers(0, 1),
+        st.integers(0, 7),
+    ),
+    min_size=1,
+    max_size=30,
+)
 
 
 @settings(
@@ -374,8 +380,11 @@ async def test_a_stale_view_can_pass_a_node_cap_and_it_is_booked_and_counted(
     # while A's view still shows it nearly empty. A's answer ahead is booked past the cap, so
     # the ledger holds what runs, counted as over_node; A's view then shows the node full.
     p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000}")
-    waits = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000}",
-                          redis_extra=", answer_ahead: false")  # fmt: skip
+    waits = tenant_policy(
+        redis_server.url,
+        "{requests_per_s: 100, tokens_per_min: 60000}",
+        redis_extra=", answer_ahead: false",
+    )
     a, ca = make(p)
     b, cb = make(waits)
     for d in (a, b):

@@ -21,12 +21,22 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(DEFAULT_POLICY, tmp_path_factory.mktemp("batch"), nodes=2, sidecars=2,
-              batch_claim_idle_s=3.0,
-              policy_overrides={"batch": {"max_file_bytes": 400_000, "max_open_per_tenant": 3,
-                                          "max_files_per_tenant": 12,
-                                          "max_stored_bytes_per_tenant": 1_000_000,
-                                          "max_uploads_per_min": 20}})  # fmt: skip
+    s = Stack(
+        DEFAULT_POLICY,
+        tmp_path_factory.mktemp("batch"),
+        nodes=2,
+        sidecars=2,
+        batch_claim_idle_s=3.0,
+        policy_overrides={
+            "batch": {
+                "max_file_bytes": 400_000,
+                "max_open_per_tenant": 3,
+                "max_files_per_tenant": 12,
+                "max_stored_bytes_per_tenant": 1_000_000,
+                "max_uploads_per_min": 20,
+            }
+        },
+    )
     with s.running():
         yield s
 
@@ -37,11 +47,21 @@ def client(stack: Stack, key: str = "sk-demo-etl") -> openai.OpenAI:
 
 def jsonl(n: int, prefix: str = "req", max_tokens: int = 8) -> bytes:
     return b"".join(
-        json.dumps({"custom_id": f"{prefix}-{i}", "method": "POST", "url": "/v1/chat/completions",
-                    "body": {"model": "llama-3-8b", "max_tokens": max_tokens,
-                             "messages": [{"role": "user", "content": f"line {i}"}]}}).encode() + b"\n"
+        json.dumps(
+            {
+                "custom_id": f"{prefix}-{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": "llama-3-8b",
+                    "max_tokens": max_tokens,
+                    "messages": [{"role": "user", "content": f"line {i}"}],
+                },
+            }
+        ).encode()
+        + b"\n"
         for i in range(n)
-    )  # fmt: skip
+    )
 
 
 def wait_done(c: openai.OpenAI, bid: str, timeout_s: float = 120) -> Any:
@@ -59,10 +79,16 @@ def wait_done(c: openai.OpenAI, bid: str, timeout_s: float = 120) -> Any:
 
 
 def answers(c: openai.OpenAI, b: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    out = [json.loads(x) for x in c.files.content(b.output_file_id).text.splitlines()] \
-        if b.output_file_id else []  # fmt: skip
-    err = [json.loads(x) for x in c.files.content(b.error_file_id).text.splitlines()] \
-        if b.error_file_id else []  # fmt: skip
+    out = (
+        [json.loads(x) for x in c.files.content(b.output_file_id).text.splitlines()]
+        if b.output_file_id
+        else []
+    )
+    err = (
+        [json.loads(x) for x in c.files.content(b.error_file_id).text.splitlines()]
+        if b.error_file_id
+        else []
+    )
     return out, err
 
 
@@ -70,8 +96,12 @@ def test_sdk_round_trip_every_line_answered_once(stack: Stack) -> None:
     c = client(stack)
     f = c.files.create(file=("in.jsonl", jsonl(40)), purpose="batch")
     assert f.purpose == "batch" and f.bytes > 0
-    b = c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                         completion_window="24h", metadata={"job": "nightly"})  # fmt: skip
+    b = c.batches.create(
+        input_file_id=f.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+        metadata={"job": "nightly"},
+    )
     assert b.status == "in_progress" and b.request_counts.total == 40
     done = wait_done(c, b.id)
     assert done.status == "completed" and done.metadata == {"job": "nightly"}
@@ -89,8 +119,9 @@ def test_objects_are_scoped_to_their_tenant(stack: Stack) -> None:
     with pytest.raises(openai.NotFoundError):
         acme.files.retrieve(f.id)
     with pytest.raises(openai.NotFoundError):
-        acme.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                            completion_window="24h")  # fmt: skip
+        acme.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
     b = etl.batches.create(
         input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
     )
@@ -104,13 +135,16 @@ def test_objects_are_scoped_to_their_tenant(stack: Stack) -> None:
 @pytest.mark.parametrize(
     ("data", "status", "code"),
     [
-        (b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\nnot json\n',
-         400, "invalid_file"),
+        (
+            b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\nnot json\n',
+            400,
+            "invalid_file",
+        ),
         (jsonl(2) + jsonl(1), 400, "invalid_file"),  # custom_id repeats
         (jsonl(2300), 413, "file_too_large"),  # ~414 kB: over batch.max_file_bytes (the sidecar)
         (jsonl(4000), 413, "body_too_large"),  # ~722 kB: over NGINX's bound (its 413, as JSON)
     ],
-)  # fmt: skip
+)
 def test_bad_files_get_clear_errors(stack: Stack, data: bytes, status: int, code: str) -> None:
     with pytest.raises(openai.APIStatusError) as ei:
         client(stack).files.create(file=("in.jsonl", data), purpose="batch")
@@ -121,8 +155,12 @@ def test_bad_files_get_clear_errors(stack: Stack, data: bytes, status: int, code
 def test_cancel_and_open_batch_bound(stack: Stack) -> None:
     c = client(stack)
     f = c.files.create(file=("in.jsonl", jsonl(300, "slow", max_tokens=200)), purpose="batch")
-    bids = [c.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
-                             completion_window="24h").id for _ in range(3)]  # fmt: skip
+    bids = [
+        c.batches.create(
+            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
+        ).id
+        for _ in range(3)
+    ]
     with pytest.raises(openai.RateLimitError) as ei:  # max_open_per_tenant: 3
         c.with_options(max_retries=0).batches.create(
             input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h"
@@ -169,8 +207,11 @@ def create(c: openai.OpenAI, fid: str) -> Any:
 def test_files_list_expire_and_delete(stack: Stack) -> None:
     """OpenAI's file routes: list, `expires_after`, DELETE (not of an open batch's input)."""
     c = client(stack, "sk-demo-globex")
-    f = c.files.create(file=("in.jsonl", jsonl(2, "x", max_tokens=400)), purpose="batch",
-                       expires_after={"anchor": "created_at", "seconds": 3600})  # fmt: skip
+    f = c.files.create(
+        file=("in.jsonl", jsonl(2, "x", max_tokens=400)),
+        purpose="batch",
+        expires_after={"anchor": "created_at", "seconds": 3600},
+    )
     assert f.expires_at == f.created_at + 3600
     assert f.id in [x.id for x in c.files.list().data]
     b = create(c, f.id)
@@ -208,8 +249,9 @@ def test_storage_quotas_per_tenant_and_admission_unaffected(stack: Stack) -> Non
         for _ in range(6):
             c.files.delete(c.files.create(file=("s.jsonl", jsonl(1)), purpose="batch").id)
     assert ei3.value.body["code"] == "uploads_per_min"  # type: ignore[index]
-    answer = c.chat.completions.create(model="llama-3-8b", max_tokens=2,
-                                       messages=[{"role": "user", "content": "still served"}])  # fmt: skip
+    answer = c.chat.completions.create(
+        model="llama-3-8b", max_tokens=2, messages=[{"role": "user", "content": "still served"}]
+    )
     assert answer.choices[0].message.content
 
 
@@ -218,9 +260,16 @@ def test_json_line_separators_ids_and_concurrent_creates(stack: Stack) -> None:
     not an id answers 404, not a WRONGTYPE 500; concurrent creates cannot pass
     max_open_per_tenant (3 here)."""
     c = client(stack, "sk-demo-globex").with_options(max_retries=0)
-    line = {"custom_id": "sep", "method": "POST", "url": "/v1/chat/completions",
-            "body": {"model": "llama-3-8b", "max_tokens": 400,
-                     "messages": [{"role": "user", "content": "a\u2028b\u0085c"}]}}  # fmt: skip
+    line = {
+        "custom_id": "sep",
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {
+            "model": "llama-3-8b",
+            "max_tokens": 400,
+            "messages": [{"role": "user", "content": "a\u2028b\u0085c"}],
+        },
+    }
     raw = json.dumps(line, ensure_ascii=False).encode() + b"\n"
     assert "\u2028".encode() in raw
     f = c.files.create(file=("sep.jsonl", raw), purpose="batch")

@@ -22,8 +22,12 @@ PART = 1000  # bytes per part here, so that a small file spans many
 
 def line(i: int) -> bytes:
     body = {"model": "m", "messages": [{"role": "user", "content": f"line {i} " + "x" * (i % 90)}]}
-    return json.dumps({"custom_id": f"c-{i}", "method": "POST", "url": "/v1/chat/completions",
-                       "body": body}).encode() + b"\n"  # fmt: skip
+    return (
+        json.dumps(
+            {"custom_id": f"c-{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+        ).encode()
+        + b"\n"
+    )
 
 
 async def put_input(st: BatchStore, tenant: str, fid: str, n: int) -> bytes:
@@ -35,9 +39,16 @@ async def put_input(st: BatchStore, tenant: str, fid: str, n: int) -> bytes:
         lines.feed(data[k : k + 333])
     lines.feed(b"", final=True)
     await w.close()
-    meta = {"filename": "in.jsonl", "bytes": w.size, "purpose": "batch", "created_at": 1,
-            "expires_at": 4_000_000_000, "parts": w.parts, "lines": lines.count,
-            "urls": ",".join(lines.urls)}  # fmt: skip
+    meta = {
+        "filename": "in.jsonl",
+        "bytes": w.size,
+        "purpose": "batch",
+        "created_at": 1,
+        "expires_at": 4_000_000_000,
+        "parts": w.parts,
+        "lines": lines.count,
+        "urls": ",".join(lines.urls),
+    }
     await st.commit_file(tenant, fid, meta, bytes(lines.index))
     return data
 
@@ -51,9 +62,18 @@ async def check_store(redis: Any) -> None:
     for i in range(60):  # every line, across part boundaries, by its offsets
         assert await st.line("t1", "file-in", i) == line(i).rstrip(b"\n")
     assert await st.file_meta("t2", "file-in") is None  # another tenant's keys
-    fields = {"tenant": "t1", "status": "in_progress", "endpoint": "/v1/chat/completions",
-              "input_file_id": "file-in", "created_at": 1, "expires_at": 4_000_000_000,
-              "total": 60, "completed": 0, "failed": 0, "queued": 0}  # fmt: skip
+    fields = {
+        "tenant": "t1",
+        "status": "in_progress",
+        "endpoint": "/v1/chat/completions",
+        "input_file_id": "file-in",
+        "created_at": 1,
+        "expires_at": 4_000_000_000,
+        "total": 60,
+        "completed": 0,
+        "failed": 0,
+        "queued": 0,
+    }
     assert await st.create("t1", "batch_a", fields, meta, max_open=1) == 1
     assert await st.create("t1", "batch_b", fields, meta, max_open=1) == 0  # one open at most
     await st.enqueue("t1", "batch_a", 60)
@@ -122,8 +142,10 @@ def test_lines_name_the_first_bad_one(data: bytes, problem: str) -> None:
 
 
 def test_line_separators_inside_json_strings_are_not_line_ends() -> None:
-    raw = json.dumps({"custom_id": "a\u2028b\u0085", "method": "POST",
-                      "url": "/v1/completions", "body": {}}, ensure_ascii=False).encode()  # fmt: skip
+    raw = json.dumps(
+        {"custom_id": "a\u2028b\u0085", "method": "POST", "url": "/v1/completions", "body": {}},
+        ensure_ascii=False,
+    ).encode()
     lines = Lines(10)
     lines.feed(raw + b"\r\n" + line(1), final=True)
     assert lines.count == 2 and lines.n == 2

@@ -42,10 +42,24 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 # Codes an error answer may carry under these faults (README "Failure modes"): policy refusals
 # (429) and the documented unavailability answers (503), and the JSON the edge makes of an
 # engine that failed before answering (502/504).
-REFUSALS = {"requests_per_s", "tokens_per_min", "burst", "concurrency", "queue_full",
-            "tenant_queue_full", "slo_unreachable", "request_exceeds_limit"}  # fmt: skip
-UNAVAILABLE = {"admission_unavailable", "limiter_unavailable", "admission_busy", "queue_timeout",
-               "engine_unavailable", "engine_timeout"}  # fmt: skip
+REFUSALS = {
+    "requests_per_s",
+    "tokens_per_min",
+    "burst",
+    "concurrency",
+    "queue_full",
+    "tenant_queue_full",
+    "slo_unreachable",
+    "request_exceeds_limit",
+}
+UNAVAILABLE = {
+    "admission_unavailable",
+    "limiter_unavailable",
+    "admission_busy",
+    "queue_timeout",
+    "engine_unavailable",
+    "engine_timeout",
+}
 KEYS = ("sk-demo-acme", "sk-demo-etl")
 
 
@@ -89,15 +103,17 @@ def classify(status: int, raw: bytes) -> tuple[str, str]:
     return "undefined", f"{status} {code}"
 
 
-async def one(s: aiohttp.ClientSession, url: str, t0: float, rng: random.Random,
-              abort_frac: float) -> Answer:  # fmt: skip
+async def one(
+    s: aiohttp.ClientSession, url: str, t0: float, rng: random.Random, abort_frac: float
+) -> Answer:
     start = time.monotonic() - t0
     stream = rng.random() < 0.5
     abort = stream and rng.random() < abort_frac
     headers = {"Authorization": f"Bearer {rng.choice(KEYS)}"}
     try:
-        async with s.post(f"{url}/v1/chat/completions", json=body(rng, stream),
-                          headers=headers) as r:  # fmt: skip
+        async with s.post(
+            f"{url}/v1/chat/completions", json=body(rng, stream), headers=headers
+        ) as r:
             if r.status != 200:
                 kind, detail = classify(r.status, await r.read())
                 return Answer(start, r.status, kind, detail)
@@ -117,8 +133,15 @@ async def one(s: aiohttp.ClientSession, url: str, t0: float, rng: random.Random,
         return Answer(start, 0, "undefined", f"{type(exc).__name__}: {exc}")
 
 
-def open_loop(stack: Stack, *, rate: float, seconds: float, faults: list[tuple[float, Callable[[], None]]],
-              abort_frac: float = 0.0, seed: int = 1) -> list[Answer]:  # fmt: skip
+def open_loop(
+    stack: Stack,
+    *,
+    rate: float,
+    seconds: float,
+    faults: list[tuple[float, Callable[[], None]]],
+    abort_frac: float = 0.0,
+    seed: int = 1,
+) -> list[Answer]:
     """Poisson arrivals at `rate` for `seconds`; each fault runs once at its time (in a thread,
     so the load keeps its pace). Returns every request's answer."""
 
@@ -157,14 +180,18 @@ def redis_client(stack: Stack) -> redis.Redis:
     return redis.Redis.from_url(stack.redis_url, socket_timeout=2)
 
 
-def settle_and_check(stack: Stack, answers: list[Answer], allow: set[str], label: str,
-                     fault_at: float) -> None:  # fmt: skip
+def settle_and_check(
+    stack: Stack, answers: list[Answer], allow: set[str], label: str, fault_at: float
+) -> None:
     kinds = Counter(a.kind for a in answers)
     bad = [a for a in answers if a.kind not in allow | {"ok", "refused", "unavailable"}]
     # Recovery: from the fault to the start of the last request that was not answered 200
     # (refusals by rate limit are the policy working, not a failure).
-    failed = [a.start for a in answers if a.kind in ("unavailable", "cut", "undefined")
-              and a.start >= fault_at - 2]  # fmt: skip
+    failed = [
+        a.start
+        for a in answers
+        if a.kind in ("unavailable", "cut", "undefined") and a.start >= fault_at - 2
+    ]
     recovery = max(failed) - fault_at if failed else 0.0
     assert stack.redis_url is not None
     left = wait_unbooked(stack.redis_url)
@@ -173,8 +200,10 @@ def settle_and_check(stack: Stack, answers: list[Answer], allow: set[str], label
     # invisible to clients, but it is a bug (the logs are appended to over the module).
     findings = log_findings(stack.run_dir, set(KEYS))
     codes = Counter(a.detail for a in answers if a.kind in ("refused", "unavailable"))
-    print(f"\nCHAOS {label}: {len(answers)} requests, {dict(kinds)}; codes {dict(codes)}; "
-          f"recovery {max(recovery, 0.0):.1f} s; left in Redis {len(left)}")  # fmt: skip
+    print(
+        f"\nCHAOS {label}: {len(answers)} requests, {dict(kinds)}; codes {dict(codes)}; "
+        f"recovery {max(recovery, 0.0):.1f} s; left in Redis {len(left)}"
+    )
     assert not bad, bad[:10]
     assert kinds["ok"] > len(answers) // 3, kinds
     assert not left, left
@@ -186,13 +215,20 @@ def redis_errors(stack: Stack) -> float:
     """admission_redis_errors_total of the admin sidecar, all operations."""
     with urllib.request.urlopen(f"{stack.sidecar_url}/metrics", timeout=5) as m:
         lines = m.read().decode().splitlines()
-    return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines
-               if ln.startswith("admission_redis_errors_total{"))  # fmt: skip
+    return sum(
+        float(ln.rsplit(" ", 1)[1])
+        for ln in lines
+        if ln.startswith("admission_redis_errors_total{")
+    )
 
 
 def admin(stack: Stack, node: str, action: str) -> None:
-    req = urllib.request.Request(f"{stack.sidecar_url}/nodes/{node}/{action}", method="POST",
-                                 data=b"", headers={"Authorization": f"Bearer {stack.admin_token}"})  # fmt: skip
+    req = urllib.request.Request(
+        f"{stack.sidecar_url}/nodes/{node}/{action}",
+        method="POST",
+        data=b"",
+        headers={"Authorization": f"Bearer {stack.admin_token}"},
+    )
     urllib.request.urlopen(req, timeout=5).close()
 
 
@@ -218,8 +254,9 @@ def test_baseline_without_faults(stack: Stack) -> None:
 def test_redis_killed_mid_run(stack: Stack) -> None:
     old = pid_of(stack, "redis")
     errors = redis_errors(stack)
-    answers = open_loop(stack, rate=12, seconds=8,
-                        faults=[(2.0, lambda: os.kill(old, signal.SIGKILL))])  # fmt: skip
+    answers = open_loop(
+        stack, rate=12, seconds=8, faults=[(2.0, lambda: os.kill(old, signal.SIGKILL))]
+    )
     wait_restarted(stack, "redis", old)
     settle_and_check(stack, answers, set(), "kill -9 redis-server", 2.0)
     assert redis_errors(stack) > errors  # the fault was felt, and lived through
@@ -255,8 +292,9 @@ def test_sidecar_killed_with_requests_queued(stack: Stack) -> None:
 def test_node_killed_mid_stream(stack: Stack) -> None:
     assert stack.nodes is not None
     old = stack.nodes.procs[0].pid
-    answers = open_loop(stack, rate=12, seconds=8,
-                        faults=[(2.5, lambda: os.kill(old, signal.SIGKILL))])  # fmt: skip
+    answers = open_loop(
+        stack, rate=12, seconds=8, faults=[(2.5, lambda: os.kill(old, signal.SIGKILL))]
+    )
     deadline = time.monotonic() + 20
     while stack.nodes.procs[0].pid == old and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -307,14 +345,21 @@ def test_clients_abort_mid_stream(stack: Stack) -> None:
 @pytest.mark.parametrize(
     ("label", "on", "off"),
     [
-        ("Redis OOM (maxmemory 1)", [["CONFIG", "SET", "maxmemory", "1"]],
-         [["CONFIG", "SET", "maxmemory", "0"]]),
-        ("Redis READONLY (demoted to a replica)", [["REPLICAOF", "127.0.0.1", "1"]],
-         [["REPLICAOF", "NO", "ONE"]]),
+        (
+            "Redis OOM (maxmemory 1)",
+            [["CONFIG", "SET", "maxmemory", "1"]],
+            [["CONFIG", "SET", "maxmemory", "0"]],
+        ),
+        (
+            "Redis READONLY (demoted to a replica)",
+            [["REPLICAOF", "127.0.0.1", "1"]],
+            [["REPLICAOF", "NO", "ONE"]],
+        ),
     ],
-)  # fmt: skip
-def test_redis_refusing_writes(stack: Stack, label: str, on: list[list[str]],
-                               off: list[list[str]]) -> None:  # fmt: skip
+)
+def test_redis_refusing_writes(
+    stack: Stack, label: str, on: list[list[str]], off: list[list[str]]
+) -> None:
     def run(cmds: list[list[str]]) -> Callable[[], None]:
         def f() -> None:
             r = redis_client(stack)

@@ -44,18 +44,42 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         port = free_port()
         while port > 55_000 or not _free(port + 10_000):  # the cluster bus listens on port + 10000
             port = free_port()
-        s = RedisServer(base / str(i), ["--cluster-enabled", "yes", "--cluster-config-file", f"nodes-{port}.conf",
-                                        "--cluster-node-timeout", "2000"])  # fmt: skip
+        s = RedisServer(
+            base / str(i),
+            [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                f"nodes-{port}.conf",
+                "--cluster-node-timeout",
+                "2000",
+            ],
+        )
         s.port = port
         s.start()
         servers.append(s)
     try:
         addrs = [f"127.0.0.1:{s.port}" for s in servers]
-        subprocess.run(["redis-cli", "--cluster", "create", *addrs, "--cluster-replicas", "0", "--cluster-yes"],
-                       check=True, capture_output=True, timeout=60)  # fmt: skip
+        subprocess.run(
+            [
+                "redis-cli",
+                "--cluster",
+                "create",
+                *addrs,
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
         for _ in range(100):
-            info = subprocess.run(["redis-cli", "-p", str(servers[0].port), "cluster", "info"],
-                                  capture_output=True, text=True).stdout  # fmt: skip
+            info = subprocess.run(
+                ["redis-cli", "-p", str(servers[0].port), "cluster", "info"],
+                capture_output=True,
+                text=True,
+            ).stdout
             if "cluster_state:ok" in info:
                 break
             time.sleep(0.1)

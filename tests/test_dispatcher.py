@@ -64,9 +64,10 @@ async def test_fail_closed_round_trip_that_ran_leaves_no_lease(
     # Redis slow, not gone: the pipeline carrying buckets + lease ran, but the client timed out.
     # Fail-closed refuses the request, so the lease it may hold must be given back.
     p = tenant_policy(
-        redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000, max_concurrent: 1}",
+        redis_server.url,
+        "{requests_per_s: 100, tokens_per_min: 60000, max_concurrent: 1}",
         "closed",
-    )  # fmt: skip
+    )
     d, client = make(p)
     scripts = d.store.scripts
     run = scripts.run
@@ -173,11 +174,12 @@ def test_fallbacks_include_live_nodes_that_are_not_eligible(redis_server: RedisS
     # If n1 refuses the connection, n2 can still serve: it is a fallback, n3 is not.
     text = BASE_POLICY.replace(
         'nodes:\n  n1: {url: "http://127.0.0.1:1", models: [m], memory_source: kv, max_inflight: 4}',
-        "nodes:\n" + "".join(
+        "nodes:\n"
+        + "".join(
             f'  n{i}: {{url: "http://127.0.0.1:{i}", models: [m], memory_source: kv}}\n'
             for i in (1, 2, 3)
         ),
-    )  # fmt: skip
+    )
     p = make_policy(redis_server.url, text)
     views = {n: NodeView(p.nodes[n]) for n in p.nodes}
     for n, s in (("n1", Status.OPEN), ("n2", Status.HOLD), ("n3", Status.DRAIN)):
@@ -195,14 +197,17 @@ def test_lower_classes_go_first_where_the_urgent_class_has_no_kv(
     # realtime goes where its prefill starts soonest: n1.
     text = BASE_POLICY.replace("deadline_s: 5}", "deadline_s: 5, admit_until: drain}").replace(
         'nodes:\n  n1: {url: "http://127.0.0.1:1", models: [m], memory_source: kv, max_inflight: 4}',
-        "nodes:\n" + "".join(
+        "nodes:\n"
+        + "".join(
             f'  n{i}: {{url: "http://127.0.0.1:{i}", models: [m], memory_source: kv}}\n'
             for i in (1, 2)
         ),
-    )  # fmt: skip
+    )
     p = make_policy(redis_server.url, text)
-    views = [NodeView(p.nodes[n], state=Status.OPEN, per_token=0.0001, prefill_rate=1000.0)
-             for n in ("n1", "n2")]  # fmt: skip
+    views = [
+        NodeView(p.nodes[n], state=Status.OPEN, per_token=0.0001, prefill_rate=1000.0)
+        for n in ("n1", "n2")
+    ]
     views[0].ledger(0.0, 50, 1, 0.0, urgent=50, reserve=50.0)
     views[1].ledger(300.0, 300, 1, 0.0, urgent=0, reserve=0.0)
 
@@ -232,8 +237,10 @@ def test_decode_guard_follows_what_the_urgent_class_answers_need(
     assert decode_limit_s(p, 300) == pytest.approx(0.030)  # 9 s for 300 tokens
     assert decode_limit_s(p, 5000) == pytest.approx(0.030)  # never below half of tpot_ms
     assert decode_limit_s(make_policy(redis_server.url)) is None  # no tpot target: no guard
-    v, w = (NodeView(p.nodes[n], state=Status.OPEN, per_token=0.0001, prefill_rate=1000.0)
-            for n in ("n1", "n2"))  # fmt: skip
+    v, w = (
+        NodeView(p.nodes[n], state=Status.OPEN, per_token=0.0001, prefill_rate=1000.0)
+        for n in ("n1", "n2")
+    )
     w.ledger(0.0, 50, 1, 0.0, urgent=50, reserve=50.0)  # realtime runs on n2 (KV booked)
     v.tpot_s = 0.040  # what lower-class prefill chunks leave realtime's decode now
 
@@ -356,8 +363,10 @@ def test_every_node_that_says_no_is_counted_with_its_reason(redis_server: RedisS
     assert no("realtime") == "inflight"
     m = Metrics()
     m.gate[("n1", "batch", "reserve")] += 2
-    assert ('admission_node_gate_total{cls="batch",node="n1",reason="reserve"} 2.0'
-            in generate_latest(m.registry).decode())  # fmt: skip
+    assert (
+        'admission_node_gate_total{cls="batch",node="n1",reason="reserve"} 2.0'
+        in generate_latest(m.registry).decode()
+    )
 
 
 async def test_shadow_tenant_is_counted_not_refused(redis: Any, redis_server: RedisServer) -> None:
@@ -386,9 +395,10 @@ async def test_memory_aware_limits_tighten_lower_classes_while_a_model_stays_hel
     relaxes it. Visible as admission_limit_factor{model}."""
     p = make_policy(
         redis_server.url,
-        BASE_POLICY.replace("stale_after_s: 2}", "stale_after_s: 2, tighten_after_s: 0.3, "
-                            "tighten_factor: 0.05}"),
-    )  # fmt: skip
+        BASE_POLICY.replace(
+            "stale_after_s: 2}", "stale_after_s: 2, tighten_after_s: 0.3, tighten_factor: 0.05}"
+        ),
+    )
     now = [100.0]
     client = connect(p.redis)
     st = Store.over(client, Metrics())

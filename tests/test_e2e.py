@@ -37,8 +37,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         s.stop()
 
 
-def raw(stack: Stack, body: Any, key: str | None = "sk-demo-acme", path: str = "/v1/chat/completions",
-        headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:  # fmt: skip
+def raw(
+    stack: Stack,
+    body: Any,
+    key: str | None = "sk-demo-acme",
+    path: str = "/v1/chat/completions",
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, str], bytes]:
     h = {"Content-Type": "application/json", **(headers or {})}
     if key:
         h["Authorization"] = f"Bearer {key}"
@@ -170,8 +175,12 @@ def test_bad_requests_get_clear_errors(
     ],
 )
 def test_cost_is_what_the_engine_will_do(stack: Stack, body: dict[str, Any]) -> None:
-    status, _h, out = raw(stack, body, key="sk-demo-hobbyist",
-                          path="/v1/completions" if "prompt" in body else "/v1/chat/completions")  # fmt: skip
+    status, _h, out = raw(
+        stack,
+        body,
+        key="sk-demo-hobbyist",
+        path="/v1/completions" if "prompt" in body else "/v1/chat/completions",
+    )
     assert status == 400, out
     assert json.loads(out)["error"]["code"] == "request_exceeds_limit"
 
@@ -276,8 +285,10 @@ def test_queued_client_disconnect_frees_its_slot(stack: Stack) -> None:
         )
     try:
         body = json.dumps(chat()).encode()
-        req = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-demo-acme\r\n"
-               f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body  # fmt: skip
+        req = (
+            f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-demo-acme\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
         sock = socket.create_connection(("127.0.0.1", stack.port))
         sock.sendall(req)
         queued = 0
@@ -318,8 +329,11 @@ def test_engine_dying_before_it_answers_gets_json_not_an_html_page(stack: Stack)
 
     def fault(drop: bool) -> None:
         for port in stack.node_ports:
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/sim/fault", method="POST",
-                                         data=json.dumps({"drop": drop}).encode())  # fmt: skip
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}/sim/fault",
+                method="POST",
+                data=json.dumps({"drop": drop}).encode(),
+            )
             urllib.request.urlopen(req, timeout=5).close()
 
     fault(True)
@@ -366,15 +380,20 @@ def test_edge_without_its_tenant_table_answers_503_not_401(stack: Stack, tmp_pat
         text = text.replace(str(stack.run_dir), str(run))
         text = text.replace(f"127.0.0.1:{stack.port}", f"127.0.0.1:{port}")
         (run / name).write_text(text)
-    proc = subprocess.Popen(["nginx", "-c", str(run / "nginx.conf"), "-p", str(run)],
-                            start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        ["nginx", "-c", str(run / "nginx.conf"), "-p", str(run)], start_new_session=True
+    )
     try:
         wait_for(lambda: port_open(port), 20, "nginx", proc)
         for path in ("/v1/chat/completions", "/v1/models"):
-            req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(chat()).encode()
-                                         if path != "/v1/models" else None,
-                                         headers={"Authorization": "Bearer sk-demo-acme",
-                                                  "Content-Type": "application/json"})  # fmt: skip
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}{path}",
+                data=json.dumps(chat()).encode() if path != "/v1/models" else None,
+                headers={
+                    "Authorization": "Bearer sk-demo-acme",
+                    "Content-Type": "application/json",
+                },
+            )
             with pytest.raises(urllib.error.HTTPError) as e:
                 urllib.request.urlopen(req, timeout=10)
             assert e.value.code == 503, path
@@ -446,8 +465,9 @@ def test_rate_limit_headers_and_request_id_as_openai_sends_them(stack: Stack) ->
     refused = None
     for _ in range(12):  # burst 5 at 2 requests/s
         try:
-            c.chat.completions.create(model="llama-3-8b", max_tokens=4,
-                                      messages=[{"role": "user", "content": "hi"}])  # fmt: skip
+            c.chat.completions.create(
+                model="llama-3-8b", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+            )
         except openai.RateLimitError as exc:
             refused = exc.response.headers
             break
@@ -485,8 +505,13 @@ def test_usage_of_an_answer_over_a_mebibyte_is_read_and_settled(stack: Stack) ->
         {"type": "text", "text": "hi"},
         {"type": "image_url", "image_url": {"url": "data:,x"}},
     ]
-    body = chat(messages=[{"role": "user", "content": content}], max_tokens=900, ignore_eos=True,
-                logprobs=True, top_logprobs=20)  # fmt: skip
+    body = chat(
+        messages=[{"role": "user", "content": content}],
+        max_tokens=900,
+        ignore_eos=True,
+        logprobs=True,
+        top_logprobs=20,
+    )
     before = refunded(stack, "acme")
     status, _h, out = raw(stack, body)
     assert status == 200 and len(out) > 1_048_576, (status, len(out))

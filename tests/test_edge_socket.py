@@ -49,9 +49,12 @@ async def ask(path: str, *lines: bytes) -> list[dict[str, Any]]:
 async def test_same_answers_as_admit_on_one_connection(edge: Any, redis: Any) -> None:
     client, path = edge
     ok, unknown, bad_json, bad_field = await ask(
-        path, json.dumps(admit_body()).encode(), json.dumps(admit_body(tenant="nobody")).encode(),
-        b"{not json", json.dumps(admit_body(color="red")).encode(),
-    )  # fmt: skip
+        path,
+        json.dumps(admit_body()).encode(),
+        json.dumps(admit_body(tenant="nobody")).encode(),
+        b"{not json",
+        json.dumps(admit_body(color="red")).encode(),
+    )
     assert ok["status"] == 200 and ok["body"]["node"] == "n1" and ok["body"]["ticket"]
     assert await redis.zcard(keys.node_leases("n1")) == 1
     assert unknown["status"] == 401 and unknown["body"]["error"]["code"] == "invalid_api_key"

@@ -103,8 +103,9 @@ http {{
 
 
 def estimate(url: str, body: dict[str, Any]) -> int:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             return int(r.read())
@@ -124,27 +125,40 @@ words = st.text(
 )
 long_words = st.text(st.characters(codec="utf-8", exclude_categories=("Cs", "Cc")), max_size=2000)
 call = st.builds(
-    lambda name, args, i: {"id": f"call_{i}", "type": "function",
-                           "function": {"name": name, "arguments": json.dumps({"q": args})}},
-    st.from_regex(r"[a-z_]{1,40}", fullmatch=True), long_words, st.integers(0, 999),
-)  # fmt: skip
+    lambda name, args, i: {
+        "id": f"call_{i}",
+        "type": "function",
+        "function": {"name": name, "arguments": json.dumps({"q": args})},
+    },
+    st.from_regex(r"[a-z_]{1,40}", fullmatch=True),
+    long_words,
+    st.integers(0, 999),
+)
 part = st.one_of(
     st.builds(lambda t: {"type": "text", "text": t}, words),
     st.just({"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}),
 )
 message = st.fixed_dictionaries(
-    {"role": st.sampled_from(["system", "user", "assistant", "tool"]),
-     "content": st.one_of(words, st.lists(part, min_size=1, max_size=3))},
-    optional={"name": st.text(st.characters(codec="ascii", categories=("L", "N")), max_size=200),
-              "tool_calls": st.lists(call, min_size=1, max_size=3),
-              "reasoning_content": long_words, "refusal": words,
-              "tool_call_id": st.from_regex(r"call_[0-9]{1,3}", fullmatch=True)},
-)  # fmt: skip
+    {
+        "role": st.sampled_from(["system", "user", "assistant", "tool"]),
+        "content": st.one_of(words, st.lists(part, min_size=1, max_size=3)),
+    },
+    optional={
+        "name": st.text(st.characters(codec="ascii", categories=("L", "N")), max_size=200),
+        "tool_calls": st.lists(call, min_size=1, max_size=3),
+        "reasoning_content": long_words,
+        "refusal": words,
+        "tool_call_id": st.from_regex(r"call_[0-9]{1,3}", fullmatch=True),
+    },
+)
 tool = st.builds(
-    lambda name, desc: {"type": "function",
-                        "function": {"name": name, "description": desc, "parameters": {"type": "object"}}},
-    st.from_regex(r"[a-z_]{1,40}", fullmatch=True), words,
-)  # fmt: skip
+    lambda name, desc: {
+        "type": "function",
+        "function": {"name": name, "description": desc, "parameters": {"type": "object"}},
+    },
+    st.from_regex(r"[a-z_]{1,40}", fullmatch=True),
+    words,
+)
 request = st.fixed_dictionaries(
     {"model": st.just("m"), "messages": st.lists(message, min_size=1, max_size=5)},
     optional={"tools": st.lists(tool, min_size=1, max_size=4)},
@@ -152,8 +166,11 @@ request = st.fixed_dictionaries(
 
 
 @pytest.mark.vllm
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,
-          HealthCheck.function_scoped_fixture])  # fmt: skip
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(body=request)
 def test_estimate_never_falls_far_below_the_tokenizer(edge: str, tokenizer: Any, body: Any) -> None:
     got, real = estimate(edge, body), truth(tokenizer, body)
@@ -164,12 +181,24 @@ def test_estimate_never_falls_far_below_the_tokenizer(edge: str, tokenizer: Any,
 def test_a_long_tool_call_is_counted(edge: str, tokenizer: Any) -> None:
     """The finding's case, by hand: an assistant turn of tool calls, nearly all arguments."""
     args = json.dumps({"sql": "SELECT " + ", ".join(f"column_{i}" for i in range(300))})
-    body = {"model": "m", "messages": [
-        {"role": "user", "content": "run it"},
-        {"role": "assistant", "content": "", "name": "planner",
-         "tool_calls": [{"id": "call_1", "type": "function",
-                         "function": {"name": "query", "arguments": args}}]},
-    ]}  # fmt: skip
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": "run it"},
+            {
+                "role": "assistant",
+                "content": "",
+                "name": "planner",
+                "tool_calls": [
+                    {
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "query", "arguments": args},
+                    }
+                ],
+            },
+        ],
+    }
     started = time.monotonic()
     got, real = estimate(edge, body), truth(tokenizer, body)
     assert real > 2000 and got >= FLOOR * real, (got, real)

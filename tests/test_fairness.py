@@ -26,12 +26,25 @@ WEIGHTS = {"gold-5": 5, "silver-3": 3, "bronze-1": 1}
 
 @pytest.fixture(scope="module")
 def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    lifted = {"requests_per_s": 1e6, "request_burst": 10**6, "tokens_per_min": 1e9,
-              "token_burst": 10**9}  # fmt: skip
-    tenants = {t: {"weight": w, "keys": [f"plain:sk-{t}"], "classes": ["realtime"],
-                   "limits": lifted} for t, w in WEIGHTS.items()}  # fmt: skip
-    s = Stack(DEFAULT_POLICY, tmp_path_factory.mktemp("fair"), nodes=1, sidecars=1, profile="tiny",
-              policy_overrides={"tenants": tenants}, node_max_inflight=8)  # fmt: skip
+    lifted = {
+        "requests_per_s": 1e6,
+        "request_burst": 10**6,
+        "tokens_per_min": 1e9,
+        "token_burst": 10**9,
+    }
+    tenants = {
+        t: {"weight": w, "keys": [f"plain:sk-{t}"], "classes": ["realtime"], "limits": lifted}
+        for t, w in WEIGHTS.items()
+    }
+    s = Stack(
+        DEFAULT_POLICY,
+        tmp_path_factory.mktemp("fair"),
+        nodes=1,
+        sidecars=1,
+        profile="tiny",
+        policy_overrides={"tenants": tenants},
+        node_max_inflight=8,
+    )
     try:
         s.start()
         yield s
@@ -40,13 +53,15 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 async def _saturate(url: str, seconds: float, warmup_s: float) -> Counter[str]:
-    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "x" * 200}],
-                       "max_tokens": 16}).encode()  # fmt: skip
+    body = json.dumps(
+        {"model": "tiny", "messages": [{"role": "user", "content": "x" * 200}], "max_tokens": 16}
+    ).encode()
     served: Counter[str] = Counter()
     start = time.monotonic()
     stop_at = start + warmup_s + seconds
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=60)) as s:  # fmt: skip
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=60)
+    ) as s:
 
         async def client(tenant: str) -> None:
             headers = {"Authorization": f"Bearer sk-{tenant}", "Content-Type": "application/json"}

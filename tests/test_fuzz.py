@@ -27,8 +27,13 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(DEFAULT_POLICY, tmp_path_factory.mktemp("fuzz"), nodes=2, sidecars=2,
-              policy_overrides={"tenants": FUZZ_TENANT})  # fmt: skip
+    s = Stack(
+        DEFAULT_POLICY,
+        tmp_path_factory.mktemp("fuzz"),
+        nodes=2,
+        sidecars=2,
+        policy_overrides={"tenants": FUZZ_TENANT},
+    )
     try:
         s.start()
         yield s

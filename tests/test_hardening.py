@@ -59,9 +59,17 @@ def inflight(stack: Stack) -> int:
 
 @pytest.mark.parametrize(
     "path",
-    ["/v1/embeddings", "/v1/responses", "/v1/audio/transcriptions", "/tokenize", "/score",
-     "/v1/rerank", "/pooling", "/invocations"],
-)  # fmt: skip
+    [
+        "/v1/embeddings",
+        "/v1/responses",
+        "/v1/audio/transcriptions",
+        "/tokenize",
+        "/score",
+        "/v1/rerank",
+        "/pooling",
+        "/invocations",
+    ],
+)
 def test_engine_paths_the_edge_does_not_admit_are_404_in_openai_shape(
     stack: Stack, path: str
 ) -> None:
@@ -177,8 +185,11 @@ def test_node_admin_on_the_unix_socket_needs_the_token(stack: Stack) -> None:
     def drain(headers: str) -> bytes:
         with socket.socket(socket.AF_UNIX) as s:
             s.connect(sock)
-            s.sendall(b"POST /nodes/node-0/undrain HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n"
-                      + headers.encode() + b"Connection: close\r\n\r\n")  # fmt: skip
+            s.sendall(
+                b"POST /nodes/node-0/undrain HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n"
+                + headers.encode()
+                + b"Connection: close\r\n\r\n"
+            )
             return s.recv(65536)
 
     assert drain("").startswith(b"HTTP/1.1 401")
@@ -187,13 +198,19 @@ def test_node_admin_on_the_unix_socket_needs_the_token(stack: Stack) -> None:
 
 @pytest.mark.parametrize(
     "path",
-    [b"/nodes/node-0/x/../../../v1/files", b"/v1/files/%2e%2e/%2e%2e/nodes/node-0/drain",
-     b"/v1/files/a%2Fb", b"/v1/batches/x/cancel/extra"],
-)  # fmt: skip
+    [
+        b"/nodes/node-0/x/../../../v1/files",
+        b"/v1/files/%2e%2e/%2e%2e/nodes/node-0/drain",
+        b"/v1/files/a%2Fb",
+        b"/v1/batches/x/cancel/extra",
+    ],
+)
 def test_only_the_batch_apis_own_paths_reach_the_sidecar(stack: Stack, path: bytes) -> None:
     with socket.create_connection(("127.0.0.1", stack.port), timeout=10) as s:
-        s.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-demo-acme"
-                  b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n")  # fmt: skip
+        s.sendall(
+            b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-demo-acme"
+            b"\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+        )
         got = b""
         while chunk := s.recv(65536):
             got += chunk
@@ -206,8 +223,13 @@ def node_requests(stack: Stack) -> list[float]:
     out = []
     for port in stack.node_ports:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
-        out.append(sum(float(line.split()[-1]) for line in text.splitlines()
-                       if line.startswith("emulator_requests_by_priority_total{")))  # fmt: skip
+        out.append(
+            sum(
+                float(line.split()[-1])
+                for line in text.splitlines()
+                if line.startswith("emulator_requests_by_priority_total{")
+            )
+        )
     return out
 
 
@@ -215,8 +237,12 @@ def test_zz_fail_open_skips_a_drained_node(stack: Stack) -> None:
     """Runs last (it stops the sidecar). With no sidecar, `sidecar_failure_mode: open` proxies
     unadmitted — but only to nodes that took new work when a sidecar last saw them: not to one
     an operator drained (round-robin over every node of the table sent it half the traffic)."""
-    req = urllib.request.Request(f"{stack.sidecar_url}/nodes/node-1/drain", method="POST",
-                                 data=b"", headers={"Authorization": f"Bearer {stack.admin_token}"})  # fmt: skip
+    req = urllib.request.Request(
+        f"{stack.sidecar_url}/nodes/node-1/drain",
+        method="POST",
+        data=b"",
+        headers={"Authorization": f"Bearer {stack.admin_token}"},
+    )
     urllib.request.urlopen(req, timeout=5).close()
     table = json.loads((stack.sock_dir / "edge.json").read_text())
     assert table["nodes"]["node-1"]["serving"] is False

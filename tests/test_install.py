@@ -37,21 +37,41 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     dist = tmp / "dist"
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(dist), str(clone)],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     env_dir = tmp / "env"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True)
     purelib = subprocess.run(
-        [str(env_dir / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
-        check=True, capture_output=True, text=True,
-    ).stdout.strip()  # fmt: skip
+        [
+            str(env_dir / "bin" / "python"),
+            "-c",
+            "import sysconfig; print(sysconfig.get_path('purelib'))",
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     (Path(purelib) / "deps.pth").write_text("\n".join(site.getsitepackages()) + "\n")
     wheel = next(dist.glob("admission-*.whl"))
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(env_dir / "bin" / "python"), "install", "-q",
-         "--no-deps", "--no-index", str(wheel)],
-        check=True, capture_output=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(env_dir / "bin" / "python"),
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-index",
+            str(wheel),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     shutil.rmtree(clone)  # nothing may refer to it
     yield env_dir / "bin"
 
@@ -64,10 +84,18 @@ def _env(bindir: Path) -> dict[str, str]:
 
 def test_installed_package_is_not_the_checkout(installed: Path, tmp_path: Path) -> None:
     out = subprocess.run(
-        [str(installed / "python"), "-c", "import admission, devstack, loadtest, engine; "
-         "print(admission.__file__, devstack.__file__, loadtest.__file__, engine.__file__)"],
-        cwd=tmp_path, env=_env(installed), capture_output=True, text=True, check=True,
-    ).stdout  # fmt: skip
+        [
+            str(installed / "python"),
+            "-c",
+            "import admission, devstack, loadtest, engine; "
+            "print(admission.__file__, devstack.__file__, loadtest.__file__, engine.__file__)",
+        ],
+        cwd=tmp_path,
+        env=_env(installed),
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert str(ROOT) not in out and out.count(str(installed.parent)) == 4
 
 
@@ -75,9 +103,13 @@ def test_console_script_lists_every_command_and_checks_the_shipped_policy(
     installed: Path, tmp_path: Path
 ) -> None:
     run = lambda *a: subprocess.run(  # noqa: E731
-        [str(installed / "admission"), *a], cwd=tmp_path, env=_env(installed),
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [str(installed / "admission"), *a],
+        cwd=tmp_path,
+        env=_env(installed),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     helptext = run("--help").stdout
     for cmd in ("check", "serve", "agent", "node", "example-policy", "up", "demo", "bench"):
         assert cmd in helptext
@@ -92,8 +124,12 @@ def test_demo_runs_from_the_installed_script(installed: Path, tmp_path: Path) ->
     """`make demo`'s command, short: the comparison runs and writes its report."""
     proc = subprocess.run(
         [str(installed / "admission"), "demo", "--seconds", "4", "--nodes", "1", "--no-serve"],
-        cwd=tmp_path, env=_env(installed), capture_output=True, text=True, timeout=400,
-    )  # fmt: skip
+        cwd=tmp_path,
+        env=_env(installed),
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = (tmp_path / "demo-report" / "report.md").read_text()
     assert "| fifo |" in report and "| admission |" in report
@@ -121,11 +157,24 @@ def test_up_serves_and_ctrl_c_leaves_nothing_behind(installed: Path, tmp_path: P
     run_dir = tmp_path / "run"
     with open(tmp_path / "up.log", "wb") as log:
         proc = subprocess.Popen(
-            [str(installed / "admission"), "up", "--nodes", "1", "--sidecars", "1", "--port",
-             str(port), "--run-dir", str(run_dir)],
-            cwd=tmp_path, env=_env(installed), stdout=log, stderr=subprocess.STDOUT,
+            [
+                str(installed / "admission"),
+                "up",
+                "--nodes",
+                "1",
+                "--sidecars",
+                "1",
+                "--port",
+                str(port),
+                "--run-dir",
+                str(run_dir),
+            ],
+            cwd=tmp_path,
+            env=_env(installed),
+            stdout=log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
     try:
         wait_for(lambda: http_ok(f"http://127.0.0.1:{port}/healthz"), 90, "the stack", proc)
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models")

@@ -40,10 +40,16 @@ async def ledger(redis: Any) -> tuple[float, int, dict[str, int]]:
 
 
 ops = st.lists(
-    st.tuples(st.sampled_from(["take", "give"]), st.integers(0, 11), st.integers(0, 1),
-              st.integers(1, 400), st.booleans()),
-    min_size=1, max_size=40,
-)  # fmt: skip
+    st.tuples(
+        st.sampled_from(["take", "give"]),
+        st.integers(0, 11),
+        st.integers(0, 1),
+        st.integers(1, 400),
+        st.booleans(),
+    ),
+    min_size=1,
+    max_size=40,
+)
 
 
 @settings(
@@ -65,8 +71,15 @@ def test_ledger_never_negative_always_cleared_and_shared(
             for op, i, who, tokens, rt in ops:
                 t = ticket(i)
                 if op == "take":
-                    ask = leases.Ask(tokens, tokens * 2, 0.0, 0, 1500, urgent=rt,
-                                     reserve_limit=-1 if rt else 1600)  # fmt: skip
+                    ask = leases.Ask(
+                        tokens,
+                        tokens * 2,
+                        0.0,
+                        0,
+                        1500,
+                        urgent=rt,
+                        reserve_limit=-1 if rt else 1600,
+                    )
                     res = (await scripts[who].run(leases.take(NODE, t, 60, ask)))[0]
                     granted_lower = leases.granted(res) and not rt
                     if leases.granted(res):

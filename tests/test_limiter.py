@@ -502,8 +502,11 @@ async def test_pool_exhaustion_is_busy_not_an_outage(redis_server: RedisServer) 
     """Every pooled connection in use is this process's overload: the admission waits in line
     for a connection; past `busy_wait_s`, 503 admission_busy, and the sidecar stays on Redis
     (no flip to fail-open that would skip every shared limit)."""
-    p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 600000}",
-                      redis_extra=", pool_size: 1, pool_wait_ms: 50")  # fmt: skip
+    p = tenant_policy(
+        redis_server.url,
+        "{requests_per_s: 100, tokens_per_min: 600000}",
+        redis_extra=", pool_size: 1, pool_wait_ms: 50",
+    )
     lim, client = await make_limiter(p)
     held = await client.connection_pool.get_connection()
     # A short overload: the admission waits in line for the connection, then goes through.

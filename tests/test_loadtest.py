@@ -25,11 +25,29 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
     scratch = Path(tempfile.mkdtemp(prefix="t"))  # short: unix socket paths live under it
     scratch.chmod(0o755)  # NGINX's workers (nobody) read the Lua files under it
     proc = subprocess.run(
-        [sys.executable, "-m", "loadtest.bench", "--systems", "fifo,vllm_router,admission", "--nodes", "2",
-         "--seconds", "6", "--load", "1.0", "--workload", str(ROOT / "loadtest/workloads/support.yaml"),
-         "--out", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=360, env={**os.environ, "TMPDIR": str(scratch)},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "loadtest.bench",
+            "--systems",
+            "fifo,vllm_router,admission",
+            "--nodes",
+            "2",
+            "--seconds",
+            "6",
+            "--load",
+            "1.0",
+            "--workload",
+            str(ROOT / "loadtest/workloads/support.yaml"),
+            "--out",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=360,
+        env={**os.environ, "TMPDIR": str(scratch)},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     left = list(scratch.glob("bench-*"))
     shutil.rmtree(scratch)
@@ -54,8 +72,9 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
 
 def bench(module: str, *args: str) -> subprocess.CompletedProcess[str]:
     """Run a benchmark module as a user does; it must exit 0."""
-    proc = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True,
-                          text=True, timeout=180)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True, text=True, timeout=180
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
@@ -77,16 +96,26 @@ def test_throughput_benchmark_smoke() -> None:
 
 
 def test_scratch_kept_when_asked_or_when_the_run_failed(tmp_path: Path) -> None:
-    code = "import sys; from loadtest.scratch import keep, scratch; " \
-           "w = scratch('bench-t-', {keep}); (w / 'log').write_text('x'); " \
-           "keep(w) if {found} else None; sys.exit(0) if {ok} else 1 / 0"  # fmt: skip
-    for keep, found, ok, kept in ((False, False, True, False), (True, False, True, True),
-                                  (False, False, False, True), (False, True, True, True)):  # fmt: skip
+    code = (
+        "import sys; from loadtest.scratch import keep, scratch; "
+        "w = scratch('bench-t-', {keep}); (w / 'log').write_text('x'); "
+        "keep(w) if {found} else None; sys.exit(0) if {ok} else 1 / 0"
+    )
+    for keep, found, ok, kept in (
+        (False, False, True, False),
+        (True, False, True, True),
+        (False, False, False, True),
+        (False, True, True, True),
+    ):
         d = tmp_path / f"{keep}-{found}-{ok}"
         d.mkdir()
-        proc = subprocess.run([sys.executable, "-c", code.format(keep=keep, found=found, ok=ok)],
-                              cwd=ROOT, capture_output=True, text=True,
-                              env={**os.environ, "TMPDIR": str(d)})  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-c", code.format(keep=keep, found=found, ok=ok)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "TMPDIR": str(d)},
+        )
         assert (proc.returncode == 0) is ok
         assert [p.name for p in d.glob("bench-t-*/log")] == (["log"] if kept else [])
         assert ("scratch directory kept" in proc.stderr) is kept
@@ -96,8 +125,11 @@ def test_edge_latency_benchmark_smoke() -> None:
     """bench_edge runs end to end on the NGINX stub: both paths answer, the added latency is
     printed, and so is how much of it the sidecar's own histograms account for."""
     proc = bench("loadtest.bench_edge", "--rate", "50", "--seconds", "2", "--stub", "nginx")
-    rows = {ln.split()[0] + " " + ln.split()[1]: ln.split() for ln in proc.stdout.splitlines()
-            if ln.startswith(("nginx direct", "nginx + admission"))}  # fmt: skip
+    rows = {
+        ln.split()[0] + " " + ln.split()[1]: ln.split()
+        for ln in proc.stdout.splitlines()
+        if ln.startswith(("nginx direct", "nginx + admission"))
+    }
     assert rows["nginx direct"][2:4] == ["100", "0"] and rows["nginx +"][3:5] == ["100", "0"]
     inside = next(ln for ln in proc.stdout.splitlines() if ln.startswith("inside the sidecar"))
     assert "over 100 " in inside  # one decision per request sent through the edge
@@ -126,10 +158,31 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 def test_locust_headless_reports_ttft_per_class(stack: Stack, tmp_path: Path) -> None:
     prefix = tmp_path / "run"
     proc = subprocess.run(
-        [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py"), "--host", stack.url,
-         "--headless", "-u", "6", "-r", "6", "-t", "6s", "--csv", str(prefix), "--only-summary"],
-        cwd=ROOT, capture_output=True, text=True, timeout=120, env={**__import__("os").environ, "LOCUST_THINK_S": "0.2"},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "locust",
+            "-f",
+            str(ROOT / "loadtest" / "locustfile.py"),
+            "--host",
+            stack.url,
+            "--headless",
+            "-u",
+            "6",
+            "-r",
+            "6",
+            "-t",
+            "6s",
+            "--csv",
+            str(prefix),
+            "--only-summary",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**__import__("os").environ, "LOCUST_THINK_S": "0.2"},
+    )
     assert proc.returncode in (0, 1), proc.stderr[-3000:]  # 1: some requests failed (429s count)
     with (tmp_path / "run_stats.csv").open() as f:
         rows = list(csv.DictReader(f))

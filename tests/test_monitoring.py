@@ -20,8 +20,23 @@ from tests.conftest import ROOT
 
 MON = Path(str(resources.files("admission") / "monitoring"))
 BUILTIN = {"up"}  # Prometheus's own series
-FUNCS = {"sum", "by", "rate", "max", "min", "histogram_quantile", "min_over_time", "increase",
-         "ignoring", "group_left", "or", "le", "without", "on", "humanizePercentage"}  # fmt: skip
+FUNCS = {
+    "sum",
+    "by",
+    "rate",
+    "max",
+    "min",
+    "histogram_quantile",
+    "min_over_time",
+    "increase",
+    "ignoring",
+    "group_left",
+    "or",
+    "le",
+    "without",
+    "on",
+    "humanizePercentage",
+}
 
 
 def exported() -> set[str]:
@@ -51,8 +66,18 @@ def metric_names(expr: str) -> set[str]:
     expr = re.sub(r"\{[^}]*\}", "", expr)  # label matchers
     expr = re.sub(r"\[[^\]]*\]", "", expr)  # ranges
     words = set(re.findall(r"[a-zA-Z_:][a-zA-Z0-9_:]*", expr))
-    labels = {"cls", "reason", "node", "state", "instance", "op", "result", "direction", "outcome",
-              "model"}  # fmt: skip
+    labels = {
+        "cls",
+        "reason",
+        "node",
+        "state",
+        "instance",
+        "op",
+        "result",
+        "direction",
+        "outcome",
+        "model",
+    }
     return {w for w in words if w not in FUNCS and w not in labels}
 
 
@@ -73,9 +98,16 @@ def test_every_expression_names_an_exported_metric() -> None:
 def test_promtool_checks_and_unit_tests_the_rules(tmp_path: Path) -> None:
     shutil.copy(MON / "alerts.yaml", tmp_path / "alerts.yaml")
     shutil.copy(ROOT / "tests" / "monitoring" / "alerts_test.yaml", tmp_path / "alerts_test.yaml")
-    r = subprocess.run(["promtool", "check", "rules", str(tmp_path / "alerts.yaml")],
-                       capture_output=True, text=True)  # fmt: skip
+    r = subprocess.run(
+        ["promtool", "check", "rules", str(tmp_path / "alerts.yaml")],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stdout + r.stderr
-    r = subprocess.run(["promtool", "test", "rules", str(tmp_path / "alerts_test.yaml")],
-                       capture_output=True, text=True, cwd=tmp_path)  # fmt: skip
+    r = subprocess.run(
+        ["promtool", "test", "rules", str(tmp_path / "alerts_test.yaml")],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stdout + r.stderr

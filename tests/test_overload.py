@@ -31,8 +31,14 @@ from devstack.stack import DEFAULT_POLICY, Stack
 
 pytestmark = pytest.mark.timeout(240)
 
-POLICY_REASONS = {"requests_per_s", "tokens_per_min", "burst", "concurrency", "queue_full",
-                  "queue_timeout"}  # fmt: skip
+POLICY_REASONS = {
+    "requests_per_s",
+    "tokens_per_min",
+    "burst",
+    "concurrency",
+    "queue_full",
+    "queue_timeout",
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,23 +48,46 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with open(run / "stub.log", "wb") as log:
         stub = subprocess.Popen(
             [sys.executable, "-m", "loadtest.stub", "--port", str(port), "--delay-ms", "20"],
-            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )  # fmt: skip
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         wait_for(lambda: http_ok(f"http://127.0.0.1:{port}/health"), 20, "stub", stub)
         # The node takes 256 at a time, as an operator would cap it: the excess waits in the
         # sidecars' queue. Uncapped, 1,024 clients reach the one-process Python stub at once,
         # overflow its accept backlog, and NGINX's 2 s connect timeout answers 504
         # engine_timeout — the node's overload, which a cap is there to prevent.
-        nodes = {"stub": {"url": f"http://127.0.0.1:{port}", "models": ["stub"],
-                          "memory_source": "kv", "max_inflight": 256}}  # fmt: skip
+        nodes = {
+            "stub": {
+                "url": f"http://127.0.0.1:{port}",
+                "models": ["stub"],
+                "memory_source": "kv",
+                "max_inflight": 256,
+            }
+        }
         # Limits out of the way: this is about the edge and the sidecars, not the buckets.
-        tenants = {"acme": {"keys": ["plain:sk-load"], "classes": ["realtime"], "models": ["stub"],
-                            "limits": {"requests_per_s": 1e6, "request_burst": 10**6,
-                                       "tokens_per_min": 1e9, "token_burst": 10**9,
-                                       "max_queued": 10000}}}  # fmt: skip
-        s = Stack(DEFAULT_POLICY, run / "stack", external_nodes=nodes, sidecars=2,
-                  policy_overrides={"tenants": tenants})  # fmt: skip
+        tenants = {
+            "acme": {
+                "keys": ["plain:sk-load"],
+                "classes": ["realtime"],
+                "models": ["stub"],
+                "limits": {
+                    "requests_per_s": 1e6,
+                    "request_burst": 10**6,
+                    "tokens_per_min": 1e9,
+                    "token_burst": 10**9,
+                    "max_queued": 10000,
+                },
+            }
+        }
+        s = Stack(
+            DEFAULT_POLICY,
+            run / "stack",
+            external_nodes=nodes,
+            sidecars=2,
+            policy_overrides={"tenants": tenants},
+        )
         try:
             s.start()
             yield s
@@ -69,8 +98,9 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 async def _closed_loop(url: str, clients: int, seconds: float) -> Counter[str]:
-    body = json.dumps({"model": "stub", "messages": [{"role": "user", "content": "hi"}],
-                       "max_tokens": 1}).encode()  # fmt: skip
+    body = json.dumps(
+        {"model": "stub", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    ).encode()
     headers = {"Authorization": "Bearer sk-load", "Content-Type": "application/json"}
     seen: Counter[str] = Counter()
     stop_at = time.monotonic() + seconds
@@ -131,10 +161,19 @@ def test_concurrency_never_makes_the_edge_unavailable(edge: Stack, clients: int)
 def test_release_survives_a_sidecar_stall(edge: Stack) -> None:
     """Both sidecars freeze (SIGSTOP) while a request runs: its release waits in the edge's
     queue and is delivered once they resume — the node lease does not leak until its TTL."""
-    body = json.dumps({"model": "stub", "messages": [{"role": "user", "content": "hi"}],
-                       "max_tokens": 1, "stub_delay_ms": 3000}).encode()  # fmt: skip
-    req = urllib.request.Request(f"{edge.url}/v1/chat/completions", data=body, headers={
-        "Authorization": "Bearer sk-load", "Content-Type": "application/json"})  # fmt: skip
+    body = json.dumps(
+        {
+            "model": "stub",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 1,
+            "stub_delay_ms": 3000,
+        }
+    ).encode()
+    req = urllib.request.Request(
+        f"{edge.url}/v1/chat/completions",
+        data=body,
+        headers={"Authorization": "Bearer sk-load", "Content-Type": "application/json"},
+    )
     sidecars = [p for name, p in edge.procs if name.startswith("sidecar-")]
     r = redis.Redis.from_url(edge.redis_url or "")
     with ThreadPoolExecutor(1) as pool:

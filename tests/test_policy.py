@@ -143,8 +143,10 @@ def test_plaintext_key_is_never_in_errors_or_logs(caplog: pytest.LogCaptureFixtu
 def test_check_command(tmp_path: Path) -> None:
     good = subprocess.run(
         [sys.executable, "-m", "admission.cli", "check", str(DEFAULT_POLICY)],
-        capture_output=True, text=True, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert good.returncode == 0 and good.stdout.startswith("ok:")
     bad_file = tmp_path / "p.yaml"
     bad_file.write_text(
@@ -163,8 +165,10 @@ def test_check_command(tmp_path: Path) -> None:
     ]
     missing = subprocess.run(
         [sys.executable, "-m", "admission.cli", "check", str(tmp_path / "nope.yaml")],
-        capture_output=True, text=True, cwd=ROOT,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert missing.returncode == 1 and "cannot read" in missing.stdout
 
 
@@ -216,8 +220,10 @@ def test_check_diff_says_what_a_change_means(tmp_path: Path) -> None:
     )
     out = subprocess.run(
         [sys.executable, "-m", "admission.cli", "check", "--diff", str(old), str(new)],
-        capture_output=True, text=True, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
     assert "tenant acme: limit requests_per_s raised 50% (10 → 15)" in lines
@@ -225,6 +231,8 @@ def test_check_diff_says_what_a_change_means(tmp_path: Path) -> None:
     assert "tenant small: limits shadowed (not enforced)" in lines
     same = subprocess.run(
         [sys.executable, "-m", "admission.cli", "check", "--diff", str(old), str(old)],
-        capture_output=True, text=True, cwd=tmp_path,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
     assert same.stdout.strip() == "no change in meaning"

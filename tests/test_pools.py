@@ -151,8 +151,9 @@ async def test_no_lending_and_no_spill(redis: Any, redis_server: RedisServer) ->
     for _ in range(2):
         assert (await d.admit(vip, "realtime", "m", 10, 10)).node == "mine"
     # Everything full: neither gets the other's nodes; both time out in the queue (3 s).
-    outcomes = await asyncio.gather(*(d.admit(t, "realtime", "m", 10, 10) for t in (other, vip)),
-                                    return_exceptions=True)  # fmt: skip
+    outcomes = await asyncio.gather(
+        *(d.admit(t, "realtime", "m", 10, 10) for t in (other, vip)), return_exceptions=True
+    )
     assert all(isinstance(o, QueueTimeout) for o in outcomes), outcomes
     await client.aclose()
 
@@ -176,8 +177,9 @@ def test_borrowers_are_held_at_hold_on_a_lent_node_owners_may_go_to_drain() -> N
     from admission.scheduling.views import NodeView
 
     text = POLICY.replace("deadline_s: 3}", "deadline_s: 3, admit_until: drain}")
-    p = parse_policy(text.replace("REDIS_URL", "redis://h:1/0").replace("LEND", "true")
-                     .replace("SPILL", "true"))  # fmt: skip
+    p = parse_policy(
+        text.replace("REDIS_URL", "redis://h:1/0").replace("LEND", "true").replace("SPILL", "true")
+    )
     views = [NodeView(n) for n in p.nodes.values()]
     for v in views:
         v.state, v.memory = Status.HOLD, 0.82
@@ -194,8 +196,9 @@ def test_check_diff_names_pool_changes() -> None:
     assert "pool vip-gpus: lend: True → False" in describe(lending, closed)
     base = parse_policy(
         POLICY.replace("pools:\n  vip-gpus: {tiers: [platinum], lend: LEND, spill: SPILL}\n", "")
-        .replace(" pool: vip-gpus,", "").replace("REDIS_URL", "redis://h:1/0")
-    )  # fmt: skip
+        .replace(" pool: vip-gpus,", "")
+        .replace("REDIS_URL", "redis://h:1/0")
+    )
     assert describe(base, lending) == [
         "node mine: pool: None → 'vip-gpus'",
         "pool vip-gpus added: owned by vip, lends idle capacity",

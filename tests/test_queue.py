@@ -278,11 +278,13 @@ def test_retry_after_from_drain_rate() -> None:
     assert q.retry_after(500) == pytest.approx(5.0, rel=0.1)
 
 
-def slo_policy(w: tuple[float, float, float] = (8, 3, 1),
-               m: tuple[float, float, float] = (0.1, 0.1, 0.05)) -> Policy:  # fmt: skip
+def slo_policy(
+    w: tuple[float, float, float] = (8, 3, 1), m: tuple[float, float, float] = (0.1, 0.1, 0.05)
+) -> Policy:
     """realtime and batch have TTFT targets; offline has none."""
-    text = POLICY.format(w0=w[0], w1=w[1], w2=w[2], m0=m[0], m1=m[1], m2=m[2], ta=5, tb=3, tc=1,
-                         long=0)  # fmt: skip
+    text = POLICY.format(
+        w0=w[0], w1=w[1], w2=w[2], m0=m[0], m1=m[1], m2=m[2], ta=5, tb=3, tc=1, long=0
+    )
     text = text.replace("deadline_s: 5}", "deadline_s: 5, slo: {ttft_ms: 1000}}")
     text = text.replace("promote_after_s: 2}", "promote_after_s: 2, slo: {ttft_ms: 10000}}")
     return parse_policy(text)

@@ -12,8 +12,14 @@ from loadtest.report import Record, SystemResult
 from loadtest.workload import prompt_text, schedule
 
 
-def rec(cls: str = "realtime", status: int = 200, ttft: float | None = 0.1, code: str = "", tenant: str = "a",
-        tokens: int = 10) -> Record:  # fmt: skip
+def rec(
+    cls: str = "realtime",
+    status: int = 200,
+    ttft: float | None = 0.1,
+    code: str = "",
+    tenant: str = "a",
+    tokens: int = 10,
+) -> Record:
     return Record(
         "s",
         "chat",
@@ -62,9 +68,14 @@ def test_lost_requests_are_only_unexplained_failures() -> None:
 
 
 def test_summary_and_markdown(tmp_path: Path) -> None:
-    rs = [rec(tenant="a", tokens=50), rec(tenant="b", tokens=30), rec(tenant="b", tokens=20, ttft=2.0),
-          rec(cls="batch", ttft=3.0, tokens=100), rec(status=503, ttft=None, code="queue_timeout"),
-          rec(status=0, ttft=None)]  # fmt: skip
+    rs = [
+        rec(tenant="a", tokens=50),
+        rec(tenant="b", tokens=30),
+        rec(tenant="b", tokens=20, ttft=2.0),
+        rec(cls="batch", ttft=3.0, tokens=100),
+        rec(status=503, ttft=None, code="queue_timeout"),
+        rec(status=0, ttft=None),
+    ]
     res = SystemResult("admission", 10.0, rs, {"n1": {"peak_memory": 0.81, "preemptions": 2}})
     s = report.summarise(res, {"realtime": 1.0, "batch": 10.0}, {"a": 1, "b": 1})
     rt = s["classes"]["realtime"]

@@ -120,9 +120,16 @@ def test_blocks_never_negative_or_over_capacity(
 ) -> None:
     s = Scheduler(TINY, policy=policy, num_blocks=blocks)
     # Prompts open with one of three shared prefixes (prefix caching shares their blocks).
-    seqs = [Seq(p, m, priority=pr, arrival=i,
-                hashes=tuple(hash((i % 3, b)) for b in range(min(p // 16, 2 + i % 3))))
-            for i, (p, m, pr) in enumerate(reqs)]  # fmt: skip
+    seqs = [
+        Seq(
+            p,
+            m,
+            priority=pr,
+            arrival=i,
+            hashes=tuple(hash((i % 3, b)) for b in range(min(p // 16, 2 + i % 3))),
+        )
+        for i, (p, m, pr) in enumerate(reqs)
+    ]
     for q in seqs:
         if -(-(q.prompt_tokens + q.max_tokens) // 16) <= blocks:  # could ever fit
             s.add(q)

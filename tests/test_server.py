@@ -36,9 +36,17 @@ async def set_node(
     base_memory: float = 0.0,
     prefill_rate: float = 0.0,
 ) -> None:
-    st = NodeState(node=node, seq=seq, state=Status(state), source="kv", healthy=True,
-                   memory=memory, per_token=per_token, base_memory=base_memory,
-                   prefill_rate=prefill_rate)  # fmt: skip
+    st = NodeState(
+        node=node,
+        seq=seq,
+        state=Status(state),
+        source="kv",
+        healthy=True,
+        memory=memory,
+        per_token=per_token,
+        base_memory=base_memory,
+        prefill_rate=prefill_rate,
+    )
     await redis.set(keys.node_state(node), st.to_json(), px=5000)
 
 
@@ -144,10 +152,18 @@ async def test_unreadable_usage_still_releases_and_keeps_the_charge(
 
 async def test_release_batch_answers_each_entry(sidecar: Any, redis: Any) -> None:
     client, _h, _p = sidecar
-    tickets = [(await (await client.post("/admit", json=admit_body())).json())["ticket"]
-               for _ in range(2)]  # fmt: skip
-    batch = [{"ticket": tickets[0], "status": 200, "usage": {"prompt_tokens": 10,
-              "completion_tokens": 0}}, {"ticket": "garbage"}, {"ticket": tickets[1]}]  # fmt: skip
+    tickets = [
+        (await (await client.post("/admit", json=admit_body())).json())["ticket"] for _ in range(2)
+    ]
+    batch = [
+        {
+            "ticket": tickets[0],
+            "status": 200,
+            "usage": {"prompt_tokens": 10, "completion_tokens": 0},
+        },
+        {"ticket": "garbage"},
+        {"ticket": tickets[1]},
+    ]
     r = await client.post("/release", json=batch)
     body = await r.json()
     assert r.status == 200 and body["released"] == 2
@@ -337,8 +353,11 @@ async def test_operator_drain_and_undrain(locked_sidecar: Any) -> None:
 
 async def test_node_admin_and_edge_calls_need_their_credentials(locked_sidecar: Any) -> None:
     client = locked_sidecar
-    for headers in ({}, {"Authorization": "Bearer wrong-token-0123456789"},
-                    {"Authorization": ADMIN_TOKEN}):  # fmt: skip
+    for headers in (
+        {},
+        {"Authorization": "Bearer wrong-token-0123456789"},
+        {"Authorization": ADMIN_TOKEN},
+    ):
         r = await client.post("/nodes/n1/drain", headers=headers)
         assert r.status == 401, headers
         assert (await r.json())["error"]["code"] == "invalid_admin_token"
@@ -438,8 +457,9 @@ async def test_node_that_edge_cannot_reach_is_ejected(sidecar: Any, redis: Any) 
     # Three proxied requests that could not reach n1 (within 10 s, from any sidecar): n1 is out
     # of rotation on every sidecar (a key in Redis) for 10 s; new requests wait for a node.
     client, _h, _p = sidecar
-    tickets = [(await (await client.post("/admit", json=admit_body())).json())["ticket"]
-               for _ in range(3)]  # fmt: skip
+    tickets = [
+        (await (await client.post("/admit", json=admit_body())).json())["ticket"] for _ in range(3)
+    ]
     for t in tickets[:2]:
         await client.post("/release", json={"ticket": t, "status": 502, "node_failed": True})
     assert not await redis.exists(keys.node_eject("n1"))
@@ -502,9 +522,24 @@ def test_serve_refuses_a_public_admin_port_without_a_token(
 ) -> None:
     path = tmp_path / "policies.yaml"
     path.write_text(BASE_POLICY.replace("REDIS_URL", "redis://127.0.0.1:1/0"))
-    r = subprocess.run([sys.executable, "-m", "admission.cli", "serve", "--policy", str(path),
-                        "--host", "0.0.0.0", "--port", "1", *extra],
-                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "admission.cli",
+            "serve",
+            "--policy",
+            str(path),
+            "--host",
+            "0.0.0.0",
+            "--port",
+            "1",
+            *extra,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2, r.stderr
     assert "admin" in r.stderr
 
@@ -527,14 +562,19 @@ async def test_releases_teach_the_decode_guard_how_long_urgent_answers_are(
     await client.start_server()
     try:
         outputs = app[DISPATCHER].nodes.outputs
-        rt = [(await (await client.post("/admit", json=admit_body())).json())["ticket"]
-              for _ in range(2)]  # fmt: skip
+        rt = [
+            (await (await client.post("/admit", json=admit_body())).json())["ticket"]
+            for _ in range(2)
+        ]
         batch = await (await client.post("/admit", json=admit_body(**{"class": "batch"}))).json()
         assert batch["class"] == "batch"
 
         def usage(ticket: str, out: int) -> dict[str, Any]:
-            return {"ticket": ticket, "status": 200,
-                    "usage": {"prompt_tokens": 10, "completion_tokens": out}}  # fmt: skip
+            return {
+                "ticket": ticket,
+                "status": 200,
+                "usage": {"prompt_tokens": 10, "completion_tokens": out},
+            }
 
         await client.post("/release", json=usage(batch["ticket"], 5))
         assert outputs.mean == 0  # not an urgent answer

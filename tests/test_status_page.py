@@ -37,8 +37,15 @@ async def sidecar(
     path = tmp_path / "policies.yaml"
     path.write_text(BASE_POLICY.replace("REDIS_URL", redis_server.url))
     holder = PolicyHolder(path, load_policy(path), Metrics())
-    st = NodeState(node="n1", seq=1, state=Status.OPEN, source="kv", healthy=True, memory=0.42,
-                   prefix_hit_ratio=0.625)  # fmt: skip
+    st = NodeState(
+        node="n1",
+        seq=1,
+        state=Status.OPEN,
+        source="kv",
+        healthy=True,
+        memory=0.42,
+        prefix_hit_ratio=0.625,
+    )
     await redis.set(keys.node_state("n1"), st.to_json(), px=60_000)
     client = TestClient(TestServer(build_app(holder), host="127.0.0.1"))
     await client.start_server()
@@ -49,10 +56,17 @@ async def sidecar(
 async def chromium(*args: str) -> bytes:
     assert CHROMIUM is not None
     proc = await asyncio.create_subprocess_exec(
-        CHROMIUM, "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-        "--hide-scrollbars", "--virtual-time-budget=4000", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-    )  # fmt: skip
+        CHROMIUM,
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--hide-scrollbars",
+        "--virtual-time-budget=4000",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
     out, _ = await asyncio.wait_for(proc.communicate(), 90)
     assert proc.returncode == 0
     return out
@@ -70,8 +84,10 @@ async def test_status_page_shows_the_live_queue_nodes_and_refusals(
     # (request burst 2) sends 3 at once: 2 queue, 1 is refused at once.
     for _ in range(4):
         assert (await client.post("/admit", json=admit())).status == 200
-    waiting = [asyncio.ensure_future(client.post("/admit", json=admit(**kw)))
-               for kw in ({}, {}, {"class": "batch"}, *[{"tenant": "small"}] * 3)]  # fmt: skip
+    waiting = [
+        asyncio.ensure_future(client.post("/admit", json=admit(**kw)))
+        for kw in ({}, {}, {"class": "batch"}, *[{"tenant": "small"}] * 3)
+    ]
     try:
         await check_page(client, holder, tmp_path)
     finally:

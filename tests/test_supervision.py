@@ -30,10 +30,14 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 def chat(stack: Stack) -> int:
-    body = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                       "max_tokens": 4}).encode()  # fmt: skip
-    req = urllib.request.Request(f"{stack.url}/v1/chat/completions", data=body, headers={
-        "Authorization": "Bearer sk-demo-acme", "Content-Type": "application/json"})  # fmt: skip
+    body = json.dumps(
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    ).encode()
+    req = urllib.request.Request(
+        f"{stack.url}/v1/chat/completions",
+        data=body,
+        headers={"Authorization": "Bearer sk-demo-acme", "Content-Type": "application/json"},
+    )
     try:
         with urllib.request.urlopen(req, timeout=30) as r:
             return int(r.status)

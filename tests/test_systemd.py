@@ -16,20 +16,34 @@ from devstack.stack import DEFAULT_POLICY
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="needs systemd-analyze")
 def test_rendered_units_verify_cleanly(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "admission.cli", "systemd-units", "--out", str(tmp_path),
-         "--policy", str(DEFAULT_POLICY)],
-        capture_output=True, text=True, check=True,
-    ).stdout.split()  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "admission.cli",
+            "systemd-units",
+            "--out",
+            str(tmp_path),
+            "--policy",
+            str(DEFAULT_POLICY),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     names = sorted(Path(p).name for p in out)
-    assert names == ["admission-agent.service", "admission-batch-worker@.service",
-                     "admission-sidecar@.service"]  # fmt: skip
+    assert names == [
+        "admission-agent.service",
+        "admission-batch-worker@.service",
+        "admission-sidecar@.service",
+    ]
     text = (tmp_path / "admission-sidecar@.service").read_text()
     assert "@@" not in text and "Restart=always" in text and "NoNewPrivileges=yes" in text
     assert "--admit-unix /run/admission/admit-%i.sock" in text  # the edge's admission socket
     # A template is verified through an instance of it.
     shutil.copy(tmp_path / "admission-sidecar@.service", tmp_path / "admission-sidecar@0.service")
-    shutil.copy(tmp_path / "admission-batch-worker@.service",
-                tmp_path / "admission-batch-worker@0.service")  # fmt: skip
+    shutil.copy(
+        tmp_path / "admission-batch-worker@.service", tmp_path / "admission-batch-worker@0.service"
+    )
     units = [
         str(tmp_path / "admission-agent.service"),
         str(tmp_path / "admission-sidecar@0.service"),

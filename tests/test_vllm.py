@@ -28,8 +28,14 @@ pytestmark = [
 
 @pytest.fixture(scope="module")
 def vstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(DEFAULT_POLICY, tmp_path_factory.mktemp("vstack"), engine="vllm", nodes=1, sidecars=1,
-              policy_overrides={"tenants": _tenants_for("tiny-llama")})  # fmt: skip
+    s = Stack(
+        DEFAULT_POLICY,
+        tmp_path_factory.mktemp("vstack"),
+        engine="vllm",
+        nodes=1,
+        sidecars=1,
+        policy_overrides={"tenants": _tenants_for("tiny-llama")},
+    )
     try:
         s.start()
         yield s
@@ -48,9 +54,20 @@ def _tenants_for(model: str) -> dict[str, Any]:
 def emulator() -> Iterator[int]:
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "engine", "--port", str(port), "--profile", "tiny", "--served-model-name", "tiny-llama"],
-        cwd=ROOT, start_new_session=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "engine",
+            "--port",
+            str(port),
+            "--profile",
+            "tiny",
+            "--served-model-name",
+            "tiny-llama",
+        ],
+        cwd=ROOT,
+        start_new_session=True,
+    )
     try:
         wait_for(
             lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/health").status == 200,
@@ -63,8 +80,11 @@ def emulator() -> Iterator[int]:
 
 
 def post(port: int, path: str, body: dict[str, Any]) -> bytes:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})  # fmt: skip
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=120) as r:
         return bytes(r.read())
 
@@ -138,12 +158,22 @@ def test_real_vllm_reports_the_cached_tokens_of_a_repeated_prompt(vstack: Stack)
 
 
 def test_emulator_exports_the_metric_names_admission_reads(vstack: Stack, emulator: int) -> None:
-    names = ["vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
-             "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
-             "vllm:request_success_total", "vllm:time_to_first_token_seconds_bucket",
-             "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
-             "vllm:inter_token_latency_seconds_bucket", "vllm:cache_config_info",
-             "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"]  # fmt: skip
+    names = [
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:num_preemptions_total",
+        "vllm:prompt_tokens_total",
+        "vllm:generation_tokens_total",
+        "vllm:request_success_total",
+        "vllm:time_to_first_token_seconds_bucket",
+        "vllm:e2e_request_latency_seconds_bucket",
+        "vllm:request_queue_time_seconds_bucket",
+        "vllm:inter_token_latency_seconds_bucket",
+        "vllm:cache_config_info",
+        "vllm:prefix_cache_queries_total",
+        "vllm:prefix_cache_hits_total",
+    ]
     real = (
         urllib.request.urlopen(f"http://127.0.0.1:{vstack.node_ports[0]}/metrics").read().decode()
     )
@@ -159,15 +189,25 @@ def test_edge_to_real_vllm_chat_and_stream(vstack: Stack) -> None:
         model="tiny-llama", messages=[{"role": "user", "content": "hi"}], max_tokens=6
     )
     assert r.usage is not None and r.usage.completion_tokens == 6
-    chunks = list(c.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}],
-                                            max_tokens=12, stream=True))  # fmt: skip
+    chunks = list(
+        c.chat.completions.create(
+            model="tiny-llama",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=12,
+            stream=True,
+        )
+    )
     assert sum(1 for ch in chunks if ch.choices and ch.choices[0].delta.content is not None) >= 2
     assert (
         chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
     )  # edge asked for it
     # The batch class (priority 1) is accepted by vLLM running --scheduling-policy priority.
-    c2 = openai.OpenAI(base_url=f"{vstack.url}/v1", api_key="sk-demo-acme", max_retries=0,
-                       default_headers={"X-Request-Class": "batch"})  # fmt: skip
+    c2 = openai.OpenAI(
+        base_url=f"{vstack.url}/v1",
+        api_key="sk-demo-acme",
+        max_retries=0,
+        default_headers={"X-Request-Class": "batch"},
+    )
     r2 = c2.completions.create(model="tiny-llama", prompt="hello", max_tokens=3)
     assert r2.usage is not None and r2.usage.completion_tokens == 3
     nodes = json.load(urllib.request.urlopen(f"{vstack.sidecar_url}/nodes"))["nodes"]

@@ -41,8 +41,14 @@ def test_a_shared_prefix_is_what_the_engines_prefix_cache_sees(tmp_path: Path) -
     )
     reqs = schedule(10, 5, seed=1, kinds=load_kinds(str(f)))
     assert reqs and all(r.prefix_tokens == 64 for r in reqs)
-    texts = {t: [prompt_text(r.prompt_tokens, int(r.at_s * 1e6), f"rag/{t}", r.prefix_tokens)
-                 for r in reqs if r.tenant == t] for t in ("acme", "globex")}  # fmt: skip
+    texts = {
+        t: [
+            prompt_text(r.prompt_tokens, int(r.at_s * 1e6), f"rag/{t}", r.prefix_tokens)
+            for r in reqs
+            if r.tenant == t
+        ]
+        for t in ("acme", "globex")
+    }
     for t, ts in texts.items():
         assert all(
             len(x) == 4 * r.prompt_tokens
@@ -127,8 +133,11 @@ def test_calibration_and_bounds_count_a_cached_prefix_once() -> None:
     assert computed_prompt(replace(r, prefix_tokens=1000), 16) == 8  # whole blocks only
     assert computed_prompt(replace(r, prompt_tokens=512), 16) == 1  # the last token computed
     got = demand("a100-40gb-llama3-8b", [r], nodes=1, seconds=1)["realtime"]
-    assert got == pytest.approx(demand("a100-40gb-llama3-8b",
-                                       [replace(r, prompt_tokens=488, prefix_tokens=0)], 1, 1)["realtime"])  # fmt: skip
+    assert got == pytest.approx(
+        demand("a100-40gb-llama3-8b", [replace(r, prompt_tokens=488, prefix_tokens=0)], 1, 1)[
+            "realtime"
+        ]
+    )
     shared = (Kind("chat", "realtime", ("acme", "globex"), 1.0, (1500, 2500), (40, 80), 1024),)
     plain = (replace(shared[0], shared_prefix_tokens=0),)
     profile = "a100-40gb-llama3-8b"

@@ -51,8 +51,9 @@ class BatchApi:
         self.access.check_edge(request)
         tid = request.headers.get("X-Admission-Tenant", "")
         if tid not in self.holder.current.tenants:
-            raise BadRequest("no tenant on the request (it must come through the edge)",
-                             code="missing_tenant")  # fmt: skip
+            raise BadRequest(
+                "no tenant on the request (it must come through the edge)", code="missing_tenant"
+            )
         return tid
 
     async def upload(self, request: web.Request) -> web.Response:
@@ -186,8 +187,9 @@ class BatchApi:
                 "every line's url must be the batch's endpoint", code="invalid_request"
             )
         if n_lines > policy.batch.max_lines:  # the bound was lowered since the upload
-            raise BadRequest(f"more than {policy.batch.max_lines} lines (batch.max_lines)",
-                             code="too_many_lines")  # fmt: skip
+            raise BadRequest(
+                f"more than {policy.batch.max_lines} lines (batch.max_lines)", code="too_many_lines"
+            )
         metadata = body.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             raise BadRequest("metadata must be an object", code="invalid_request")
@@ -219,8 +221,9 @@ class BatchApi:
                 "(batch.max_open_per_tenant)",
             )
         await st.enqueue(tid, bid, n_lines)  # cut short, the workers' sweep finishes it
-        return web.json_response(batch_object(bid, {k: str(v) for k, v in fields.items()}
-                                              | {"total": str(n_lines)}))  # fmt: skip
+        return web.json_response(
+            batch_object(bid, {k: str(v) for k, v in fields.items()} | {"total": str(n_lines)})
+        )
 
     async def get_batch(self, request: web.Request) -> web.Response:
         bid, b = await self._own_batch(request)
@@ -238,10 +241,15 @@ class BatchApi:
         for bid in ids[:limit]:
             if (b := await st.get(tid, bid)) is not None:
                 data.append(batch_object(bid, b))
-        return web.json_response({"object": "list", "data": data,
-                                  "first_id": data[0]["id"] if data else None,
-                                  "last_id": data[-1]["id"] if data else None,
-                                  "has_more": len(ids) > limit})  # fmt: skip
+        return web.json_response(
+            {
+                "object": "list",
+                "data": data,
+                "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None,
+                "has_more": len(ids) > limit,
+            }
+        )
 
     async def cancel_batch(self, request: web.Request) -> web.Response:
         bid, b = await self._own_batch(request)

@@ -60,8 +60,10 @@ class Lines:
             raise BadRequest(f"line {n}: custom_id {cid!r} repeats", code="invalid_file")
         self.seen.add(cid)
         if obj.get("method") != "POST" or obj.get("url") not in URLS:
-            raise BadRequest(f"line {n}: method must be POST and url one of {', '.join(URLS)}",
-                             code="invalid_file")  # fmt: skip
+            raise BadRequest(
+                f"line {n}: method must be POST and url one of {', '.join(URLS)}",
+                code="invalid_file",
+            )
         if not isinstance(obj.get("body"), dict):
             raise BadRequest(f"line {n}: body must be an object", code="invalid_file")
         self.urls.add(obj["url"])

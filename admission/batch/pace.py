@@ -22,10 +22,15 @@ BACKOFF = (0, 429, 502, 503, 504)
 
 class Pace:
     def __init__(
-        self, ceiling: int, floor: int = 1, start: float = 2.0, alpha: float = 1.0,
-        beta: float = 2.0, base_window_s: float = 150.0,
+        self,
+        ceiling: int,
+        floor: int = 1,
+        start: float = 2.0,
+        alpha: float = 1.0,
+        beta: float = 2.0,
+        base_window_s: float = 150.0,
         clock: Callable[[], float] = time.monotonic,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.ceiling, self.floor = max(1, ceiling), max(1, min(floor, ceiling))
         self.limit = min(float(self.ceiling), max(float(self.floor), start))
         self.alpha, self.beta = alpha, beta

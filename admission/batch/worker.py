@@ -47,9 +47,13 @@ RETRYABLE = (0, 429, 500, 502, 503, 504)
 
 class Worker:
     def __init__(
-        self, redis: Any, policy: Any, edge_socket: str, concurrency: int = 16,
+        self,
+        redis: Any,
+        policy: Any,
+        edge_socket: str,
+        concurrency: int = 16,
         claim_idle_s: float = CLAIM_IDLE_S,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.redis = redis
         self.policy = policy  # callable → Policy
         self.store = BatchStore(redis)
@@ -85,8 +89,9 @@ class Worker:
         if free <= 0:
             await asyncio.sleep(0.05)
             return
-        got = await self.redis.xreadgroup(GROUP, self.name, {STREAM: ">"}, count=free,
-                                          block=block_ms)  # fmt: skip
+        got = await self.redis.xreadgroup(
+            GROUP, self.name, {STREAM: ">"}, count=free, block=block_ms
+        )
         for _stream, entries in got or []:
             for eid, fields in entries:
                 self._start(text(eid), fields)
@@ -110,8 +115,9 @@ class Worker:
             await self.redis.xclaim(STREAM, GROUP, self.name, 0, list(self.inflight), justid=True)
         free = self.pace.allowed() - len(self.inflight)
         if free > 0:
-            res = await self.redis.xautoclaim(STREAM, GROUP, self.name, int(self.claim_idle_s * 1000),
-                                              start_id="0-0", count=free)  # fmt: skip
+            res = await self.redis.xautoclaim(
+                STREAM, GROUP, self.name, int(self.claim_idle_s * 1000), start_id="0-0", count=free
+            )
             for eid, fields in res[1]:
                 if fields:
                     log.info("batch line %s taken over from a silent worker", text(eid))
@@ -174,8 +180,9 @@ class Worker:
         for _attempt in range(policy.batch.max_attempts):
             t0 = time.monotonic()
             try:
-                async with self.http.post(f"http://edge{req['url']}", json=req["body"],
-                                          headers=headers) as r:  # fmt: skip
+                async with self.http.post(
+                    f"http://edge{req['url']}", json=req["body"], headers=headers
+                ) as r:
                     status, body = r.status, await r.read()
                     retry_after = r.headers.get("Retry-After")
             except (aiohttp.ClientError, TimeoutError) as exc:
@@ -195,15 +202,23 @@ class Worker:
             doc = {"raw": body[:2000].decode(errors="replace")}
         if status == 200:
             self.pace.sample(took, _output_tokens(doc), 200)
-            return {"id": rid, "custom_id": req["custom_id"],
-                    "response": {"status_code": 200, "request_id": rid, "body": doc},
-                    "error": None}, True  # fmt: skip
+            return {
+                "id": rid,
+                "custom_id": req["custom_id"],
+                "response": {"status_code": 200, "request_id": rid, "body": doc},
+                "error": None,
+            }, True
         err = (doc or {}).get("error") if isinstance(doc, dict) else None
         code = (err or {}).get("code") if isinstance(err, dict) else None
-        return {"id": rid, "custom_id": req["custom_id"],
-                "response": {"status_code": status, "request_id": rid, "body": doc} if status else None,
-                "error": {"code": code or ("no_answer" if not status else f"http_{status}"),
-                          "message": (err or {}).get("message", "") if isinstance(err, dict) else ""}}, False  # fmt: skip
+        return {
+            "id": rid,
+            "custom_id": req["custom_id"],
+            "response": {"status_code": status, "request_id": rid, "body": doc} if status else None,
+            "error": {
+                "code": code or ("no_answer" if not status else f"http_{status}"),
+                "message": (err or {}).get("message", "") if isinstance(err, dict) else "",
+            },
+        }, False
 
     async def finalize(self, tenant: str, bid: str) -> None:
         """Write the output and error files (input order) and close the batch; idempotent."""
@@ -212,8 +227,9 @@ class Worker:
         if b is None or b.get("status") in TERMINAL:
             return
         final = "cancelled" if b.get("cancelling_at") else "completed"
-        await st.set_status(tenant, bid, "finalizing", only_if=("in_progress", "cancelling",
-                                                                "finalizing"))  # fmt: skip
+        await st.set_status(
+            tenant, bid, "finalizing", only_if=("in_progress", "cancelling", "finalizing")
+        )
         total = int(b.get("total", 0))
         out = PartWriter(st, tenant, f"file-{bid}-output")
         errs = PartWriter(st, tenant, f"file-{bid}-errors")
@@ -274,5 +290,9 @@ def _output_tokens(doc: Any) -> int:
 
 
 def _error_line(cid: str, code: str, message: str) -> dict[str, Any]:
-    return {"id": "batch_req_" + secrets.token_hex(12), "custom_id": cid, "response": None,
-            "error": {"code": code, "message": message}}  # fmt: skip
+    return {
+        "id": "batch_req_" + secrets.token_hex(12),
+        "custom_id": cid,
+        "response": None,
+        "error": {"code": code, "message": message},
+    }

@@ -138,9 +138,12 @@ class Limiter:
             return False
         n, tok = self._ahead.get(tenant.id, (0, 0))
         m, lim = 2 * (n + 1), tenant.limits
-        return (r.req_u >= m * U and r.tok_u >= 2 * (tok + tokens) * U
-                and (not lim.max_concurrent or r.running + m <= lim.max_concurrent)
-                and (not lim.burst_max or r.in_window + m <= lim.burst_max))  # fmt: skip
+        return (
+            r.req_u >= m * U
+            and r.tok_u >= 2 * (tok + tokens) * U
+            and (not lim.max_concurrent or r.running + m <= lim.max_concurrent)
+            and (not lim.burst_max or r.in_window + m <= lim.burst_max)
+        )
 
     def headroom(self, tenant: Tenant, denied: str = "", wait_s: float = 0.0) -> dict[str, float]:
         """The tenant's request and token buckets as the last reply from Redis left them,
@@ -185,8 +188,14 @@ class Limiter:
         lim = tenant.limits
         if not self.degraded:
             head, tail = _acquire_args(lim, scale, int(lease_ttl_s * U))
-            args = [*head, b"%d" % (tokens * U), *tail, ticket, b"%d" % tokens,
-                    b"1" if force else b"0"]  # fmt: skip
+            args = [
+                *head,
+                b"%d" % (tokens * U),
+                *tail,
+                ticket,
+                b"%d" % tokens,
+                b"1" if force else b"0",
+            ]
 
             calls = [Call("acquire", keys.tenant_keys(tenant.id, ticket), args)]
             if also is not None:
@@ -218,10 +227,15 @@ class Limiter:
         return self._acquire_local(tenant, ticket, tokens, lease_ttl_s)
 
     def acquire_forced(
-        self, tenant: Tenant, ticket: str, tokens: int, lease_ttl_s: float,
-        also: Call | None = None, scale: float = 1.0,
+        self,
+        tenant: Tenant,
+        ticket: str,
+        tokens: int,
+        lease_ttl_s: float,
+        also: Call | None = None,
+        scale: float = 1.0,
         give_back: Callable[[], Call] | None = None,
-    ) -> Awaitable[Acquired]:  # fmt: skip
+    ) -> Awaitable[Acquired]:
         """`acquire` for a request let through already (`room_ahead`): debit it past any limit
         (`Acquired.over` names the first it went past). The tenant counts as having a request
         ahead from this call on (not from when the round trip starts)."""
@@ -254,8 +268,9 @@ class Limiter:
             except PoolBusy:
                 self.metrics.redis_errors.labels("pool_busy").inc()
                 if self.clock() >= busy_until:
-                    return BackendUnavailable("admission busy: retry shortly",
-                                              code="admission_busy", retry_after=1)  # fmt: skip
+                    return BackendUnavailable(
+                        "admission busy: retry shortly", code="admission_busy", retry_after=1
+                    )
             except REDIS_DOWN as exc:
                 self._failed("acquire", exc)
                 # It may have run anyway: give back whatever it reserved (a request admitted
@@ -322,8 +337,11 @@ class Limiter:
         tenant: Tenant, ticket: str, actual_tokens: int, released: bool = False
     ) -> Call:
         k = keys.tenant_keys(tenant.id, ticket)
-        return Call("settle", [k[1], k[3], k[4]], [*_settle_args(tenant.limits), actual_tokens,
-                                                    ticket, b"1" if released else b"0"])  # fmt: skip
+        return Call(
+            "settle",
+            [k[1], k[3], k[4]],
+            [*_settle_args(tenant.limits), actual_tokens, ticket, b"1" if released else b"0"],
+        )
 
     def _failed(self, op: str, exc: BaseException) -> None:
         self.metrics.redis_errors.labels(op).inc()

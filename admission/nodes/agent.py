@@ -125,9 +125,9 @@ class Tpot:
                 return self.tpot_s
             rate = max(0.0, generated - g0) / dt
             seen = running / rate if rate > 0 and running > 0 else 0.0
-            self.tpot_s = seen if self.tpot_s == 0 else (
-                self.ALPHA * seen + (1 - self.ALPHA) * self.tpot_s
-            )  # fmt: skip
+            self.tpot_s = (
+                seen if self.tpot_s == 0 else (self.ALPHA * seen + (1 - self.ALPHA) * self.tpot_s)
+            )
         self._last = (now, generated)
         return self.tpot_s
 
@@ -152,9 +152,11 @@ class PrefixHits:
             dq, dh = queries - self._last[0], hits - self._last[1]
             if dq > 0:
                 seen = min(1.0, max(0.0, dh / dq))
-                self.ratio = seen if self.ratio is None else (
-                    self.ALPHA * seen + (1 - self.ALPHA) * self.ratio
-                )  # fmt: skip
+                self.ratio = (
+                    seen
+                    if self.ratio is None
+                    else (self.ALPHA * seen + (1 - self.ALPHA) * self.ratio)
+                )
         self._last = (queries, hits)
         return self.ratio
 

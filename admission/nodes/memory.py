@@ -61,8 +61,11 @@ def _has_gpu(i: Inputs) -> bool:
     return i.gpu is not None and i.gpu.total_bytes > 0
 
 
-@source(MemorySource.KV, ready=lambda i: i.kv_usage is not None,
-        per_token=lambda i: 1.0 / i.kv_tokens if i.kv_tokens else 0.0)  # fmt: skip
+@source(
+    MemorySource.KV,
+    ready=lambda i: i.kv_usage is not None,
+    per_token=lambda i: 1.0 / i.kv_tokens if i.kv_tokens else 0.0,
+)
 def kv(i: Inputs) -> float:
     """vLLM's KV usage alone: CPU vLLM, where there is no NVML."""
     if i.kv_usage is None:
@@ -78,8 +81,11 @@ def nvml(i: Inputs) -> float:
     return clamp(i.gpu.used_bytes / i.gpu.total_bytes)
 
 
-@source(MemorySource.EFFECTIVE, per_token=_gpu_per_token,
-        ready=lambda i: _has_gpu(i) and i.kv_pool_bytes is not None)  # fmt: skip
+@source(
+    MemorySource.EFFECTIVE,
+    per_token=_gpu_per_token,
+    ready=lambda i: _has_gpu(i) and i.kv_pool_bytes is not None,
+)
 def effective(i: Inputs) -> float:
     """NVML with the free KV blocks counted as free (needs NVML, KV usage and pool size)."""
     if i.gpu is None or i.gpu.total_bytes <= 0:

@@ -75,5 +75,6 @@ class NodeState:
 
     @classmethod
     def down(cls, node: str, seq: int, source: str, error: str, healthy: bool = False) -> NodeState:
-        return cls(node=node, seq=seq, state=Status.DOWN, source=source, healthy=healthy,
-                   error=error)  # fmt: skip
+        return cls(
+            node=node, seq=seq, state=Status.DOWN, source=source, healthy=healthy, error=error
+        )

@@ -6,8 +6,12 @@ from admission.nodes.state import Status
 from admission.policy import Watermarks
 
 OPEN, HOLD, DRAIN, DOWN, MAINTENANCE = (
-    Status.OPEN, Status.HOLD, Status.DRAIN, Status.DOWN, Status.MAINTENANCE
-)  # fmt: skip
+    Status.OPEN,
+    Status.HOLD,
+    Status.DRAIN,
+    Status.DOWN,
+    Status.MAINTENANCE,
+)
 STATES = tuple(Status)
 
 

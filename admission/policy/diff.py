@@ -52,7 +52,7 @@ def describe(old: Policy, new: Policy) -> list[str]:
                 len(set(b.key_digests) - set(a.key_digests)),
                 len(set(a.key_digests) - set(b.key_digests)),
             )
-            out.append(f"tenant {tid}: {added} key(s) added, {gone} revoked")  # fmt: skip
+            out.append(f"tenant {tid}: {added} key(s) added, {gone} revoked")
         if a.classes != b.classes:
             out.append(f"tenant {tid}: classes {list(a.classes)} → {list(b.classes)}")
         if a.shadow != b.shadow:
@@ -76,8 +76,10 @@ def describe(old: Policy, new: Policy) -> list[str]:
         out += _fields(f"node {nid}:", old.nodes[nid], new.nodes[nid], ("id",))
     for name in sorted(set(new.pools) - set(old.pools)):
         pool = new.pools[name]
-        out.append(f"pool {name} added: owned by {', '.join(pool.tenants)}"
-                   f"{', lends idle capacity' if pool.lend else ', never lent'}")  # fmt: skip
+        out.append(
+            f"pool {name} added: owned by {', '.join(pool.tenants)}"
+            f"{', lends idle capacity' if pool.lend else ', never lent'}"
+        )
     for name in sorted(set(old.pools) - set(new.pools)):
         out.append(f"pool {name} removed: its nodes are shared by every tenant")
     for name in sorted(set(old.pools) & set(new.pools)):

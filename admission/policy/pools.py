@@ -41,8 +41,12 @@ def parse_pools(
             owner[t] = str(name)
         if not any(n.pool == name for n in nodes.values()):
             c.err(p, "no node is in this pool (nodes.<id>.pool)")
-        pools[str(name)] = Pool(str(name), tuple(sorted(members)), lend=c.boolean(b, "lend", p, True),
-                                spill=c.boolean(b, "spill", p, True))  # fmt: skip
+        pools[str(name)] = Pool(
+            str(name),
+            tuple(sorted(members)),
+            lend=c.boolean(b, "lend", p, True),
+            spill=c.boolean(b, "spill", p, True),
+        )
     for n in nodes.values():
         if n.pool is not None and n.pool not in pools:
             c.err(f"nodes.{n.id}.pool", f"no pool {n.pool!r} under pools")

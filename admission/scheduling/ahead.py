@@ -77,16 +77,27 @@ class Ahead:
         self._on_node: dict[str, int] = {}  # node → bookings out (`room_for_twice` counts them)
 
     def may(
-        self, policy: Policy, tenant: Tenant, cls: str, tokens: int, v: NodeView, ask: Ask,
+        self,
+        policy: Policy,
+        tenant: Tenant,
+        cls: str,
+        tokens: int,
+        v: NodeView,
+        ask: Ask,
         now: float,
-    ) -> bool:  # fmt: skip
+    ) -> bool:
         """Whether this fast-path admission may be answered before Redis books it: the node
         and the tenant have room for twice what this sidecar would then have out (see
         `room_for_twice`, `Limiter.room_ahead`)."""
         lent = v.node.pool is not None and policy.tenant_pool.get(tenant.id) != v.node.pool
-        return (policy.redis.answer_ahead and len(self._out) < MAX_OUT and not tenant.shadow
-                and not lent and self.limiter.room_ahead(tenant, tokens)
-                and room_for_twice(v, ask, policy, cls, now, self._on_node.get(v.node.id, 0)))  # fmt: skip
+        return (
+            policy.redis.answer_ahead
+            and len(self._out) < MAX_OUT
+            and not tenant.shadow
+            and not lent
+            and self.limiter.room_ahead(tenant, tokens)
+            and room_for_twice(v, ask, policy, cls, now, self._on_node.get(v.node.id, 0))
+        )
 
     def book(self, ticket: str, v: NodeView, acquired: Awaitable[Acquired]) -> None:
         """Run the forced round trip of a request answered ahead onto `v` (`acquired`: the

@@ -55,11 +55,20 @@ class _Waiter:
 
 class Dispatcher:
     def __init__(
-        self, st: Store, limiter: Limiter, policy: Callable[[], Policy], metrics: Metrics,
+        self,
+        st: Store,
+        limiter: Limiter,
+        policy: Callable[[], Policy],
+        metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.store, self.limiter, self.policy, self.metrics, self.clock = (
-            st, limiter, policy, metrics, clock)  # fmt: skip
+            st,
+            limiter,
+            policy,
+            metrics,
+            clock,
+        )
         self.queue = FairQueue(policy())
         self.nodes = NodeTable(st.redis, policy, metrics, clock)
         self._wake = asyncio.Event()
@@ -94,9 +103,16 @@ class Dispatcher:
         return adm
 
     async def _admit(
-        self, tenant: Tenant, cls: str, model: str, prompt_tokens: int, max_tokens: int,
-        waited_s: float = 0.0, rid: str | None = None, prefix: Prefix = NO_PREFIX,
-    ) -> Admission:  # fmt: skip
+        self,
+        tenant: Tenant,
+        cls: str,
+        model: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        waited_s: float = 0.0,
+        rid: str | None = None,
+        prefix: Prefix = NO_PREFIX,
+    ) -> Admission:
         """Charge the tenant's limits and get a node, now or from the queue.
 
         Raises Throttled / RequestTooLarge (limits), QueueFull, QueueTimeout,
@@ -124,8 +140,11 @@ class Dispatcher:
             undo = functools.partial(leases.give_back, ticket)
             if ahead:
                 forced = leases.take(view.node, ticket, ttl_s, ask, force=True)
-                self.ahead.book(ticket, view, self.limiter.acquire_forced(
-                    tenant, rid, cost, hold_s, forced, scale, undo))  # fmt: skip
+                self.ahead.book(
+                    ticket,
+                    view,
+                    self.limiter.acquire_forced(tenant, rid, cost, hold_s, forced, scale, undo),
+                )
                 return self.place.record(item, nodes, ticket)
             lease = leases.take(view.node, ticket, ttl_s, ask)
         acq = await self.limiter.acquire(tenant, rid, cost, hold_s, lease, scale, undo)

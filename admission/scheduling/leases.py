@@ -81,22 +81,46 @@ def take(node: Node, ticket: str, ttl_s: float, ask: Ask, force: bool = False) -
     prefix = ask.prefix
     return Call(
         "lease",
-        [keys.node_leases(node.id), keys.node_ledger(node.id), keys.node_gone(node.id),
-         keys.node_prefixes(node.id)],
-        [node.max_inflight, int(ttl_s * U), ticket, ask.prompt_tokens, ask.kv_tokens,
-         ask.prefill_rate, ask.prefill_budget, ask.kv_limit, int(ask.urgent),
-         ask.reserve_limit, ask.urgent_waiting, int(force), prefix.block_tokens,
-         ask.pool_blocks, *prefix.blocks],
-    )  # fmt: skip
+        [
+            keys.node_leases(node.id),
+            keys.node_ledger(node.id),
+            keys.node_gone(node.id),
+            keys.node_prefixes(node.id),
+        ],
+        [
+            node.max_inflight,
+            int(ttl_s * U),
+            ticket,
+            ask.prompt_tokens,
+            ask.kv_tokens,
+            ask.prefill_rate,
+            ask.prefill_budget,
+            ask.kv_limit,
+            int(ask.urgent),
+            ask.reserve_limit,
+            ask.urgent_waiting,
+            int(force),
+            prefix.block_tokens,
+            ask.pool_blocks,
+            *prefix.blocks,
+        ],
+    )
 
 
 def give_back(ticket: str, released: bool = False) -> Call:
     """Give a ticket's lease and its KV reservation back (idempotent: harmless if never taken).
     `released`: the request ended (not an undo): a booking still on its way must book nothing."""
     _rid, node, _tenant = parse_ticket(ticket)
-    return Call("unlease", [keys.node_leases(node), keys.node_ledger(node), keys.node_gone(node),
-                            keys.node_prefixes(node)],
-                [ticket, b"1" if released else b"0"])  # fmt: skip
+    return Call(
+        "unlease",
+        [
+            keys.node_leases(node),
+            keys.node_ledger(node),
+            keys.node_gone(node),
+            keys.node_prefixes(node),
+        ],
+        [ticket, b"1" if released else b"0"],
+    )
 
 
 def granted(result: Any) -> bool:

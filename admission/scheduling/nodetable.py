@@ -74,10 +74,16 @@ class NodeTable:
         return self.views.get(node)
 
     def eligible(
-        self, model: str, cls: str | None, prompt: int, kv: int, tenant: str | None = None,
-        waiting: Callable[[str], int] = lambda _t: 0, waiting_kv: Callable[[str], int] = lambda _c: 0,
+        self,
+        model: str,
+        cls: str | None,
+        prompt: int,
+        kv: int,
+        tenant: str | None = None,
+        waiting: Callable[[str], int] = lambda _t: 0,
+        waiting_kv: Callable[[str], int] = lambda _c: 0,
         prefix: Prefix = NO_PREFIX,
-    ) -> list[tuple[NodeView, Ask]]:  # fmt: skip
+    ) -> list[tuple[NodeView, Ask]]:
         """Nodes for this request, best first. `waiting(tenant)`: how many of a tenant's requests
         wait in the queue; a pool whose owners wait is not lent (they take it back).
         `waiting_kv(class)`: KV tokens waiting in the queue that asked for a class (the urgent
@@ -158,8 +164,12 @@ class NodeTable:
 
     def fallbacks(self, nodes: list[NodeView], model: str, tenant: str) -> list[tuple[str, str]]:
         policy = self.policy()
-        return fallbacks(nodes, list(self.views.values()), model,
-                         lambda n: pool_rank(policy, tenant, n) is not None)  # fmt: skip
+        return fallbacks(
+            nodes,
+            list(self.views.values()),
+            model,
+            lambda n: pool_rank(policy, tenant, n) is not None,
+        )
 
     def serves(self, model: str) -> bool:
         return any(model in n.models for n in self.policy().nodes.values())
@@ -258,8 +268,11 @@ class NodeTable:
         """Track, per model, since when every live node serving it has been held."""
         held = (Status.HOLD, Status.DRAIN)
         for model in {m for v in self.views.values() for m in v.node.models}:
-            live = [v for v in self.views.values() if model in v.node.models
-                    and v.state not in (Status.DOWN, Status.MAINTENANCE)]  # fmt: skip
+            live = [
+                v
+                for v in self.views.values()
+                if model in v.node.models and v.state not in (Status.DOWN, Status.MAINTENANCE)
+            ]
             if live and all(v.state in held for v in live):
                 self.held_since.setdefault(model, now)
             elif self.held_since.pop(model, None) is not None:
@@ -277,8 +290,10 @@ class NodeTable:
 
     def pressure_snapshot(self) -> list[dict[str, Any]]:
         now = self.clock()
-        return [{"model": m, "held_for_s": round(now - since, 1), "factor": self.limit_factor(m)}
-                for m, since in sorted(self.held_since.items())]  # fmt: skip
+        return [
+            {"model": m, "held_for_s": round(now - since, 1), "factor": self.limit_factor(m)}
+            for m, since in sorted(self.held_since.items())
+        ]
 
     def _state(self, node: str, raw: bytes | None) -> NodeState | None:
         if raw is None:
@@ -327,8 +342,13 @@ class NodeTable:
             return
         self.views[node].state = Status.DOWN
         self.metrics.node_ejections.labels(node).inc()
-        log.warning("node %s: %d proxied requests failed to reach it within %ss; out of rotation "
-                    "for %ss", node, EJECT_AFTER, EJECT_S, EJECT_S)  # fmt: skip
+        log.warning(
+            "node %s: %d proxied requests failed to reach it within %ss; out of rotation for %ss",
+            node,
+            EJECT_AFTER,
+            EJECT_S,
+            EJECT_S,
+        )
 
     async def set_maintenance(self, node: str, on: bool) -> None:
         if on:

@@ -61,10 +61,18 @@ def target_ttft_s(policy: Policy) -> float:
 
 
 def ask_for(
-    v: NodeView, policy: Policy, cls: str | None, prompt: int, kv: int, lent: bool = False,
-    urgent_waiting: int = 0, *, decode_s: float | None, prefix: Prefix = NO_PREFIX,
+    v: NodeView,
+    policy: Policy,
+    cls: str | None,
+    prompt: int,
+    kv: int,
+    lent: bool = False,
+    urgent_waiting: int = 0,
+    *,
+    decode_s: float | None,
+    prefix: Prefix = NO_PREFIX,
     hit_blocks: int = 0,
-) -> Ask:  # fmt: skip
+) -> Ask:
     """The lease request for a node: this request's ledger entry and its class's limits there.
     `lent`: the node is another tenant's pool's, on loan: never urgent there.
     `urgent_waiting`: urgent KV waiting in this sidecar's queue, this node's share.
@@ -188,15 +196,26 @@ def urgent_present(views: list[NodeView], model: str | None, urgent_waiting: int
     (None: any model), or waits. With neither (a quiet spell, the end of a burst) there is
     nothing to protect, and lower classes take the whole cluster's decode."""
     return urgent_waiting > 0 or any(
-        v.kv_urgent > 0 for v in views if model is None or model in v.node.models)  # fmt: skip
+        v.kv_urgent > 0 for v in views if model is None or model in v.node.models
+    )
 
 
 def eligible(
-    views: list[NodeView], policy: Policy, model: str, cls: str | None, prompt: int, kv: int,
-    now: float, tenant: str | None = None, blocked: frozenset[str] = frozenset(),
-    urgent_waiting: int = 0, gate: Counter[tuple[str, str, str]] | None = None,
-    output_tokens: float = 0.0, prefix: Prefix = NO_PREFIX, hits: dict[str, int] | None = None,
-) -> list[tuple[NodeView, Ask]]:  # fmt: skip
+    views: list[NodeView],
+    policy: Policy,
+    model: str,
+    cls: str | None,
+    prompt: int,
+    kv: int,
+    now: float,
+    tenant: str | None = None,
+    blocked: frozenset[str] = frozenset(),
+    urgent_waiting: int = 0,
+    gate: Counter[tuple[str, str, str]] | None = None,
+    output_tokens: float = 0.0,
+    prefix: Prefix = NO_PREFIX,
+    hits: dict[str, int] | None = None,
+) -> list[tuple[NodeView, Ask]]:
     """Nodes serving `model` that would take this request now, with their asks: the tenant's
     own pool first, then shared nodes, then idle pools on loan (`pool_rank`); within each, for
     lower classes the nodes where the urgent class has no KV booked first; then the one whose
@@ -289,9 +308,11 @@ def eta_s(
 
 
 def fallbacks(
-    nodes: list[NodeView], views: list[NodeView], model: str,
+    nodes: list[NodeView],
+    views: list[NodeView],
+    model: str,
     usable: Callable[[Node], bool] = lambda _n: True,
-) -> list[tuple[str, str]]:  # fmt: skip
+) -> list[tuple[str, str]]:
     """(node id, url) of where the edge goes when the chosen node refuses the connection: the
     next eligible nodes, then any other live node serving the model (that the tenant may use:
     `usable`). A node that refuses connections has served nothing, so a held node beats a 502."""
@@ -299,9 +320,15 @@ def fallbacks(
     if len(out) < MAX_FALLBACKS:
         taken = {v.node.id for v in nodes}
         live = sorted(
-            (v for v in views if v.node.id not in taken and model in v.node.models
-             and v.state in _LIVE and usable(v.node)),
+            (
+                v
+                for v in views
+                if v.node.id not in taken
+                and model in v.node.models
+                and v.state in _LIVE
+                and usable(v.node)
+            ),
             key=lambda v: v.projected(),
-        )  # fmt: skip
+        )
         out += live[: MAX_FALLBACKS - len(out)]
     return [(v.node.id, v.node.url) for v in out]

@@ -34,9 +34,11 @@ class Store:
         if settings.cluster:
             return cls.over(redis, metrics)
         # The hot path's scripts get their own client, bounded per round trip, not per reply.
-        scripts = Scripts(connect(settings, read_timeouts=False),
-                          timeout_s=settings.command_timeout_ms / 1000,
-                          observe=metrics.redis_round_trip.observe)  # fmt: skip
+        scripts = Scripts(
+            connect(settings, read_timeouts=False),
+            timeout_s=settings.command_timeout_ms / 1000,
+            observe=metrics.redis_round_trip.observe,
+        )
         return cls(redis, scripts, Backlog(scripts, metrics))
 
     @classmethod
@@ -52,6 +54,15 @@ class Store:
 
 
 __all__ = [
-    "REDIS_DOWN", "Backlog", "Call", "Orphan", "PoolBusy", "Scripts", "Store", "StoreDown",
-    "connect", "connect_batch", "is_down",
-]  # fmt: skip
+    "REDIS_DOWN",
+    "Backlog",
+    "Call",
+    "Orphan",
+    "PoolBusy",
+    "Scripts",
+    "Store",
+    "StoreDown",
+    "connect",
+    "connect_batch",
+    "is_down",
+]
