@@ -6,6 +6,7 @@ an AdmissionError), and the one place Python builds the error body. The HTTP rou
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,8 @@ from admission.policy import Policy, Tenant
 from admission.reload import PolicyHolder
 from admission.scheduling import Dispatcher, prefixes
 from admission.scheduling.leases import REQUEST_ID
+
+log = logging.getLogger(__name__)
 
 MAX_TOKENS_LIMIT = 10_000_000
 ADMIT_KEYS = {
@@ -197,9 +200,10 @@ class Decider:
             raise
         finally:
             metrics.decided(tenant.id, cls, outcome, reason, time.perf_counter() - started)
-            self.recent.decided(
-                tenant.id, cls, outcome, reason, adm.queued_s if outcome == "admitted" else 0.0
-            )
+            waited = adm.queued_s if outcome == "admitted" else 0.0
+            self.recent.decided(tenant.id, cls, outcome, reason, waited, rid or "")
+            if outcome not in ("admitted", "cancelled"):
+                log.debug("request %s of %s (%s) %s: %s", rid, tenant.id, cls, outcome, reason)
 
 
 DECIDER = web.AppKey("decider", Decider)

@@ -28,6 +28,7 @@ class Refusal:
     cls: str
     outcome: str
     reason: str
+    request_id: str = ""
 
 
 class Recent:
@@ -37,12 +38,14 @@ class Recent:
         self.refusals: deque[Refusal] = deque(maxlen=refusals)
         self.waits: deque[tuple[float, str, float]] = deque(maxlen=waits)
 
-    def decided(self, tenant: str, cls: str, outcome: str, reason: str, waited_s: float) -> None:
+    def decided(
+        self, tenant: str, cls: str, outcome: str, reason: str, waited_s: float, rid: str = ""
+    ) -> None:
         now = time.time()
         if outcome == "admitted":
             self.waits.append((now, cls, waited_s))
         elif outcome != "cancelled":
-            self.refusals.append(Refusal(now, tenant, cls, outcome, reason))
+            self.refusals.append(Refusal(now, tenant, cls, outcome, reason, rid))
 
     def wait_percentiles(self, now: float) -> dict[str, dict[str, float]]:
         by_cls: dict[str, list[float]] = {}
@@ -119,16 +122,24 @@ def _decode_guard(dispatcher: Any) -> dict[str, Any]:
 
 
 def _grouped(refusals: deque[Refusal]) -> list[dict[str, Any]]:
-    """The recent refusals by (tenant, class, reason): how many, and the last one's time;
-    most recent first."""
+    """The recent refusals by (tenant, class, reason): how many, and the last one's time and
+    request id (the client's x-request-id); most recent first."""
     groups: dict[tuple[str, str, str], dict[str, Any]] = {}
     for r in refusals:
         g = groups.setdefault(
             (r.tenant, r.cls, r.reason),
-            {"tenant": r.tenant, "class": r.cls, "reason": r.reason, "count": 0, "last_at": 0.0},
+            {
+                "tenant": r.tenant,
+                "class": r.cls,
+                "reason": r.reason,
+                "count": 0,
+                "last_at": 0.0,
+                "last_request_id": "",
+            },
         )
         g["count"] += 1
-        g["last_at"] = max(g["last_at"], r.at)
+        if r.at >= g["last_at"]:
+            g["last_at"], g["last_request_id"] = r.at, r.request_id
     return sorted(groups.values(), key=lambda g: -g["last_at"])
 
 

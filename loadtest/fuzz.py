@@ -37,7 +37,6 @@ import aiohttp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loadtest.fuzz_batch import fuzz_batch
 from loadtest.fuzz_policy import fuzz_policy
 
 # Every random API key the fuzzer sends carries this mark, so that the logs can be searched for
@@ -196,6 +195,16 @@ class Tally:
     def cases(self) -> int:
         return sum(self.statuses.values())
 
+    def answered(self, status: int, took: float, what: str, code: str, failure: str | None) -> None:
+        """Count one answer: its status, code and failure, and whether it was the slowest."""
+        self.statuses[status] += 1
+        if took > self.slowest[0]:
+            self.slowest = (took, f"{status} {what}")
+        if code:
+            self.codes[f"{status} {code}"] += 1
+        if failure:
+            self.failures.append(failure)
+
 
 def check(case: Case, status: int, body: bytes) -> tuple[str, str | None]:
     """(error code or "", failure or None) of one answer."""
@@ -234,14 +243,8 @@ async def send(s: aiohttp.ClientSession, url: str, case: Case, tally: Tally) -> 
         tally.statuses[0] += 1
         tally.failures.append(f"no answer ({type(exc).__name__}: {exc}) for {case.raw[:120]!r}")
         return
-    tally.statuses[status] += 1
-    if (took := time.monotonic() - t0) > tally.slowest[0]:
-        tally.slowest = (took, f"{status} {case.raw[:200]!r}")
     code, failure = check(case, status, body)
-    if code:
-        tally.codes[f"{status} {code}"] += 1
-    if failure:
-        tally.failures.append(failure)
+    tally.answered(status, time.monotonic() - t0, repr(case.raw[:200]), code, failure)
 
 
 def fuzz_edge(url: str, n_cases: int, batch: int = 32, seed: int | None = None) -> Tally:
@@ -317,9 +320,11 @@ def run_edge(
         report("edge: codes " + ", ".join(f"{k} ×{v}" for k, v in tally.codes.most_common(12)))
         failures += tally.failures
         if batch_cases:
+            from loadtest.fuzz_batch import fuzz_batch
+
             t0 = time.monotonic()
             bt = Tally()
-            fuzz_batch(stack.url, batch_cases, check, bt)
+            fuzz_batch(stack.url, batch_cases, bt)
             report(
                 f"batch API: {bt.cases:,} operations in {time.monotonic() - t0:.0f} s; "
                 f"statuses {dict(sorted(bt.statuses.items()))}"

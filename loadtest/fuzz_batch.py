@@ -22,6 +22,8 @@ import aiohttp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from loadtest.fuzz import Case, Tally, check
+
 KEYS = ("sk-demo-etl", "sk-demo-acme")
 
 
@@ -197,9 +199,9 @@ async def send(s: aiohttp.ClientSession, url: str, op: Op) -> tuple[int, bytes]:
         return r.status, await r.read()
 
 
-def fuzz_batch(url: str, n_cases: int, check: Any, tally: Any) -> None:
-    """`n_cases` drawn operations through the edge at `url`, one at a time; each answer goes to
-    `check(case_like, status, body)` (loadtest.fuzz's oracle) and into `tally`."""
+def fuzz_batch(url: str, n_cases: int, tally: Tally) -> None:
+    """`n_cases` drawn operations through the edge at `url`, one at a time; each answer judged
+    by loadtest.fuzz's oracle (`check`) and counted in `tally`."""
     import asyncio
 
     ids = Ids()
@@ -219,15 +221,12 @@ def fuzz_batch(url: str, n_cases: int, check: Any, tally: Any) -> None:
             tally.statuses[0] += 1
             tally.failures.append(f"no answer ({exc!r}) for {op.method} {op.path}")
             return
-        tally.statuses[status] += 1
-        if (took := time.monotonic() - t0) > tally.slowest[0]:
-            tally.slowest = (took, f"{status} {op.method} {op.path}")
-        case = _Case(op.path, (op.body or b"")[:200], {"Authorization": f"Bearer {op.key}"})
+        case = Case(op.path, (op.body or b"")[:200], {"Authorization": f"Bearer {op.key}"})
         code, failure = check(case, status, body)
-        if code:
-            tally.codes[f"{status} {code}"] += 1
-        if failure:
-            tally.failures.append(f"{op.method} {failure}")
+        what = f"{op.method} {op.path}"
+        tally.answered(
+            status, time.monotonic() - t0, what, code, failure and f"{op.method} {failure}"
+        )
         if status == 200 and op.method == "POST":
             doc = json.loads(body)
             (ids.files if doc.get("object") == "file" else ids.batches).append(doc["id"])
@@ -237,13 +236,6 @@ def fuzz_batch(url: str, n_cases: int, check: Any, tally: Any) -> None:
     finally:
         loop.run_until_complete(session.close())
         loop.close()
-
-
-@dataclass(frozen=True)
-class _Case:
-    path: str
-    raw: bytes
-    headers: dict[str, str]
 
 
 async def _session() -> aiohttp.ClientSession:

@@ -157,9 +157,13 @@ def summarise(
             "lost": sum(1 for r in rs if r.lost),
         }
     served: dict[str, float] = defaultdict(float)
+    unserved: Counter[str] = Counter()  # realtime requests not answered, per tenant
     for r in res.records:
-        if r.ok and r.cls == "realtime":
-            served[r.tenant] += r.completion_tokens
+        if r.cls == "realtime":
+            if r.ok:
+                served[r.tenant] += r.completion_tokens
+            else:
+                unserved[r.tenant] += 1
     good = sum(r.completion_tokens for r in res.records if met(r, slo_ttft_s, slo_e2e_s))
     return {
         "system": res.system,
@@ -177,8 +181,11 @@ def summarise(
         "lost": sum(1 for r in res.records if r.lost),
         "generator_late_p99_ms": percentile([r.late_s * 1000 for r in res.records], 99),
         "classes": classes,
+        # A tenant that got every realtime request answered was not backlogged: it took what it
+        # asked for, and its share says nothing about fairness (only backlogged tenants' do).
         "realtime_shares": {
-            t: {"served": s, "weight": w} for t, (s, w) in shares(served, tenant_weights).items()
+            t: {"served": s, "weight": w, "backlogged": unserved[t] > 0}
+            for t, (s, w) in shares(served, tenant_weights).items()
         },
         "nodes": res.nodes,
         "prefix_hit_ratio": prefix_hit_ratio(res.nodes),
@@ -218,14 +225,20 @@ def markdown(summaries: list[dict[str, Any]]) -> str:
             )
     lines += [
         "",
-        "| system | goodput tok/s | good tokens | makespan s | throughput tok/s | completed/s | lost | realtime token shares (served vs weight) | peak effective memory | preemptions | prefix hits |",
+        "| system | goodput tok/s | good tokens | makespan s | throughput tok/s | completed/s | lost | realtime token shares (served vs weight, backlogged tenants) | peak effective memory | preemptions | prefix hits |",
         "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for s in summaries:
-        sh = ", ".join(
-            f"{t} {_f(v['served'], '{:.0%}')} vs {v['weight']:.0%}"
-            for t, v in s["realtime_shares"].items()
-        )
+        rs = s["realtime_shares"]
+        if rs and not any(v.get("backlogged", True) for v in rs.values()):
+            sh = "no tenant backlogged: every realtime request answered"
+        else:
+            sh = ", ".join(
+                f"{t} {_f(v['served'], '{:.0%}')} vs {v['weight']:.0%}"
+                if v.get("backlogged", True)
+                else f"{t} all answered"
+                for t, v in rs.items()
+            )
         mem = max((n.get("peak_memory", math.nan) for n in s["nodes"].values()), default=math.nan)
         pre = sum(n.get("preemptions", 0) for n in s["nodes"].values())
         lines.append(

@@ -476,6 +476,27 @@ def test_rate_limit_headers_and_request_id_as_openai_sends_them(stack: Stack) ->
     assert refused["x-ratelimit-limit-requests"] == "5"
     assert refused["x-ratelimit-reset-requests"].endswith("s")
     assert len(refused["x-request-id"]) == 32
+    # The operator finds that id on the status page of the sidecar that refused it.
+    ids = [
+        g["last_request_id"] for doc in sidecar_docs(stack, "/status.json") for g in doc["refusals"]
+    ]
+    assert refused["x-request-id"] in ids, ids
+
+
+def sidecar_docs(stack: Stack, path: str) -> list[Any]:
+    """`path` (JSON) from every sidecar, over its unix socket."""
+    out = []
+    for sock in sorted(stack.sock_dir.glob("sidecar-*.sock")):
+        with socket.socket(socket.AF_UNIX) as s:
+            s.connect(str(sock))
+            s.sendall(
+                b"GET " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+            )
+            got = b""
+            while chunk := s.recv(65536):
+                got += chunk
+        out.append(json.loads(got.partition(b"\r\n\r\n")[2]))
+    return out
 
 
 def refunded(stack: Stack, tenant: str) -> float:

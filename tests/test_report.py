@@ -135,3 +135,19 @@ def test_tpot_target_is_scored_over_every_request_sent() -> None:
     assert c["tpot_p50_ms"] == pytest.approx(50.0)  # nearest rank of 50 and 80 ms
     assert steady.tpot_s == pytest.approx(0.05) and refused.tpot_s is None
     assert "| – / 33.3% |" in report.markdown([s])
+
+
+def test_shares_are_compared_with_weights_only_for_backlogged_tenants() -> None:
+    """A tenant that got every realtime request answered took what it asked for: its share of
+    served tokens says nothing about fairness, and the table says so instead of comparing."""
+    served_all = [rec(tenant="a", tokens=50), rec(tenant="b", tokens=10)]
+    res = SystemResult("fifo", 10.0, served_all, {})
+    s = report.summarise(res, {"realtime": 1.0}, {"a": 5, "b": 1})
+    assert not s["realtime_shares"]["a"]["backlogged"]
+    assert "no tenant backlogged" in report.markdown([s])
+    refused_b = [*served_all, rec(tenant="b", status=429, ttft=None, code="requests_per_s")]
+    s = report.summarise(
+        SystemResult("fifo", 10.0, refused_b, {}), {"realtime": 1.0}, {"a": 5, "b": 1}
+    )
+    table = report.markdown([s])
+    assert "a all answered" in table and "b 17% vs 17%" in table
