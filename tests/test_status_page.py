@@ -35,7 +35,13 @@ async def sidecar(
     redis: Any, redis_server: RedisServer, tmp_path: Path
 ) -> AsyncIterator[tuple[TestClient[Any, Any], PolicyHolder]]:
     path = tmp_path / "policies.yaml"
-    path.write_text(BASE_POLICY.replace("REDIS_URL", redis_server.url))
+    # No aging nor timeouts while the page renders (Chromium can take seconds on a loaded machine): the queued
+    # batch request must still be batch when the page is read.
+    text = BASE_POLICY.replace("REDIS_URL", redis_server.url)
+    text = text.replace("priority: 0, deadline_s: 5}", "priority: 0, deadline_s: 60}")
+    path.write_text(
+        text.replace("deadline_s: 10, promote_after_s: 2}", "deadline_s: 60, promote_after_s: 120}")
+    )
     holder = PolicyHolder(path, load_policy(path), Metrics())
     st = NodeState(
         node="n1",
