@@ -66,7 +66,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         print("Ctrl-C stops everything.\n", flush=True)
         while not stop:
             # A child that dies is restarted with backoff; the stack keeps serving meanwhile
-            # (the failure modes in README, "Operations"). Only Ctrl-C / SIGTERM stops it.
+            # (the failure modes in docs/operations.md). Only Ctrl-C / SIGTERM stops it.
             for event in stack.supervise():
                 print(f"{time.strftime('%H:%M:%S')} {event} (log: {run_dir})", flush=True)
             time.sleep(0.5)

@@ -5,7 +5,7 @@ A step is bound by the slower of memory and compute (roofline):
     compute = (prefill + decode tokens) × 2 × params / achievable FLOPs
 Decode alone is memory-bound (weights read once per step); a step with a large prefill chunk is
 compute-bound, so long prompts slow every running sequence's next token, as on a real GPU.
-Public figures (see README "Emulator calibration"): A100-40GB HBM2 1.555 TB/s, 312 TFLOPS bf16;
+Public figures (see docs/benchmarks.md): A100-40GB HBM2 1.555 TB/s, 312 TFLOPS bf16;
 H100-80GB SXM HBM3 3.35 TB/s, 989 TFLOPS bf16 (×2 with tensor parallel 2). Llama-3-8B: 8.0e9
 params, 32 layers × 8 KV heads × 128 × 2 (K,V) × 2 B = 128 KiB KV per token; Llama-3-70B: 80
 layers → 320 KiB per token (fp16).

@@ -6,7 +6,7 @@ head_dim 64, which the CPU attention backend supports; 2 layers) plus a BPE toke
 locally with `tokenizers`, served with `--load-format dummy` (random weights: gibberish text, but
 the engine, continuous batching, streaming and metrics are real). No download, ever.
 
-Settings this product relies on (see README, "Pointing the product at existing vLLM servers"):
+Settings this product relies on (see docs/operations.md, "Pointing the product at existing vLLM servers"):
 `--scheduling-policy priority` (the class's priority is honoured inside the engine), explicit
 `--max-num-seqs` / `--max-num-batched-tokens` (chunked prefill is on by default in V1), and a
 small KV pool on CPU (`--num-gpu-blocks-override`) so KV usage, waiting requests and

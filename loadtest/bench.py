@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     # The demo keys are the point here; the sidecars still log the plaintext-key warning.
     logging.getLogger("admission.policy").setLevel(logging.ERROR)
     if a.engine == "vllm" and a.capacity is None:
-        ap.error("--engine vllm needs --capacity (measure it: README, 'Load testing')")
+        ap.error("--engine vllm needs --capacity (measure it: docs/load-testing.md)")
     kinds = load_kinds(a.workload) if a.workload else (TINY if a.engine == "vllm" else MIXED)
     per_node = a.capacity if a.capacity is not None else capacity(a.profile, kinds=kinds)
     cap = per_node * a.nodes

@@ -44,7 +44,7 @@ from loadtest.fuzz_policy import fuzz_policy
 SECRET_MARK = "sk-fuzzsecret-"
 FUZZ_KEY = "sk-fuzz-tenant-0123456789"
 DEMO_KEYS = ("sk-demo-acme", "sk-demo-etl", "sk-demo-hobbyist")
-# 5xx an edge may answer, each documented in the README's failure modes.
+# 5xx an edge may answer, each documented in the failure modes (docs/operations.md).
 DEFINED_5XX = {
     "admission_unavailable",
     "limiter_unavailable",

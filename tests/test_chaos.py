@@ -39,7 +39,7 @@ from devstack.stack import DEFAULT_POLICY, Stack
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
-# Codes an error answer may carry under these faults (README "Failure modes"): policy refusals
+# Codes an error answer may carry under these faults (docs/operations.md, "Failure modes"): policy refusals
 # (429) and the documented unavailability answers (503), and the JSON the edge makes of an
 # engine that failed before answering (502/504).
 REFUSALS = {

@@ -40,3 +40,8 @@ def test_named_paths_and_tests_exist() -> None:
         if "shared/" in text:
             bad.append(f"{doc.name}: names shared/ (not in the repository)")
     assert not bad, bad
+
+
+def test_the_front_page_is_short() -> None:
+    """README.md is what a first-time user reads: at most 200 lines; the rest lives in docs/."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 200

@@ -1,4 +1,4 @@
-"""Adding the edge to an NGINX of one's own, as README's "Adding the edge to your NGINX" says:
+"""Adding the edge to an NGINX of one's own, as docs/operations.md's "Adding the edge to your NGINX" says:
 `admission nginx-snippets` renders the files, a stock Debian-style nginx.conf (`user
 www-data;`, its own http settings and access log) includes them, `admission serve` and
 `admission agent` run as the systemd units would (sockets of group www-data in a 0750
