@@ -170,10 +170,11 @@ class Decider:
             raise BadRequest(str(exc)) from None
         outcome, reason = "error", "internal"
         try:
-            reask = body.get("reask") is True
             adm = await dispatcher.admit(
-                tenant, cls, model, prompt, max_tokens, waited_s, rid, prefix, reask
+                tenant, cls, model, prompt, max_tokens, waited_s, rid, prefix
             )
+            if body.get("reask") is True:  # its lost first sidecar may have leased a node for it
+                await dispatcher.place.drop_stale(adm.ticket, model)
             outcome, reason = "admitted", "degraded" if self.limiter.degraded else "ok"
             return {
                 "ratelimit": self.limiter.headroom(tenant),

@@ -212,3 +212,8 @@ class Checker:
 
 def _join(path: str, key: Any) -> str:
     return f"{path}.{key}" if path else str(key)
+
+
+def is_id(v: Any) -> bool:
+    """A tenant's or node's id: letters, digits, '-', '_' or '.' (it is part of Redis keys)."""
+    return isinstance(v, str) and bool(v) and all(ch.isalnum() or ch in "-_." for ch in v)

@@ -13,7 +13,7 @@ from typing import Any
 import yaml
 
 from admission.errors import PolicyError
-from admission.policy.checks import Checker, duplicate_keys, line_map, shown
+from admission.policy.checks import Checker, duplicate_keys, is_id, line_map, shown
 from admission.policy.model import (
     AdmitUntil,
     ClassPolicy,
@@ -268,11 +268,7 @@ def _nodes(c: Checker, raw: Any) -> dict[str, Node]:
     urls: dict[str, str] = {}
     for nid, body in m.items():
         p = f"nodes.{nid}"
-        if (
-            not isinstance(nid, str)
-            or not nid
-            or not all(ch.isalnum() or ch in "-_." for ch in nid)
-        ):
+        if not is_id(nid):
             c.err(p, "node id must be letters, digits, '-', '_' or '.'")
         b = c.mapping(body, p, _NODE_KEYS, required={"url", "models"}) or {}
         url = c.string(b, "url", p, "", prefixes=("http://", "https://")).rstrip("/")

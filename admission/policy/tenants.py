@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from admission.policy.checks import Checker
+from admission.policy.checks import Checker, is_id
 from admission.policy.model import ClassPolicy, Limits, Tenant, digest_key
 
 log = logging.getLogger("admission.policy.load")
@@ -29,11 +29,7 @@ def tenants(
     out: dict[str, Tenant] = {}
     for tid, body in m.items():
         p = f"tenants.{tid}"
-        if (
-            not isinstance(tid, str)
-            or not tid
-            or not all(ch.isalnum() or ch in "-_." for ch in tid)
-        ):
+        if not is_id(tid):
             c.err(p, "tenant id must be letters, digits, '-', '_' or '.'")
         b = c.mapping(body, p, _TENANT_KEYS, required={"keys", "limits"}) or {}
         tier = c.string(b, "tier", p, "default")

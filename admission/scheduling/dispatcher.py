@@ -91,27 +91,6 @@ class Dispatcher:
         waited_s: float = 0.0,
         rid: str | None = None,
         prefix: Prefix = NO_PREFIX,
-        reask: bool = False,
-    ) -> Admission:
-        """`_admit`; for a request asked again (`reask`: its first sidecar was lost, and may
-        have leased a node for it before), any other lease of it goes back once it is placed."""
-        adm = await self._admit(
-            tenant, cls, model, prompt_tokens, max_tokens, waited_s, rid, prefix
-        )
-        if reask:
-            await self.place.drop_stale(adm.ticket, model)
-        return adm
-
-    async def _admit(
-        self,
-        tenant: Tenant,
-        cls: str,
-        model: str,
-        prompt_tokens: int,
-        max_tokens: int,
-        waited_s: float = 0.0,
-        rid: str | None = None,
-        prefix: Prefix = NO_PREFIX,
     ) -> Admission:
         """Charge the tenant's limits and get a node, now or from the queue.
 
