@@ -97,7 +97,7 @@ def snapshot(
         "nodes": dispatcher.nodes.snapshot(),
         "pressure": dispatcher.nodes.pressure_snapshot(),
         "decode_guard": _decode_guard(dispatcher),
-        "prefix": dispatcher.nodes.prefix_snapshot(),
+        "prefix": dispatcher.nodes.placements.snapshot(),
         "refusals": _grouped(recent.refusals),
     }
 

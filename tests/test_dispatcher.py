@@ -407,13 +407,13 @@ async def test_memory_aware_limits_tighten_lower_classes_while_a_model_stays_hel
     nt = d.nodes
     view = nt.views["n1"]
     view.state = Status.HOLD
-    nt._pressure(now[0])
+    nt._by_model(now[0])
     assert nt.limit_factor("m", "batch") == 1.0  # held, but not for long yet
     now[0] += 0.5
-    nt._pressure(now[0])
+    nt._by_model(now[0])
     assert nt.limit_factor("m", "batch") == 0.05
     assert nt.limit_factor("m", "realtime") == 1.0
-    nt._gauge()
+    nt._gauge([])
     assert metrics.limit_factor.labels("m")._value.get() == 0.05
     assert nt.pressure_snapshot()[0]["factor"] == 0.05
 
@@ -431,6 +431,6 @@ async def test_memory_aware_limits_tighten_lower_classes_while_a_model_stays_hel
     assert real.denied is None
 
     view.state = Status.OPEN  # memory recovered
-    nt._pressure(now[0])
+    nt._by_model(now[0])
     assert nt.limit_factor("m", "batch") == 1.0 and nt.pressure_snapshot() == []
     await client.aclose()

@@ -3,7 +3,8 @@
 Every `period_s` for each node it serves: read GPU memory (NVML, or the emulator's simulated
 device), scrape vLLM `/metrics` and `/health`, compute the effective memory fraction, apply the
 watermark state machine, and write one JSON state to Redis with a TTL of `stale_after_s`, so a
-silent agent reads as a down node. Sidecars read these states; they never scrape engines.
+silent agent reads as a down node, and tell the change feed what moved (feed.py). Sidecars read
+these; they never scrape engines.
 """
 
 from __future__ import annotations
@@ -18,11 +19,11 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from admission.nodes import memory
+from admission.nodes.feed import Publisher
 from admission.nodes.gpu import GpuReader, NvmlReader, SimulatedGpuReader
 from admission.nodes.state import NodeState
 from admission.nodes.watermarks import DOWN, OPEN, next_state
 from admission.policy import Node, Policy
-from admission.store import keys
 
 log = logging.getLogger(__name__)
 
@@ -262,6 +263,7 @@ class Agent:
         if not self.nvml.available:
             log.warning("no NVML on this host: nodes use their device_url or KV usage alone")
         self._probes: dict[str, NodeProbe] = {}
+        self.publisher = Publisher()  # the state keys, and what is news on the change feed
 
     def _probe(self, node: Node, session: aiohttp.ClientSession) -> NodeProbe:
         p = self._probes.get(node.id)
@@ -280,10 +282,9 @@ class Agent:
             n for n in self.policy.nodes.values() if not self.node_ids or n.id in self.node_ids
         ]
         states = await asyncio.gather(*(self._probe(n, session).sample(self.policy) for n in nodes))
-        ttl_ms = int(self.policy.watermarks.stale_after_s * 1000)
         pipe = self.redis.pipeline(transaction=False)
-        for st in states:
-            pipe.set(keys.node_state(st.node), st.to_json(), px=ttl_ms)
+        stale_s = self.policy.watermarks.stale_after_s
+        self.publisher.publish(pipe, list(states), time.monotonic(), stale_s)
         await pipe.execute()
         return list(states)
 

@@ -328,7 +328,7 @@ class Dispatcher:
 
     def _refuse_late(self, now: float) -> None:
         cached = self.nodes.cached
-        for name, item in late_heads(self.policy(), self.queue, self.views, now, cached):
+        for name, item in late_heads(self.policy(), self.queue, self.nodes.near, now, cached):
             waiter: _Waiter = item.payload
             if not waiter.future.done():
                 exc = SloUnreachable(name, self.queue.retry_after(len(self.queue)))

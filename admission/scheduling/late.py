@@ -16,7 +16,7 @@ LATE_MARGIN = 0.25  # share of a TTFT target kept as slack for what the ETA does
 def late_heads(
     policy: Policy,
     queue: FairQueue,
-    views: list[NodeView],
+    near: Callable[[str, Prefix], list[NodeView]],
     now: float,
     cached: Callable[[Prefix], dict[str, int]] = lambda _p: {},
 ) -> Iterator[tuple[str, Item]]:
@@ -26,6 +26,7 @@ def late_heads(
     node's full prefill rate, while inside the engine a more urgent class goes first: without
     the margin the requests served were those dispatched with no slack left, and half of them
     arrived just past the target (measured: batch TTFT p50 9,986 ms against a 10 s target).
+    `near(model, prefix)`: the nodes it would come soonest from (NodeTable.near: bounded);
     `cached(prefix)`: node → prompt tokens of an item's head its prefix cache should hold."""
     for c in policy.classes.values():
         if c.on_late != OnLate.REFUSE or not c.slo_ttft_ms:
@@ -34,7 +35,10 @@ def late_heads(
 
         def late(it: Item, t: float = target, n: str = c.name) -> bool:
             return (it.requested_cls or it.cls) == n and (
-                now - it.enqueued_at + eta_s(views, it.model, it.prompt, now, cached(it.prefix)) > t
+                now
+                - it.enqueued_at
+                + eta_s(near(it.model, it.prefix), it.model, it.prompt, now, cached(it.prefix))
+                > t
             )
 
         for item in queue.drop_heads(c.name, late):

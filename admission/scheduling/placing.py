@@ -104,6 +104,7 @@ class Placer:
         chosen, ask = nodes[0]
         now = self.clock()
         chosen.booked(ask, now)
+        self.nodes.touch(chosen.node.id)
         self.nodes.prefix_booked(ticket, chosen, ask, res)
         self.nodes.outputs.admitted(ticket, ask.urgent)
         self.metrics.queue_wait_seconds.labels(item.cls).observe(now - item.enqueued_at)
@@ -151,6 +152,7 @@ class Placer:
 
     def freed(self, node: str) -> None:
         self.active = True
+        self.nodes.touch(node)
         if (v := self.nodes.get(node)) is not None:
             v.inflight = max(0, v.inflight - 1)
         self.wake.set()

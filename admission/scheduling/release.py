@@ -29,7 +29,7 @@ async def release_many(d: Dispatcher, entries: list[Released]) -> list[int]:
     await d.ahead.settled(ticket for ticket, *_rest in entries)  # booked before released
     for ticket, actual, failed, out, cached in entries:
         d.nodes.outputs.answered(ticket, out)
-        d.nodes.engine_cached(ticket, cached)
+        d.nodes.placements.engine_cached(ticket, cached)
         rid, node, tid = leases.parse_ticket(ticket)
         await d.nodes.proxied(node, failed, ticket)
         first = leases.answered_ahead(ticket)  # its release may come before its booking

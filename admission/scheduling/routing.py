@@ -215,6 +215,9 @@ def eligible(
     output_tokens: float = 0.0,
     prefix: Prefix = NO_PREFIX,
     hits: dict[str, int] | None = None,
+    *,
+    present: bool | None = None,
+    live: int | None = None,
 ) -> list[tuple[NodeView, Ask]]:
     """Nodes serving `model` that would take this request now, with their asks: the tenant's
     own pool first, then shared nodes, then idle pools on loan (`pool_rank`); within each, for

@@ -153,3 +153,10 @@ def tenant_batches(tenant: str) -> str:
 def tenant_open_batches(tenant: str) -> str:
     """The tenant's batches not yet finished (set): max_open_per_tenant, and files in use."""
     return f"{_bt(tenant)}:open"
+
+
+def node_changes() -> str:
+    """The node change feed (stream: n = node, k = kind, v = value; nodes/feed.py): agents say
+    when a node's state moved or that it is still alive, sidecars when an operator drained it
+    or proxied requests ejected it. Sidecars read it with every refresh, in one XREAD."""
+    return f"{PREFIX}:node-changes"

@@ -1,0 +1,110 @@
+"""Where prompt heads went: this sidecar's prefix index, told to and heard from the others.
+
+A lease taken with a prefix puts its blocks on the node (the engine computes them); the
+sidecar learns that in its `PrefixIndex` (prefixes.py) and, when it is news, tells the other
+sidecars through the prefix feed with its next refresh (one XADD each, one XREAD for all), so
+that every sidecar routes a prompt head to where any of them placed it, without a Redis call
+on the admission path. It also keeps what each lease was booked as already cached, to compare
+with what the engine reports at release (`admission_prefix_*_tokens_total`).
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from admission.metrics import Metrics
+from admission.scheduling import leases
+from admission.scheduling.leases import Ask
+from admission.scheduling.prefixes import Prefix, PrefixIndex, pool_blocks
+from admission.scheduling.views import NodeView
+from admission.store import keys
+
+PREDICTED_KEPT = 50_000  # tickets whose booked-as-cached tokens wait for their release here
+FEED_BATCH = 4096  # placements a sidecar tells per refresh at most (more: not told)
+FEED_LEN = 20_000  # placements the feed keeps (trimmed approximately): ~1 s at 20k admissions/s
+FEED_READ = 20_000  # placements read per refresh at most
+
+
+class Placements:
+    def __init__(self, metrics: Metrics, clock: Callable[[], float]) -> None:
+        self.metrics = metrics
+        self.clock = clock
+        self.index = PrefixIndex()
+        self._predicted: OrderedDict[str, int] = OrderedDict()  # ticket → tokens booked cached
+        # Placements told to the other sidecars with the next refresh, and the feed's last id
+        # read ("0-0": a new sidecar first learns what the stream still holds).
+        self._me = secrets.token_hex(4)
+        self._outbox: list[tuple[str, Prefix]] = []
+        self._feed_id: bytes | str = "0-0"
+
+    def cached(self, prefix: Prefix) -> dict[str, int]:
+        """Node → prompt tokens of `prefix` this sidecar expects its prefix cache to hold."""
+        return (
+            {n: prefix.tokens(b) for n, b in self.index.matches(prefix).items()} if prefix else {}
+        )
+
+    def booked(self, ticket: str, view: NodeView, ask: Ask, res: Any) -> None:
+        """A lease with a prefix was taken on `view`: its blocks are there now (the engine
+        computes them); remember what was booked as cached, to compare with the engine's count."""
+        prefix = ask.prefix
+        if not prefix:
+            return
+        hit = leases.hit_blocks(res)
+        predicted = ask.hit_tokens if hit is None else prefix.tokens(hit)
+        self._predicted[ticket] = min(ask.prompt_tokens, predicted)
+        if len(self._predicted) > PREDICTED_KEPT:  # released elsewhere, or lost: oldest out
+            self._predicted.popitem(last=False)
+        # Told to the other sidecars only when it is news here: a head already placed on this
+        # node (the common case, once affinity holds) costs the feed nothing.
+        news = self.index.learn(view.node.id, prefix, self.clock(), ask.pool_blocks)
+        if news and len(self._outbox) < FEED_BATCH:
+            self._outbox.append((view.node.id, prefix))
+
+    def engine_cached(self, ticket: str, cached: int) -> None:
+        """The engine's `cached_tokens` for a released ticket (-1: not reported)."""
+        predicted = self._predicted.pop(ticket, None)
+        if cached >= 0 and predicted is not None:
+            self.metrics.prefix_predicted.inc(predicted)
+            self.metrics.prefix_engine_cached.inc(cached)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Prompt tokens booked as already computed vs what the engines found cached, over the
+        releases that reported it (None: none yet), for the status page."""
+        get = self.metrics.registry.get_sample_value
+        booked = get("admission_prefix_predicted_tokens_total") or 0.0
+        found = get("admission_prefix_engine_cached_tokens_total") or 0.0
+        reported = booked > 0 or found > 0
+        return {
+            "booked_cached_tokens": int(booked) if reported else None,
+            "engine_cached_tokens": int(found) if reported else None,
+        }
+
+    def queue(self, pipe: Any) -> None:
+        """Queue on a refresh's pipeline what to tell (XADDs), then the read (XREAD, last)."""
+        outbox, self._outbox = self._outbox, []
+        feed = keys.prefix_feed()
+        for node, prefix in outbox:
+            fields = {"s": self._me, "n": node, "t": prefix.block_tokens}
+            fields["b"] = " ".join(prefix.blocks)
+            pipe.xadd(feed, fields, maxlen=FEED_LEN, approximate=True)
+        pipe.xread({feed: self._feed_id}, count=FEED_READ)
+
+    def take(self, read: Any, views: dict[str, NodeView]) -> None:
+        """Take the other sidecars' placements from the prefix feed (XREAD's reply)."""
+        now = self.clock()
+        for _stream, entries in read or []:
+            for entry_id, f in entries:
+                self._feed_id = entry_id
+                if f.get(b"s", b"").decode() == self._me:
+                    continue
+                node = f.get(b"n", b"").decode()
+                v = views.get(node)
+                try:
+                    prefix = Prefix(tuple(f.get(b"b", b"").decode().split()), int(f.get(b"t", 0)))
+                except ValueError:
+                    continue
+                if v is not None and prefix:
+                    self.index.learn(node, prefix, now, pool_blocks(v.pool_tokens, prefix))

@@ -1,0 +1,172 @@
+"""How a sidecar keeps its node views current: the change feed, and a few nodes re-read in turn.
+
+One refresh is one pipeline of a bounded size, whatever the cluster's:
+- the change feed since the last refresh (nodes/feed.py: one XREAD): states that moved, agents
+  still alive, operators' drains, ejections;
+- every key of `SWEEP` nodes in turn (state and its TTL, admin flag, ejection, lease count,
+  ledger): the safety net for what the feed did not say, and the other sidecars' bookings;
+- the ledger of the nodes this sidecar booked on or released since (at most `TOUCHED`).
+The first refresh, and the first after a failed one, read every node (a full resync).
+
+Lease counts and ledgers stay authoritative in Redis (lease.lua decides every lease); between
+reads a view advances by this sidecar's bookings and the figures its lease replies carry, so a
+stale view costs a refused lease (and a retry on the next node), never a wrong booking. A node
+whose agent's last word is `stale_after_s` old reads as down, as its state key expires.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+from admission.nodes import feed
+from admission.nodes.state import NodeState, Status
+from admission.scheduling.views import RESERVE_HALF_S, NodeView
+from admission.store import keys
+
+log = logging.getLogger(__name__)
+
+SWEEP = 16  # nodes whose every key one refresh re-reads (each node in turn)
+TOUCHED = 64  # nodes whose ledger one refresh re-reads because this sidecar used them
+CHANGES_READ = 20_000  # feed entries one refresh reads at most (more: the next one goes on)
+_FULL = 6  # commands per node fully read
+_LEDGER = 2  # ... and per ledger read
+
+
+class NodeReads:
+    """What one sidecar knows of the nodes between reads, and the reads of one refresh."""
+
+    def __init__(self, stale_after_s: Callable[[], float]) -> None:
+        self.stale_after_s = stale_after_s
+        self.full = True  # read every node next time
+        self._feed_id: bytes | str = "0-0"
+        self._at = 0  # the sweep's position
+        self._touched: dict[str, None] = {}
+        self._plan: tuple[bool, list[NodeView], list[NodeView]] = (True, [], [])
+        self.last: dict[str, NodeState | None] = {}  # node → its agent's last state
+        self.alive_until: dict[str, float] = {}  # node → when its agent's last word is stale
+        self.ejected_until: dict[str, float] = {}
+        self.admin: set[str] = set()
+        self._bad_state_logged: set[str] = set()
+
+    def touch(self, node: str) -> None:
+        if len(self._touched) < TOUCHED:
+            self._touched[node] = None
+
+    def queue(self, pipe: Any, views: list[NodeView]) -> int:
+        """Queue this refresh's reads on `pipe` (after its TIME); return how many were queued."""
+        full = self.full
+        if full:
+            swept = views
+            pipe.xrevrange(keys.node_changes(), count=1)
+        else:
+            n = min(SWEEP, len(views))
+            self._at %= max(1, len(views))
+            swept = (views[self._at :] + views[: self._at])[:n]
+            self._at += n
+            pipe.xread({keys.node_changes(): self._feed_id}, count=CHANGES_READ)
+        names = {v.node.id for v in swept}
+        by_id = {v.node.id: v for v in views} if self._touched else {}
+        ledgers = [by_id[n] for n in self._touched if n not in names and n in by_id]
+        self._touched = {}
+        for v in swept:
+            nid = v.node.id
+            pipe.get(keys.node_state(nid))
+            pipe.pttl(keys.node_state(nid))
+            pipe.get(keys.node_admin(nid))
+            pipe.pttl(keys.node_eject(nid))
+            self._ledger(pipe, nid)
+        for v in ledgers:
+            self._ledger(pipe, v.node.id)
+        self._plan = (full, swept, ledgers)
+        return 1 + _FULL * len(swept) + _LEDGER * len(ledgers)
+
+    @staticmethod
+    def _ledger(pipe: Any, nid: str) -> None:
+        pipe.zcard(keys.node_leases(nid))
+        pipe.hmget(keys.node_ledger(nid), "p", "t", "kv", "u", "r", "rt", "s")
+
+    def apply(
+        self, res: list[Any], redis_us: int, now: float, views: dict[str, NodeView]
+    ) -> set[str]:
+        """Take the replies (`res`: this refresh's, after TIME); return the nodes whose state
+        must be observed again (what changed, and what was read)."""
+        full, swept, ledgers = self._plan
+        self.full = False
+        offset = now - redis_us / 1e6  # local clock − Redis's
+        stale_s = self.stale_after_s()
+        dirty: set[str] = set()
+        if full:
+            newest = res[0]
+            if newest:
+                self._feed_id = newest[0][0]
+        else:
+            ch = feed.parse(res[0])
+            if ch.last_id is not None:
+                self._feed_id = ch.last_id
+            for node, raw in ch.states.items():
+                self.last[node] = self._state(node, raw)
+            for node, ms in ch.heard_ms.items():
+                self.alive_until[node] = ms / 1000 + offset + stale_s
+            self.admin.update(n for n, on in ch.admin.items() if on)
+            self.admin.difference_update(n for n, on in ch.admin.items() if not on)
+            for node, ms in ch.ejected_ms.items():
+                self.ejected_until[node] = ms / 1000 + offset if ms else 0.0
+            dirty.update(ch.heard_ms, ch.admin, ch.ejected_ms)
+        i = 1
+        for v in swept:
+            nid = v.node.id
+            raw, ttl, admin, eject = res[i : i + 4]
+            self.last[nid] = self._state(nid, raw)
+            # No TTL (-1): written by hand, never stale; gone (-2) or no state: down.
+            alive = now + ttl / 1000 if ttl >= 0 else (math.inf if ttl == -1 else 0.0)
+            self.alive_until[nid] = alive if raw is not None else 0.0
+            (self.admin.add if admin else self.admin.discard)(nid)
+            self.ejected_until[nid] = now + eject / 1000 if eject > 0 else 0.0
+            self._take_ledger(v, res[i + 4], res[i + 5], redis_us, now)
+            dirty.add(nid)
+            i += _FULL
+        for v in ledgers:
+            self._take_ledger(v, res[i], res[i + 1], redis_us, now)
+            dirty.add(v.node.id)
+            i += _LEDGER
+        for nid, v in views.items():  # agents gone silent, ejections over: no entry says so
+            ej = self.ejected_until.get(nid, 0.0)
+            if ej and ej <= now:
+                self.ejected_until[nid] = 0.0
+                dirty.add(nid)
+            elif v.state != Status.DOWN and self.alive_until.get(nid, 0.0) <= now:
+                dirty.add(nid)
+        return dirty
+
+    def state_of(self, nid: str, now: float) -> NodeState | None:
+        """The state a node is observed in (None: down — silent, unreadable or ejected)."""
+        if self.alive_until.get(nid, 0.0) <= now or self.ejected_until.get(nid, 0.0) > now:
+            return None
+        return self.last.get(nid)
+
+    @staticmethod
+    def _take_ledger(v: NodeView, leases: Any, ledger: Any, redis_us: int, now: float) -> None:
+        p, t, kv, u, r, rt, sh = ledger
+        pending = float(p or 0)
+        if t is not None and v.prefill_rate > 0:  # drained until Redis's now
+            pending = max(0.0, pending - v.prefill_rate * (redis_us - int(t)) / 1e6)
+        reserve = float(r or 0)
+        if rt is not None:  # decayed until Redis's now, as lease.lua does
+            reserve *= 0.5 ** (max(0, redis_us - int(rt)) / 1e6 / RESERVE_HALF_S)
+        v.ledger(pending, int(kv or 0), int(leases), now, int(u or 0), reserve, int(sh or 0))
+
+    def _state(self, node: str, raw: bytes | None) -> NodeState | None:
+        if raw is None:
+            return None
+        try:
+            return NodeState.from_json(raw)
+        except ValueError as exc:
+            if node not in self._bad_state_logged:  # once per node: it would repeat
+                self._bad_state_logged.add(node)
+                log.error(
+                    "node %s: unreadable state from its agent, treated as down: %s", node, exc
+                )
+            return None
