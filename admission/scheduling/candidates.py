@@ -26,9 +26,9 @@ from typing import TypeVar
 from admission.nodes.state import Status
 from admission.scheduling.views import NodeView
 
-EXAMINE = 24  # nodes per pool an admission examines first
+EXAMINE = 8  # nodes per pool an admission examines first
 ENOUGH = 3  # eligible nodes wanted: the chosen one and the edge's MAX_FALLBACKS
-MAX_EXAMINE = 96  # nodes per pool at most, when the first ones refuse
+MAX_EXAMINE = 64  # nodes per pool at most, when the first ones refuse
 PREFIX_NODES = 8  # nodes holding the prompt's head examined first
 _TAKES = (Status.OPEN, Status.HOLD)
 

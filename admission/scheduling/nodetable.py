@@ -202,14 +202,18 @@ class NodeTable:
             v = self.views[nid]
             was = v.state
             v.observe(self.reads.state_of(nid, now), nid in self.reads.admin)
-            if v.state == Status.DOWN and was != Status.DOWN:
-                self.prefixes.drop_node(nid)  # a restarted engine has an empty cache
-        if dirty or self.place_moved:
-            self.index.stale, self.place_moved = True, False
+            if v.state != was:
+                self.reads.moved = True
+                if v.state == Status.DOWN:
+                    self.prefixes.drop_node(nid)  # a restarted engine has an empty cache
         self.placements.take(res[-1], self.views)
+        self._gauge([self.views[n] for n in dirty])
+        if self.reads.moved or self.place_moved:  # the order, and the per-model figures
+            self.index.stale, self.reads.moved, self.place_moved = True, False, False
+        if not self.index.stale:
+            return
         self._by_model(now)
         self.index.sort(now)
-        self._gauge([self.views[n] for n in dirty])
         closed = (Status.DOWN, Status.DRAIN, Status.MAINTENANCE)
         unusable = frozenset(v.node.id for v in views if v.state in closed)
         if unusable != self.unusable:

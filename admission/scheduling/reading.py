@@ -50,6 +50,7 @@ class NodeReads:
         self.ejected_until: dict[str, float] = {}
         self.admin: set[str] = set()
         self._bad_state_logged: set[str] = set()
+        self.moved = False  # a state or a ledger read differed from the view (the order moves)
 
     def touch(self, node: str) -> None:
         if len(self._touched) < TOUCHED:
@@ -110,11 +111,15 @@ class NodeReads:
                 self.last[node] = self._state(node, raw)
             for node, ms in ch.heard_ms.items():
                 self.alive_until[node] = ms / 1000 + offset + stale_s
+                v = views.get(node)
+                if v is not None and v.state == Status.DOWN and self.last.get(node):
+                    dirty.add(node)  # heard again: back in its last state
             self.admin.update(n for n, on in ch.admin.items() if on)
             self.admin.difference_update(n for n, on in ch.admin.items() if not on)
             for node, ms in ch.ejected_ms.items():
                 self.ejected_until[node] = ms / 1000 + offset if ms else 0.0
-            dirty.update(ch.heard_ms, ch.admin, ch.ejected_ms)
+            dirty.update(ch.states, ch.admin, ch.ejected_ms)
+            self.moved = self.moved or bool(ch.states)
         i = 1
         for v in swept:
             nid = v.node.id
@@ -147,8 +152,9 @@ class NodeReads:
             return None
         return self.last.get(nid)
 
-    @staticmethod
-    def _take_ledger(v: NodeView, leases: Any, ledger: Any, redis_us: int, now: float) -> None:
+    def _take_ledger(
+        self, v: NodeView, leases: Any, ledger: Any, redis_us: int, now: float
+    ) -> None:
         p, t, kv, u, r, rt, sh = ledger
         pending = float(p or 0)
         if t is not None and v.prefill_rate > 0:  # drained until Redis's now
@@ -156,7 +162,10 @@ class NodeReads:
         reserve = float(r or 0)
         if rt is not None:  # decayed until Redis's now, as lease.lua does
             reserve *= 0.5 ** (max(0, redis_us - int(rt)) / 1e6 / RESERVE_HALF_S)
+        before = (v.inflight, v.kv_reserved, v.kv_urgent, round(v.pending_now(now)))
         v.ledger(pending, int(kv or 0), int(leases), now, int(u or 0), reserve, int(sh or 0))
+        if not self.moved and before != (v.inflight, v.kv_reserved, v.kv_urgent, round(pending)):
+            self.moved = True
 
     def _state(self, node: str, raw: bytes | None) -> NodeState | None:
         if raw is None:

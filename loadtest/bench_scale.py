@@ -1,0 +1,247 @@
+"""Benchmark: what one sidecar costs as the cluster grows — CPU, latency, Redis commands.
+
+    .venv/bin/python -m loadtest.bench_scale [--nodes 8,256,1024] [--seconds 8] [--rate 300]
+
+For each cluster size: a fresh redis-server, `admission serve` on a unix socket with that many
+nodes in its policy, and agents' publishing as the agent does it (nodes/feed.py's Publisher,
+every 0.2 s; states that do not move, as on a steady cluster). Then, per size:
+1. idle for `--seconds`: the sidecar's CPU (cores) and its Redis commands per second;
+2. closed loop, `--concurrency` clients, each admission followed by its release: admissions/s
+   and the sidecar's CPU per admission + release;
+3. open loop at `--rate` admissions/s: /admit p50 / p99;
+4. overload: open loop at twice what the closed loop carried, 16 tenants with a limit of
+   `--tenant-rps` requests/s each: answers by kind, whether any came from fail-open (the
+   sidecar's log), and whether any tenant got more than its limit admitted.
+The table compares sizes as ratios within one run (these machines are noisy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import hashlib
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import redis
+
+from admission.nodes.feed import Publisher
+from admission.nodes.state import NodeState, Status
+from devstack.procs import RedisServer, stop_process, wait_for
+from loadtest.bench_admit import closed_loop, pct
+from loadtest.scratch import add_flag, scratch
+
+POLICY = """
+redis: {{url: "{url}", pool_size: 64}}
+queue: {{max_depth: 100000, max_depth_per_tenant: 100000}}
+classes: {{realtime: {{weight: 1, priority: 0, deadline_s: 10}}}}
+tenants:
+{tenants}
+nodes:
+{nodes}
+"""
+TENANT = (
+    '  t{i}: {{keys: ["sha256:{d}"], limits: {{requests_per_s: {rps}, request_burst: {rps},'
+    " tokens_per_min: 1000000000, token_burst: 100000000}}}}"
+)
+NODE = (
+    '  n{i}: {{url: "http://127.0.0.1:{port}", models: [m], memory_source: kv, max_inflight: 256}}'
+)
+PERIOD_S = 0.2  # the agent's default period
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Agents(multiprocessing.Process):
+    """Publishes every node's state each PERIOD_S as agents do (a process of its own, so that
+    the load generator is not slowed); counts the commands it sends."""
+
+    def __init__(self, url: str, n: int) -> None:
+        super().__init__(daemon=True)
+        self.url, self.n = url, n
+        self.count = multiprocessing.Value("q", 0)
+        self.stop = multiprocessing.Event()
+
+    @property
+    def commands(self) -> int:
+        return int(self.count.value)
+
+    def run(self) -> None:
+        r = redis.Redis.from_url(self.url)
+        states = [
+            NodeState(node=f"n{i}", seq=1, state=Status.OPEN, source="kv", healthy=True, memory=0.2)
+            for i in range(self.n)
+        ]
+        pub = Publisher()
+        while not self.stop.is_set():
+            pipe = r.pipeline(transaction=False)
+            told = pub.publish(pipe, states, time.monotonic(), 3.0)
+            pipe.execute()
+            with self.count.get_lock():
+                self.count.value += len(states) + told
+            self.stop.wait(PERIOD_S)
+
+
+def commands(r: redis.Redis) -> int:
+    return int(r.info("stats")["total_commands_processed"])
+
+
+async def ask(
+    s: aiohttp.ClientSession, i: int, lat: list[float] | None, kinds: collections.Counter[str]
+) -> None:
+    body = {"tenant": f"t{i % 16}", "model": "m", "prompt_tokens": 50, "max_tokens": 100}
+    t0 = time.perf_counter()
+    async with s.post("http://sidecar/admit", json=body) as r:
+        data = await r.json()
+    if lat is not None:
+        lat.append(time.perf_counter() - t0)
+    kinds[str(data.get("reason") or r.status) if r.status != 200 else "admitted"] += 1
+    if r.status == 200:
+        kinds[f"admitted:t{i % 16}"] += 1
+        usage = {"prompt_tokens": 50, "completion_tokens": 60}
+        rel = {"ticket": data["ticket"], "status": 200, "usage": usage}
+        async with s.post("http://sidecar/release", json=rel) as r2:
+            await r2.read()
+
+
+async def open_loop(
+    sock: str, seconds: float, rate: float
+) -> tuple[list[float], collections.Counter[str], float]:
+    lat: list[float] = []
+    kinds: collections.Counter[str] = collections.Counter()
+    conn = aiohttp.UnixConnector(path=sock, limit=1024)
+    late = 0.0
+    async with aiohttp.ClientSession(connector=conn) as s:
+        tasks = []
+        start = time.perf_counter()
+        for i in range(int(seconds * rate)):
+            due = start + i / rate
+            if (delay := due - time.perf_counter()) > 0:
+                await asyncio.sleep(delay)
+            late = max(late, time.perf_counter() - due)
+            tasks.append(asyncio.create_task(ask(s, i, lat, kinds)))
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return lat, kinds, late
+
+
+def run_size(n: int, a: argparse.Namespace, work: Path) -> dict[str, float | str]:
+    rs = RedisServer(work / f"redis-{n}")
+    rs.start()
+    policy = work / f"policies-{n}.yaml"
+    tenants = "\n".join(
+        TENANT.format(i=i, d=hashlib.sha256(f"k{i}".encode()).hexdigest(), rps=100000)
+        for i in range(16)
+    )
+    nodes = "\n".join(NODE.format(i=i, port=10000 + i) for i in range(n))
+    policy.write_text(POLICY.format(url=rs.url, tenants=tenants, nodes=nodes))
+    sock = str(work / f"sidecar-{n}.sock")
+    log = (work / f"sidecar-{n}.log").open("w")
+    agents = Agents(rs.url, n)
+    agents.start()
+    py = [sys.executable, *os.environ.get("BENCH_PY_ARGS", "").split()]  # e.g. a profiler
+    serve = ["serve", "--policy", str(policy), "--unix", sock]
+    proc = subprocess.Popen(
+        [*py, "-m", "admission.cli", "--log-level", "info", *serve],
+        start_new_session=True,
+        stderr=log,
+    )
+    r = redis.Redis.from_url(rs.url)
+    out: dict[str, float | str] = {"nodes": n}
+    try:
+        wait_for(lambda: os.path.exists(sock) or proc.poll() is not None, 30, "sidecar")
+        if proc.poll() is not None:
+            raise SystemExit(f"the sidecar exited: {log.name}")
+        time.sleep(3)  # its first full read, and the idle poll
+        c0, a0, t0, cpu0 = commands(r), agents.commands, time.monotonic(), cpu_s(proc.pid)
+        time.sleep(a.seconds)
+        dt = time.monotonic() - t0
+        out["idle_cores"] = (cpu_s(proc.pid) - cpu0) / dt
+        out["idle_redis_cmds_s"] = (commands(r) - c0 - (agents.commands - a0) - 1) / dt
+        cpu0 = cpu_s(proc.pid)
+        ok, _fail = asyncio.run(closed_loop(sock, a.seconds, a.concurrency))
+        out["closed_per_s"] = ok / a.seconds
+        out["cpu_us_per_admission"] = (cpu_s(proc.pid) - cpu0) / max(1, ok) * 1e6
+        lat, _kinds, late = asyncio.run(open_loop(sock, a.seconds, a.rate))
+        ms = [x * 1000 for x in lat]
+        out["p50_ms"], out["p99_ms"], out["late_ms"] = pct(ms, 50), pct(ms, 99), late * 1000
+        if a.overload:
+            # Tenant limits low enough to bind: each tenant gets at most its rate (+ burst).
+            tenants = "\n".join(
+                TENANT.format(i=i, d=hashlib.sha256(f"k{i}".encode()).hexdigest(), rps=a.tenant_rps)
+                for i in range(16)
+            )
+            policy.write_text(POLICY.format(url=rs.url, tenants=tenants, nodes=nodes))
+            time.sleep(2)  # reloaded
+            rate = 2 * max(out["closed_per_s"], 1.0)
+            lat, kinds, late = asyncio.run(open_loop(sock, a.seconds, rate))
+            admitted = [kinds[f"admitted:t{i}"] for i in range(16)]
+            allowed = a.tenant_rps * (a.seconds + late + 2) + a.tenant_rps  # rate × time + burst
+            log.flush()
+            text = Path(log.name).read_text()
+            out["overload_rate"] = rate
+            out["overload_answers"] = ", ".join(
+                f"{k} {v}" for k, v in sorted(kinds.items()) if not k.startswith("admitted:")
+            )
+            out["fail_open_lines"] = text.count("failure mode open")
+            out["tenant_max_admitted"] = max(admitted)
+            out["tenant_allowed"] = allowed
+    finally:
+        agents.stop.set()
+        agents.join(5)
+        stop_process(proc)
+        rs.stop()
+        r.close()
+        log.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--nodes", default="8,256,1024")
+    ap.add_argument("--seconds", type=float, default=8)
+    ap.add_argument("--rate", type=float, default=300)
+    ap.add_argument("--concurrency", type=int, default=64)
+    ap.add_argument("--overload", action="store_true", help="also run the overload phase")
+    ap.add_argument("--tenant-rps", type=float, default=20)
+    add_flag(ap)
+    a = ap.parse_args()
+    work = scratch("bench-scale-", a.keep_work)
+    rows = [run_size(int(n), a, work) for n in a.nodes.split(",")]
+    base = rows[0]
+    print(
+        "| nodes | sidecar CPU per admission + release | admissions + releases / s |"
+        f" /admit p50 / p99 at {a.rate:.0f}/s | idle sidecar CPU | idle Redis commands/s |"
+    )
+    print("|---:|---:|---:|---:|---:|---:|")
+    for row in rows:
+        ratio = float(row["cpu_us_per_admission"]) / float(base["cpu_us_per_admission"])
+        print(
+            f"| {row['nodes']:,} | {row['cpu_us_per_admission']:,.0f} µs ({ratio:.2f}×) |"
+            f" {row['closed_per_s']:,.0f} | {row['p50_ms']:.2f} / {row['p99_ms']:.2f} ms"
+            f" (send lateness ≤ {row['late_ms']:.1f} ms) | {row['idle_cores']:.3f} cores |"
+            f" {row['idle_redis_cmds_s']:,.0f} |"
+        )
+    for row in rows:
+        if "overload_rate" in row:
+            print(
+                f"overload, {row['nodes']} nodes, {row['overload_rate']:,.0f}/s: "
+                f"{row['overload_answers']}; fail-open log lines {row['fail_open_lines']}; "
+                f"most admitted for one tenant {row['tenant_max_admitted']} "
+                f"(its limit allows {row['tenant_allowed']:,.0f})"
+            )
+
+
+if __name__ == "__main__":
+    main()
