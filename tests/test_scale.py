@@ -1,0 +1,193 @@
+"""A sidecar whose cost does not grow with the cluster: the change feed, the bounded refresh,
+and routing that examines a bounded few nodes (issue: scale)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+from admission.limits import Limiter
+from admission.metrics import Metrics
+from admission.nodes.feed import Publisher
+from admission.nodes.state import NodeState, Status
+from admission.policy import Policy, parse_policy
+from admission.scheduling import Dispatcher
+from admission.scheduling.candidates import EXAMINE, MAX_EXAMINE, PREFIX_NODES, Candidates
+from admission.scheduling.prefixes import Prefix
+from admission.scheduling.reading import SWEEP, TOUCHED
+from admission.scheduling.routing import eligible
+from admission.scheduling.views import NodeView
+from admission.store import Store, connect
+from devstack.procs import RedisServer
+
+POLICY = """
+version: 1
+redis: {{url: "{url}", command_timeout_ms: 500}}
+watermarks: {{stale_after_s: 2}}
+classes:
+  realtime: {{weight: 8, priority: 0, deadline_s: 5, slo: {{ttft_ms: 1000}}}}
+  batch: {{weight: 1, priority: 1, deadline_s: 10}}
+tenants:
+  acme:
+    keys: ["plain:sk-acme"]
+    classes: [realtime, batch]
+    limits: {{requests_per_s: 100000, request_burst: 100000, tokens_per_min: 1000000000, token_burst: 100000000}}
+nodes:
+{nodes}
+"""
+
+
+def big_policy(url: str, n: int) -> Policy:
+    nodes = "\n".join(
+        f'  n{i}: {{url: "http://127.0.0.1:{10000 + i}", models: [m], memory_source: kv,'
+        " max_inflight: 64}"
+        for i in range(n)
+    )
+    return parse_policy(POLICY.format(url=url, nodes=nodes))
+
+
+def state(node: str, st: Status = Status.OPEN, memory: float = 0.2) -> NodeState:
+    return NodeState(
+        node=node, seq=1, state=st, source="kv", healthy=True, memory=memory, prefill_rate=10_000
+    )
+
+
+def sidecar(p: Policy, clock: Any = None) -> tuple[Dispatcher, Any]:
+    client = connect(p.redis)
+    st = Store.over(client, Metrics())
+    metrics = Metrics()
+    kw = {"clock": clock} if clock else {}
+    return Dispatcher(st, Limiter(st, lambda: p, metrics), lambda: p, metrics, **kw), client
+
+
+async def publish(redis: Any, pub: Publisher, states: list[NodeState], now: float) -> None:
+    pipe = redis.pipeline(transaction=False)
+    pub.publish(pipe, states, now, 2.0)
+    await pipe.execute()
+
+
+async def commands(redis: Any) -> int:
+    return int((await redis.info("stats"))["total_commands_processed"])
+
+
+async def test_a_change_reaches_every_sidecar_in_one_refresh_whatever_the_size(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    """1,024 nodes: a node far outside the sweep changes state (its agent), is drained by an
+    operator on another sidecar, and its agent goes silent — each is seen by the next refresh;
+    and a refresh costs Redis the same number of commands with 64 or 1,024 nodes."""
+    now = [1000.0]
+    p = big_policy(redis_server.url, 1024)
+    a, ca = sidecar(p, clock=lambda: now[0])
+    b, cb = sidecar(p, clock=lambda: now[0])
+    pub = Publisher()
+    states = [state(f"n{i}") for i in range(1024)]
+    await publish(redis, pub, states, now[0])
+    try:
+        await a.nodes.refresh()  # the first one reads every node
+        await b.nodes.refresh()
+        assert all(v.state == Status.OPEN for v in a.views)
+        far = "n700"
+        states[700] = state(far, Status.DRAIN, 0.9)
+        await publish(redis, pub, states, now[0] + 0.2)  # the others unchanged: not news
+        await a.nodes.refresh()
+        assert a.nodes.get(far).state == Status.DRAIN
+        assert a.nodes.get("n701").state == Status.OPEN
+
+        await b.set_maintenance("n900", True)  # an operator, through sidecar b
+        await a.nodes.refresh()
+        assert a.nodes.get("n900").state == Status.MAINTENANCE
+        assert far in a.nodes.unusable and "n900" in a.nodes.unusable
+
+        # Every agent but n5's goes on saying it is alive; n5's falls silent.
+        for step in range(1, 12):
+            now[0] += 0.25
+            alive = [s for s in states if s.node != "n5"]
+            await publish(redis, pub, alive, 1000.0 + 0.2 + step * 0.25)
+            await a.nodes.refresh()
+        assert a.nodes.get("n5").state == Status.DOWN
+        assert a.nodes.get("n6").state == Status.OPEN
+        assert sum(v.state == Status.DOWN for v in a.views) == 1
+
+        # Commands per refresh while nothing changes: the same at 64 nodes as at 1,024.
+        small, cs = sidecar(big_policy(redis_server.url, 64), clock=lambda: now[0])
+        await small.nodes.refresh()
+        used = {}
+        for name, d in (("big", a), ("small", small)):
+            before = await commands(redis)
+            for _ in range(10):
+                await d.nodes.refresh()
+            used[name] = (await commands(redis) - before - 1) / 10
+        assert used["big"] == used["small"] <= 3 + 6 * SWEEP + 2 * TOUCHED, used
+        await cs.aclose()
+    finally:
+        await ca.aclose()
+        await cb.aclose()
+
+
+def test_candidates_are_bounded_and_keep_the_best_choice() -> None:
+    """On 1,024 nodes of random load, the bounded pick examines at most EXAMINE nodes (+ the
+    prefix holders) when enough take the request, and chooses what routing over the whole
+    cluster chooses (the least wait) when the order is fresh."""
+    p = big_policy("redis://127.0.0.1:1/0", 1024)
+    now = 50.0
+    rng = random.Random(7)
+    for trial in range(20):
+        views = []
+        for node in p.nodes.values():
+            v = NodeView(node)
+            v.observe(state(node.id, memory=0.2), False)
+            v.ledger(rng.uniform(0, 20_000), rng.randrange(0, 5000), rng.randrange(0, 60), now)
+            views.append(v)
+        idx = Candidates()
+        idx.set_views(views)
+        idx.sort(now)
+        seen: list[int] = []
+
+        def judge(vs: list[NodeView], seen: list[int] = seen) -> list[Any]:
+            seen.append(len(vs))
+            return eligible(vs, p, "m", "batch", 500, 1000, now)
+
+        got = idx.pick("m", [None], [], judge)
+        best = eligible(views, p, "m", "batch", 500, 1000, now)
+        assert got and got[0][0].wait_s(now) == best[0][0].wait_s(now), trial
+        assert seen == [EXAMINE]
+
+    # When the first ones refuse, it widens, but never past MAX_EXAMINE per pool.
+    views = []
+    for node in p.nodes.values():
+        v = NodeView(node)
+        v.observe(state(node.id, memory=0.2), False)
+        v.ledger(0.0, 0, 64, now)  # every node at its in-flight cap
+        views.append(v)
+    idx = Candidates()
+    idx.set_views(views)
+    idx.sort(now)
+    seen = []
+    holders = views[500 : 500 + PREFIX_NODES]
+
+    def judge_all(vs: list[NodeView]) -> list[Any]:
+        seen.append(len(vs))
+        return eligible(vs, p, "m", "batch", 500, 1000, now, prefix=Prefix(("a" * 16,), 16))
+
+    assert idx.pick("m", [None], holders, judge_all) == []
+    assert max(seen) <= MAX_EXAMINE + PREFIX_NODES and len(seen) > 1
+
+
+async def test_routing_on_eight_nodes_examines_every_node(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    """The bound changes nothing on a small cluster: with 8 nodes, every node is examined
+    (the least loaded wins, wherever it sits in the policy)."""
+    p = big_policy(redis_server.url, 8)
+    d, client = sidecar(p)
+    pub = Publisher()
+    await publish(redis, pub, [state(f"n{i}") for i in range(8)], 0.0)
+    try:
+        await d.nodes.refresh()
+        for i, v in enumerate(d.views):
+            v.ledger(1000.0 * (8 - i), 0, 0, d.clock())  # n7 the least loaded
+        found = d.nodes.eligible("m", "batch", 100, 200)
+        assert [v.node.id for v, _a in found][:1] == ["n7"] and len(found) == 8
+    finally:
+        await client.aclose()
