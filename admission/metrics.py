@@ -118,6 +118,13 @@ class Metrics:
             ["op"],
             registry=r,
         )
+        self.overloaded = Counter(
+            "admission_sidecar_overloaded_total",
+            "Decisions refused because this sidecar's event loop ran late (by where: a Redis "
+            "call it timed out, or an admission shed up front); never the failure mode.",
+            ["op"],
+            registry=r,
+        )
         self.redis_fallback = Gauge(
             "admission_redis_fallback",
             "1 while Redis is unreachable and the failure mode is in force.",

@@ -227,7 +227,9 @@ def build_app(
         await d.nodes.refresh()
         task = app[DISPATCH_TASK] = asyncio.create_task(d.run(), name="dispatcher")
         task.add_done_callback(_log_death)
+        probe = asyncio.create_task(app[LIMITER].lag.run(), name="loop-lag")
         yield
+        await _stop(probe)
         await _stop(task)
         await d.ahead.close()
 

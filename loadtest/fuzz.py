@@ -49,6 +49,7 @@ DEFINED_5XX = {
     "admission_unavailable",
     "limiter_unavailable",
     "admission_busy",
+    "sidecar_overloaded",
     "queue_timeout",
     "engine_unavailable",
     "engine_timeout",

@@ -56,6 +56,7 @@ UNAVAILABLE = {
     "admission_unavailable",
     "limiter_unavailable",
     "admission_busy",
+    "sidecar_overloaded",
     "queue_timeout",
     "engine_unavailable",
     "engine_timeout",

@@ -6,6 +6,7 @@ import asyncio
 import subprocess
 import sys
 import textwrap
+import time
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 from redis import exceptions as rex
 
 from admission.errors import BackendUnavailable, RequestTooLarge, Throttled
+from admission.lag import WINDOW_S
 from admission.limits import Acquired, Limiter
 from admission.metrics import Metrics
 from admission.policy import Policy, Tenant
@@ -628,3 +630,43 @@ async def test_round_trips_are_timed(redis_server: RedisServer) -> None:
     assert count is not None and 1 <= count <= 20  # 20 calls, coalesced into fewer trips
     assert total is not None and 0 < total < 5
     await store.close()
+
+
+async def test_a_late_event_loop_is_overload_not_an_outage(redis_server: RedisServer) -> None:
+    """A Redis call that timed out while this process's event loop ran late is the sidecar's
+    own overload: refused 503 `sidecar_overloaded`, and the limiter stays on Redis (fail-open
+    would skip every tenant's limits). The same timeout with a punctual loop is an outage: the
+    failure mode applies. Redis is made slow for real (CLIENT PAUSE), the loop late for real
+    (a blocking call in it)."""
+    p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 600000}")
+    lim, client = await make_limiter(p)
+    admin = connect(p.redis)
+    probe = asyncio.create_task(lim.lag.run())
+    t = p.tenants["t1"]
+    try:
+        await asyncio.sleep(0.1)
+        assert not lim.lag.overloaded()
+        await admin.execute_command("CLIENT", "PAUSE", 600, "ALL")
+        task = asyncio.create_task(lim.acquire(t, "late-1", 1, 60))
+        await asyncio.sleep(0.02)  # sent; now the loop is blocked past the call's timeout
+        time.sleep(0.3)
+        acq = await task
+        assert isinstance(acq.denied, BackendUnavailable)
+        assert acq.denied.code == "sidecar_overloaded" and acq.denied.retry_after_s() == 1
+        assert not lim.degraded and lim.metrics.redis_fallback._value.get() == 0
+        assert lim.metrics.overloaded.labels("acquire")._value.get() == 1
+        await asyncio.sleep(0.7)  # Redis back
+        assert (await take(lim, t, "late-2", 1, 60)).mode == "redis"
+
+        await asyncio.sleep(WINDOW_S * 2.2)  # the loop punctual again
+        assert not lim.lag.overloaded()
+        await admin.execute_command("CLIENT", "PAUSE", 600, "ALL")
+        acq = await lim.acquire(t, "outage-1", 1, 60)
+        assert acq.mode == "local" and acq.denied is None  # failure_mode: open
+        assert lim.degraded
+    finally:
+        probe.cancel()
+        await asyncio.gather(probe, return_exceptions=True)
+        await asyncio.sleep(0.7)
+        await admin.aclose()
+        await client.aclose()

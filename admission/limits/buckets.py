@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 from admission import store
 from admission.errors import AdmissionError, BackendUnavailable, RequestTooLarge, Throttled
+from admission.lag import LoopLag
 from admission.limits.local import LocalLimits
 from admission.metrics import Metrics
 from admission.policy import FailureMode, Limits, Policy, Tenant
@@ -113,6 +114,7 @@ class Limiter:
         self.metrics = metrics
         self.clock = clock
         self._down_until = 0.0
+        self.lag = LoopLag()  # the server runs its probe; a late loop is not an outage
         self._local = LocalLimits(clock)
         self.busy_wait_s = BUSY_WAIT_S
         self._room: dict[str, _Room] = {}  # tenant → its figures in the last reply
@@ -272,10 +274,12 @@ class Limiter:
                         "admission busy: retry shortly", code="admission_busy", retry_after=1
                     )
             except REDIS_DOWN as exc:
-                self._failed("acquire", exc)
                 # It may have run anyway: give back whatever it reserved (a request admitted
                 # locally then is free of charge in Redis; its release is a no-op).
                 self.backlog.add(self.settle_call(tenant, ticket, 0))
+                if self.lag.overloaded():
+                    return self.lag.refusal(self.metrics, "acquire")
+                self._failed("acquire", exc)
                 return None
 
     async def settle(
@@ -314,7 +318,8 @@ class Limiter:
             self.backlog.add(*calls)  # owed, delivered by the backlog; Redis is not down
             return [0] * len(items)
         except REDIS_DOWN as exc:
-            self._failed("settle", exc)
+            if not self.lag.overloaded():
+                self._failed("settle", exc)
             self.backlog.add(*calls)
             return [0] * len(items)
         deltas = []

@@ -74,6 +74,7 @@ class Dispatcher:
         self._wake = asyncio.Event()
         self.ahead = Ahead(limiter, st.backlog, metrics, clock)
         self.place = Placer(st, policy, metrics, self.nodes, clock, self._wake)
+        self.nodes.lag = self.place.lag = limiter.lag  # one probe: the server's loop
 
     def set_policy(self, policy: Policy) -> None:
         self.queue.set_policy(policy)

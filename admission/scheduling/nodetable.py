@@ -13,6 +13,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from admission.lag import LoopLag
 from admission.metrics import Metrics
 from admission.nodes import feed
 from admission.nodes.state import Status
@@ -47,6 +48,7 @@ class NodeTable:
         self._last_ok = clock()
         self._read_at = float("inf")  # when the last refresh started (never: views as set)
         self._reading: asyncio.Future[None] | None = None
+        self.lag = LoopLag()  # the limiter's (Dispatcher): a late loop is not an outage
         self.reads = NodeReads(lambda: self.policy().watermarks.stale_after_s)
         self.index = Candidates()
         self._urgent_on: set[str] = set()  # models with urgent KV booked on a node, as last seen
@@ -188,6 +190,9 @@ class NodeTable:
             # (a Redis refusing writes — OOM, READONLY — still serves node states).
             res = await pipe.execute(raise_on_error=False)
         except REDIS_DOWN:
+            if self.lag.overloaded():  # timed out by our own lateness: keep the views
+                self.lag.refusal(self.metrics, "refresh")
+                return
             self._refresh_failed()
             return
         if any(isinstance(r, Exception) for r in [*res[:reads], res[-1]]):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from admission.errors import BackendUnavailable
+from admission.lag import LoopLag
 from admission.metrics import Metrics
 from admission.policy import FailureMode, Policy
 from admission.scheduling import leases
@@ -55,6 +56,7 @@ class Placer:
         self.clock = clock
         self.wake = wake  # the dispatcher loop's: a freed slot may admit a queued request
         self.active = False  # an admission or release since the dispatcher's last node poll
+        self.lag = LoopLag()  # the limiter's (Dispatcher): a late loop is not an outage
 
     async def lease(self, item: Item, nodes: list[tuple[NodeView, Ask]]) -> Admission | None:
         """Take a lease on the best node; None if its ledger refused (another sidecar booked)."""
@@ -70,6 +72,9 @@ class Placer:
             return None  # our own pool is full: the item goes back to the head of its lane
         except REDIS_DOWN as exc:
             self.metrics.redis_errors.labels("lease").inc()
+            if self.lag.overloaded():  # our own lateness timed it out: refused, not fail-open
+                self.store.backlog.add(leases.give_back(ticket))  # it may have run
+                raise self.lag.refusal(self.metrics, "lease") from exc
             if self.policy().redis.failure_mode == FailureMode.CLOSED:
                 self.store.backlog.add(leases.give_back(ticket))  # it may have run
                 raise BackendUnavailable(
