@@ -66,27 +66,42 @@ class Agents(multiprocessing.Process):
     """Publishes every node's state each PERIOD_S as agents do (a process of its own, so that
     the load generator is not slowed); counts the commands it sends."""
 
-    def __init__(self, url: str, n: int) -> None:
+    def __init__(self, url: str, n: int, cluster: bool = False) -> None:
         super().__init__(daemon=True)
-        self.url, self.n = url, n
+        self.url, self.n, self.cluster = url, n, cluster
         self.count = multiprocessing.Value("q", 0)
         self.stop = multiprocessing.Event()
+        self.drain = multiprocessing.Event()  # set: node n{drain_node} is published drained
+        self.drain_node = multiprocessing.Value("q", n // 2)
+        self.drained_at = multiprocessing.Value("d", 0.0)  # time.time() of that publication
 
     @property
     def commands(self) -> int:
         return int(self.count.value)
 
     def run(self) -> None:
-        r = redis.Redis.from_url(self.url)
+        r = (
+            redis.RedisCluster.from_url(self.url)
+            if self.cluster
+            else redis.Redis.from_url(self.url)
+        )
         states = [
             NodeState(node=f"n{i}", seq=1, state=Status.OPEN, source="kv", healthy=True, memory=0.2)
             for i in range(self.n)
         ]
         pub = Publisher()
         while not self.stop.is_set():
+            draining = self.drain.is_set() and not self.drained_at.value  # once per pass
+            if draining:
+                i = int(self.drain_node.value)
+                states[i] = NodeState(
+                    node=f"n{i}", seq=2, state=Status.DRAIN, source="kv", healthy=True, memory=0.9
+                )
             pipe = r.pipeline(transaction=False)
             told = pub.publish(pipe, states, time.monotonic(), 3.0)
             pipe.execute()
+            if draining:
+                self.drained_at.value = time.time()
             with self.count.get_lock():
                 self.count.value += len(states) + told
             self.stop.wait(PERIOD_S)
@@ -105,7 +120,8 @@ async def ask(
         data = await r.json()
     if lat is not None:
         lat.append(time.perf_counter() - t0)
-    kinds[str(data.get("reason") or r.status) if r.status != 200 else "admitted"] += 1
+    code = (data.get("error") or {}).get("code") if r.status != 200 else None
+    kinds[f"{r.status} {code}" if r.status != 200 else "admitted"] += 1
     if r.status == 200:
         kinds[f"admitted:t{i % 16}"] += 1
         usage = {"prompt_tokens": 50, "completion_tokens": 60}

@@ -352,9 +352,10 @@ class Limiter:
         self.metrics.redis_errors.labels(op).inc()
         if not self.degraded:
             log.error(
-                "redis unavailable during %s (%s): failure mode %s",
+                "redis unavailable during %s (%s: %.200s): failure mode %s",
                 op,
                 type(exc).__name__,
+                exc,
                 self.policy().redis.failure_mode.value,
             )
         self._down_until = self.clock() + RETRY_AFTER_FAILURE_S

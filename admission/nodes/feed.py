@@ -1,6 +1,6 @@
 """The node change feed: one Redis stream that says what changed about which node.
 
-A sidecar reads it with every refresh — one XREAD however many nodes there are — instead of
+A sidecar reads it with every refresh — one XRANGE however many nodes there are — instead of
 re-reading every node's keys, and re-reads the keys of a few nodes per refresh in turn (the
 safety net: what the feed missed is corrected within `nodes / SWEEP` refreshes). Written by:
 - agents (`Publisher`): kind "s" with the NodeState JSON when a node's state moved (status,
@@ -97,22 +97,28 @@ class Changes:
     ejected_ms: dict[str, int] = field(default_factory=dict)  # node → until (Redis ms; 0 none)
 
 
+def after(last_id: bytes | str) -> str:
+    """XRANGE's start for the entries after `last_id` (exclusive). XRANGE, not XREAD: its key
+    sits where a Cluster client finds it, while XREAD's keys make redis-py ask a node which
+    they are (COMMAND GETKEYS) — one more round trip per refresh."""
+    return "(" + (last_id.decode() if isinstance(last_id, bytes) else last_id)
+
+
 def parse(reply: Any) -> Changes:
-    """An XREAD reply on the feed → Changes (unknown kinds are skipped: a newer writer)."""
+    """An XRANGE reply on the feed → Changes (unknown kinds are skipped: a newer writer)."""
     ch = Changes()
-    for _stream, entries in reply or []:
-        for entry_id, f in entries:
-            ch.last_id = entry_id
-            ch.count += 1
-            node = f.get(b"n", b"").decode()
-            kind, value = f.get(b"k", b""), f.get(b"v", b"")
-            ms = int(entry_id.split(b"-", 1)[0])
-            if kind in (b"s", b"h"):
-                ch.heard_ms[node] = ms
-                if kind == b"s":
-                    ch.states[node] = value
-            elif kind == b"a":
-                ch.admin[node] = value == b"drain"
-            elif kind == b"e":
-                ch.ejected_ms[node] = ms + int(value) if value.isdigit() else 0
+    for entry_id, f in reply or []:
+        ch.last_id = entry_id
+        ch.count += 1
+        node = f.get(b"n", b"").decode()
+        kind, value = f.get(b"k", b""), f.get(b"v", b"")
+        ms = int(entry_id.split(b"-", 1)[0])
+        if kind in (b"s", b"h"):
+            ch.heard_ms[node] = ms
+            if kind == b"s":
+                ch.states[node] = value
+        elif kind == b"a":
+            ch.admin[node] = value == b"drain"
+        elif kind == b"e":
+            ch.ejected_ms[node] = ms + int(value) if value.isdigit() else 0
     return ch

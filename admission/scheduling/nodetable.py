@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
+import time
 from collections.abc import Callable
 from typing import Any
+
+from redis.asyncio import RedisCluster
 
 from admission.lag import LoopLag
 from admission.metrics import Metrics
@@ -26,7 +30,8 @@ from admission.scheduling.prefixes import NO_PREFIX, Prefix
 from admission.scheduling.reading import NodeReads
 from admission.scheduling.routing import eligible, fallbacks, pool_rank, urgent
 from admission.scheduling.views import NodeView
-from admission.store import REDIS_DOWN, is_down, keys
+from admission.store import REDIS_DOWN, PoolBusy, is_down, keys
+from admission.store.connection import on_cluster
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +53,10 @@ class NodeTable:
         self._last_ok = clock()
         self._read_at = float("inf")  # when the last refresh started (never: views as set)
         self._reading: asyncio.Future[None] | None = None
+        self._one_read = asyncio.Lock()
         self.lag = LoopLag()  # the limiter's (Dispatcher): a late loop is not an outage
         self.reads = NodeReads(lambda: self.policy().watermarks.stale_after_s)
-        self.index = Candidates()
+        self.index = Candidates(secrets.token_hex(4))
         self._urgent_on: set[str] = set()  # models with urgent KV booked on a node, as last seen
         self._live: dict[str, int] = {}  # model → nodes open or held, as last seen
         self._gauges: dict[str, Any] = {}  # node → its gauges' children (labels() costs)
@@ -178,19 +184,40 @@ class NodeTable:
         await asyncio.shield(self._reading)
 
     async def refresh(self) -> None:
-        """Learn what changed about the nodes (reading.py), and tell and hear placements."""
+        """Learn what changed about the nodes (reading.py), and tell and hear placements. One
+        at a time (the dispatcher's poll, a decision after a quiet spell, an operator's drain):
+        each reads from where the last one ended."""
+        async with self._one_read:
+            await self._refresh()
+
+    async def _refresh(self) -> None:
         self._read_at = self.clock()
         views = list(self.views.values())
+        # Redis's clock (the ledgers' times are its): in the pipeline, or on a Cluster (where a
+        # pipeline refuses TIME) asked of one master beside it.
+        cluster = isinstance(self.redis, RedisCluster)
         pipe = self.redis.pipeline(transaction=False)
-        pipe.time()
-        reads = 1 + self.reads.queue(pipe, views)
+        if not cluster:
+            pipe.time()
+        plan = self.reads.queue(pipe, views)
+        reads = 1 + plan.commands
         self.placements.queue(pipe)
         try:
             # Per-command errors come back in place: the feed's writes must not fail the reads
             # (a Redis refusing writes — OOM, READONLY — still serves node states).
-            res = await pipe.execute(raise_on_error=False)
-        except REDIS_DOWN:
-            if self.lag.overloaded():  # timed out by our own lateness: keep the views
+            if cluster:
+                node = self.redis.get_default_node()
+                clock, res = await asyncio.gather(
+                    on_cluster(self.redis, lambda: self.redis.time(target_nodes=node)),
+                    on_cluster(self.redis, lambda: pipe.execute(raise_on_error=False), 0),
+                )
+                res = [clock, *res]
+            else:
+                res = await pipe.execute(raise_on_error=False)
+        except REDIS_DOWN as exc:
+            # Timed out by our own lateness, or every pooled connection in use: our overload,
+            # not an outage — keep the views.
+            if self.lag.overloaded() or isinstance(exc, PoolBusy):
                 self.lag.refusal(self.metrics, "refresh")
                 return
             self._refresh_failed()
@@ -202,12 +229,15 @@ class NodeTable:
             self.metrics.redis_errors.labels("prefix_feed").inc()  # placements not told: harmless
         now = self._last_ok = self.clock()
         secs, micros = res[0]
-        dirty = self.reads.apply(res[1:reads], int(secs) * 1_000_000 + int(micros), now, self.views)
+        redis_us = int(secs) * 1_000_000 + int(micros)
+        dirty = self.reads.apply(plan, res[1:reads], redis_us, now, self.views)
+        wall = time.time()
         for nid in dirty:
             v = self.views[nid]
             was = v.state
             v.observe(self.reads.state_of(nid, now), nid in self.reads.admin)
             if v.state != was:
+                v.since = wall
                 self.reads.moved = True
                 if v.state == Status.DOWN:
                     self.prefixes.drop_node(nid)  # a restarted engine has an empty cache

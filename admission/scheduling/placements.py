@@ -2,7 +2,7 @@
 
 A lease taken with a prefix puts its blocks on the node (the engine computes them); the
 sidecar learns that in its `PrefixIndex` (prefixes.py) and, when it is news, tells the other
-sidecars through the prefix feed with its next refresh (one XADD each, one XREAD for all), so
+sidecars through the prefix feed with its next refresh (one XADD each, one XRANGE for all), so
 that every sidecar routes a prompt head to where any of them placed it, without a Redis call
 on the admission path. It also keeps what each lease was booked as already cached, to compare
 with what the engine reports at release (`admission_prefix_*_tokens_total`).
@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from admission.metrics import Metrics
+from admission.nodes.feed import after
 from admission.scheduling import leases
 from admission.scheduling.leases import Ask
 from admission.scheduling.prefixes import Prefix, PrefixIndex, pool_blocks
@@ -83,28 +84,27 @@ class Placements:
         }
 
     def queue(self, pipe: Any) -> None:
-        """Queue on a refresh's pipeline what to tell (XADDs), then the read (XREAD, last)."""
+        """Queue on a refresh's pipeline what to tell (XADDs), then the read (XRANGE, last)."""
         outbox, self._outbox = self._outbox, []
         feed = keys.prefix_feed()
         for node, prefix in outbox:
             fields = {"s": self._me, "n": node, "t": prefix.block_tokens}
             fields["b"] = " ".join(prefix.blocks)
             pipe.xadd(feed, fields, maxlen=FEED_LEN, approximate=True)
-        pipe.xread({feed: self._feed_id}, count=FEED_READ)
+        pipe.xrange(feed, after(self._feed_id), "+", count=FEED_READ)
 
     def take(self, read: Any, views: dict[str, NodeView]) -> None:
-        """Take the other sidecars' placements from the prefix feed (XREAD's reply)."""
+        """Take the other sidecars' placements from the prefix feed (XRANGE's reply)."""
         now = self.clock()
-        for _stream, entries in read or []:
-            for entry_id, f in entries:
-                self._feed_id = entry_id
-                if f.get(b"s", b"").decode() == self._me:
-                    continue
-                node = f.get(b"n", b"").decode()
-                v = views.get(node)
-                try:
-                    prefix = Prefix(tuple(f.get(b"b", b"").decode().split()), int(f.get(b"t", 0)))
-                except ValueError:
-                    continue
-                if v is not None and prefix:
-                    self.index.learn(node, prefix, now, pool_blocks(v.pool_tokens, prefix))
+        for entry_id, f in read or []:
+            self._feed_id = entry_id
+            if f.get(b"s", b"").decode() == self._me:
+                continue
+            node = f.get(b"n", b"").decode()
+            v = views.get(node)
+            try:
+                prefix = Prefix(tuple(f.get(b"b", b"").decode().split()), int(f.get(b"t", 0)))
+            except ValueError:
+                continue
+            if v is not None and prefix:
+                self.index.learn(node, prefix, now, pool_blocks(v.pool_tokens, prefix))

@@ -1,7 +1,7 @@
 """How a sidecar keeps its node views current: the change feed, and a few nodes re-read in turn.
 
 One refresh is one pipeline of a bounded size, whatever the cluster's:
-- the change feed since the last refresh (nodes/feed.py: one XREAD): states that moved, agents
+- the change feed since the last refresh (nodes/feed.py: one XRANGE): states that moved, agents
   still alive, operators' drains, ejections;
 - every key of `SWEEP` nodes in turn (state and its TTL, admin flag, ejection, lease count,
   ledger): the safety net for what the feed did not say, and the other sidecars' bookings;
@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from admission.nodes import feed
@@ -35,6 +36,20 @@ _FULL = 6  # commands per node fully read
 _LEDGER = 2  # ... and per ledger read
 
 
+@dataclass
+class Plan:
+    """What one refresh asked: the feed (or, `full`, its newest id), then `swept` nodes' every
+    key, then `ledgers`' ledgers."""
+
+    full: bool
+    swept: list[NodeView]
+    ledgers: list[NodeView]
+
+    @property
+    def commands(self) -> int:
+        return 1 + _FULL * len(self.swept) + _LEDGER * len(self.ledgers)
+
+
 class NodeReads:
     """What one sidecar knows of the nodes between reads, and the reads of one refresh."""
 
@@ -44,7 +59,6 @@ class NodeReads:
         self._feed_id: bytes | str = "0-0"
         self._at = 0  # the sweep's position
         self._touched: dict[str, None] = {}
-        self._plan: tuple[bool, list[NodeView], list[NodeView]] = (True, [], [])
         self.last: dict[str, NodeState | None] = {}  # node → its agent's last state
         self.alive_until: dict[str, float] = {}  # node → when its agent's last word is stale
         self.ejected_until: dict[str, float] = {}
@@ -56,8 +70,8 @@ class NodeReads:
         if len(self._touched) < TOUCHED:
             self._touched[node] = None
 
-    def queue(self, pipe: Any, views: list[NodeView]) -> int:
-        """Queue this refresh's reads on `pipe` (after its TIME); return how many were queued."""
+    def queue(self, pipe: Any, views: list[NodeView]) -> Plan:
+        """Queue this refresh's reads on `pipe` (after its TIME); what `apply` needs of them."""
         full = self.full
         if full:
             swept = views
@@ -67,7 +81,7 @@ class NodeReads:
             self._at %= max(1, len(views))
             swept = (views[self._at :] + views[: self._at])[:n]
             self._at += n
-            pipe.xread({keys.node_changes(): self._feed_id}, count=CHANGES_READ)
+            pipe.xrange(keys.node_changes(), feed.after(self._feed_id), "+", count=CHANGES_READ)
         names = {v.node.id for v in swept}
         by_id = {v.node.id: v for v in views} if self._touched else {}
         ledgers = [by_id[n] for n in self._touched if n not in names and n in by_id]
@@ -81,8 +95,7 @@ class NodeReads:
             self._ledger(pipe, nid)
         for v in ledgers:
             self._ledger(pipe, v.node.id)
-        self._plan = (full, swept, ledgers)
-        return 1 + _FULL * len(swept) + _LEDGER * len(ledgers)
+        return Plan(full, swept, ledgers)
 
     @staticmethod
     def _ledger(pipe: Any, nid: str) -> None:
@@ -90,11 +103,11 @@ class NodeReads:
         pipe.hmget(keys.node_ledger(nid), "p", "t", "kv", "u", "r", "rt", "s")
 
     def apply(
-        self, res: list[Any], redis_us: int, now: float, views: dict[str, NodeView]
+        self, plan: Plan, res: list[Any], redis_us: int, now: float, views: dict[str, NodeView]
     ) -> set[str]:
-        """Take the replies (`res`: this refresh's, after TIME); return the nodes whose state
-        must be observed again (what changed, and what was read)."""
-        full, swept, ledgers = self._plan
+        """Take the replies to `plan` (`res`, after TIME); return the nodes whose state must be
+        observed again (what changed, and what was read)."""
+        full, swept, ledgers = plan.full, plan.swept, plan.ledgers
         self.full = False
         offset = now - redis_us / 1e6  # local clock − Redis's
         stale_s = self.stale_after_s()

@@ -36,6 +36,7 @@ class NodeView:
     waiting: int = 0  # the engine's own queue (requests), for operators
     prefix_hit_ratio: float | None = None  # the engine's prefix cache, for operators
     pool_tokens: int = 0  # the engine's KV pool in tokens (0: unknown): its prefix cache's room
+    since: float = 0.0  # when this sidecar saw the state change last (epoch seconds; 0: never)
 
     def observe(self, st: NodeState | None, maintenance: bool) -> None:
         """Take the agent's latest state (None: silent → down) and the operator's flag."""
@@ -129,6 +130,7 @@ class NodeView:
             "url": self.node.url,
             "models": list(self.node.models),
             "state": self.state.value,
+            "state_since": round(self.since, 3) or None,
             "memory": round(self.memory, 4),
             "projected_memory": round(self.projected(), 4),
             "pending_prefill_tokens": round(self.pending_now(now)),

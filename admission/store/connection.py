@@ -9,7 +9,9 @@ they take the same fail-open/fail-closed path as a dead connection instead of ki
 
 from __future__ import annotations
 
-from typing import Any
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import hiredis
 import redis.asyncio as aioredis
@@ -47,6 +49,11 @@ _UNAVAILABLE_CLASSES = (
 )
 
 
+CLUSTER_BUSY_PAUSE_S = 0.01  # a Cluster client's pool full: pause before trying again
+CLUSTER_RETRIES = 3  # a call written to a closed connection, made again
+T = TypeVar("T")
+
+
 def is_down(result: Any) -> bool:
     """True for a result or exception that means Redis cannot serve us now."""
     if isinstance(result, REDIS_DOWN + _UNAVAILABLE_CLASSES):
@@ -61,6 +68,40 @@ def raise_if_down(results: list[Any]) -> None:
             raise r
         if is_down(r):
             raise StoreDown(str(r)) from r
+
+
+async def on_cluster(
+    client: Any, call: Callable[[], Awaitable[T]], retries: int = CLUSTER_RETRIES
+) -> T:
+    """Run a Redis Cluster client's call. Its pool per master does not wait for a connection:
+    every one in use is this process's overload (PoolBusy, after a short pause so that a wait
+    in line does not spin), not an outage. And it keeps connections whose socket closed under
+    it (a timeout): writing to one fails before anything is sent ("unable to perform
+    operation on <TCPTransport closed=True>", "'NoneType' object has no attribute
+    'writelines'"); those are closed for good and the call made again (`retries` times: only
+    a call that sends once — not a pipeline), then it counts as a lost connection."""
+    for attempt in range(retries + 1):
+        try:
+            return await call()
+        except rex.MaxConnectionsError as exc:
+            await asyncio.sleep(CLUSTER_BUSY_PAUSE_S)
+            raise PoolBusy(str(exc)) from exc
+        except (RuntimeError, AttributeError) as exc:
+            await _drop_closed(client)
+            await asyncio.sleep(CLUSTER_BUSY_PAUSE_S * attempt)  # the closing may be in flight
+            if attempt == retries:
+                raise rex.ConnectionError(f"connection lost: {exc}") from exc
+    raise AssertionError("unreachable")
+
+
+async def _drop_closed(client: Any) -> None:
+    """Disconnect the Cluster client's connections whose socket is gone (redis-py reuses them
+    as if connected; disconnected, it connects them again on their next use)."""
+    for node in client.get_nodes():
+        for conn in list(getattr(node, "_connections", ())):
+            writer = getattr(conn, "_writer", None)
+            if writer is not None and writer.transport.is_closing():
+                await conn.disconnect()
 
 
 class PoolBusy(rex.ConnectionError):

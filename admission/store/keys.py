@@ -158,5 +158,5 @@ def tenant_open_batches(tenant: str) -> str:
 def node_changes() -> str:
     """The node change feed (stream: n = node, k = kind, v = value; nodes/feed.py): agents say
     when a node's state moved or that it is still alive, sidecars when an operator drained it
-    or proxied requests ejected it. Sidecars read it with every refresh, in one XREAD."""
+    or proxied requests ejected it. Sidecars read it with every refresh, in one XRANGE."""
     return f"{PREFIX}:node-changes"

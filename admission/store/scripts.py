@@ -25,7 +25,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis import exceptions as rex
 
-from admission.store.connection import raise_if_down
+from admission.store.connection import on_cluster, raise_if_down
 
 NAMES = ("acquire", "settle", "lease", "unlease")
 # A caller's compensations, built only if it was cancelled (the client left) while its calls
@@ -157,8 +157,11 @@ class Scripts:
 
     async def _one(self, c: Call) -> Any:
         if c.script is None:
-            return await self.redis.execute_command(*c.args)
-        return await self.redis.evalsha(self.sha[c.script], len(c.keys), *c.keys, *c.args)
+            return await on_cluster(self.redis, lambda: self.redis.execute_command(*c.args))
+        sha = self.sha[c.script]
+        return await on_cluster(
+            self.redis, lambda: self.redis.evalsha(sha, len(c.keys), *c.keys, *c.args)
+        )
 
     async def _pipeline(self, calls: tuple[Call, ...]) -> list[Any]:
         pipe = self.redis.pipeline(transaction=False)
