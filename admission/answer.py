@@ -129,8 +129,6 @@ class Decider:
         HTTP route and the edge's own socket, admission.edge_socket, both answer with this)."""
         started = time.perf_counter()
         holder, metrics = self.holder, self.metrics
-        if self.limiter.lag.shedding():  # too late to decide in time: refused up front
-            raise self.limiter.lag.refusal(metrics, "shed")
         policy = holder.current
         body = json_object(raw, ADMIT_KEYS)
         tenant = _tenant(policy, body)

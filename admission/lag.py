@@ -6,8 +6,9 @@ would switch the failure mode on (fail-open: no tenant's limits enforced) exactl
 sidecar is busiest. A probe wakes every `PROBE_S` and notes how late it woke; while the loop is
 `LATE_S` late (or the probe has not run for that long), a timed-out call is the sidecar's own
 overload: the decision is refused with `sidecar_overloaded` (503, Retry-After) and nothing
-switches to the failure mode. Past `SHED_S`, new admissions are refused at once, without
-spending Redis round trips that would time out too.
+switches to the failure mode. New admissions are not shed for lateness alone: a late sidecar
+still queues them (under 6,000 concurrent clients, shedding at 0.5 s late refused 12 % that
+queueing serves, tests/test_overload.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ log = logging.getLogger(__name__)
 
 PROBE_S = 0.02
 LATE_S = 0.1  # a loop this late makes a timed-out Redis call the sidecar's overload
-SHED_S = 0.5  # ... and this late refuses new admissions up front
 WINDOW_S = 1.0  # lateness is the worst seen over about this long
 LOG_EVERY_S = 10.0
 
@@ -63,12 +63,9 @@ class LoopLag:
     def overloaded(self) -> bool:
         return self.late_s() >= LATE_S
 
-    def shedding(self) -> bool:
-        return self.late_s() >= SHED_S
-
     def refusal(self, metrics: Any, op: str) -> BackendUnavailable:
-        """Count and log (once per `LOG_EVERY_S`) a Redis call this lateness timed out, or an
-        admission shed; the refusal to answer with. Nothing switches to the failure mode."""
+        """Count and log (once per `LOG_EVERY_S`) a Redis call this lateness timed out; the
+        refusal to answer with. Nothing switches to the failure mode."""
         metrics.overloaded.labels(op).inc()
         now = time.monotonic()
         if now - self._logged_at >= LOG_EVERY_S:

@@ -120,8 +120,8 @@ class Metrics:
         )
         self.overloaded = Counter(
             "admission_sidecar_overloaded_total",
-            "Decisions refused because this sidecar's event loop ran late (by where: a Redis "
-            "call it timed out, or an admission shed up front); never the failure mode.",
+            "Redis calls this sidecar's late event loop timed out, by operation: refused "
+            "(sidecar_overloaded) or the last view kept; never the failure mode.",
             ["op"],
             registry=r,
         )

@@ -111,6 +111,14 @@ def commands(r: redis.Redis) -> int:
     return int(r.info("stats")["total_commands_processed"])
 
 
+def redis_load(r: redis.Redis) -> tuple[int, float, int]:
+    """Commands processed, CPU seconds used and bytes in + out, so far (INFO)."""
+    info = r.info()
+    cpu = float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
+    net = int(info["total_net_input_bytes"]) + int(info["total_net_output_bytes"])
+    return int(info["total_commands_processed"]), cpu, net
+
+
 async def ask(
     s: aiohttp.ClientSession, i: int, lat: list[float] | None, kinds: collections.Counter[str]
 ) -> None:
@@ -178,15 +186,26 @@ def run_size(n: int, a: argparse.Namespace, work: Path) -> dict[str, float | str
         if proc.poll() is not None:
             raise SystemExit(f"the sidecar exited: {log.name}")
         time.sleep(3)  # its first full read, and the idle poll
-        c0, a0, t0, cpu0 = commands(r), agents.commands, time.monotonic(), cpu_s(proc.pid)
+        (c0, rc0, _n0), a0, t0 = redis_load(r), agents.commands, time.monotonic()
+        cpu0 = cpu_s(proc.pid)
         time.sleep(a.seconds)
         dt = time.monotonic() - t0
         out["idle_cores"] = (cpu_s(proc.pid) - cpu0) / dt
-        out["idle_redis_cmds_s"] = (commands(r) - c0 - (agents.commands - a0) - 1) / dt
-        cpu0 = cpu_s(proc.pid)
+        c1, rc1, _n1 = redis_load(r)
+        out["idle_redis_cmds_s"] = (c1 - c0 - (agents.commands - a0) - 1) / dt
+        out["idle_redis_cores"] = (rc1 - rc0) / dt  # the agents' writes and one sidecar's reads
+        cpu0, (c0, rc0, n0), a0 = cpu_s(proc.pid), redis_load(r), agents.commands
+        t0 = time.monotonic()
         ok, _fail = asyncio.run(closed_loop(sock, a.seconds, a.concurrency))
+        dt = time.monotonic() - t0
+        c1, rc1, n1 = redis_load(r)
         out["closed_per_s"] = ok / a.seconds
         out["cpu_us_per_admission"] = (cpu_s(proc.pid) - cpu0) / max(1, ok) * 1e6
+        # Redis's part per admission + release, less what idling costs it over the same time.
+        busy = (rc1 - rc0) - float(out["idle_redis_cores"]) * dt
+        out["redis_us_per_admission"] = busy / max(1, ok) * 1e6
+        out["redis_cmds_per_admission"] = (c1 - c0 - (agents.commands - a0) - 1) / max(1, ok)
+        out["redis_bytes_per_admission"] = (n1 - n0) / max(1, ok)
         lat, _kinds, late = asyncio.run(open_loop(sock, a.seconds, a.rate))
         ms = [x * 1000 for x in lat]
         out["p50_ms"], out["p99_ms"], out["late_ms"] = pct(ms, 50), pct(ms, 99), late * 1000
@@ -248,6 +267,17 @@ def main() -> None:
             f" {row['closed_per_s']:,.0f} | {row['p50_ms']:.2f} / {row['p99_ms']:.2f} ms"
             f" (send lateness ≤ {row['late_ms']:.1f} ms) | {row['idle_cores']:.3f} cores |"
             f" {row['idle_redis_cmds_s']:,.0f} |"
+        )
+    print(
+        "\n| nodes | Redis CPU per admission + release | Redis commands / bytes per admission +"
+        " release | Redis CPU idle (agents + one sidecar) |"
+    )
+    print("|---:|---:|---:|---:|")
+    for row in rows:
+        print(
+            f"| {row['nodes']:,} | {row['redis_us_per_admission']:,.0f} µs |"
+            f" {row['redis_cmds_per_admission']:.1f} / {row['redis_bytes_per_admission']:,.0f} |"
+            f" {row['idle_redis_cores']:.3f} cores |"
         )
     for row in rows:
         if "overload_rate" in row:
