@@ -23,7 +23,8 @@ from admission.errors import BackendUnavailable
 log = logging.getLogger(__name__)
 
 PROBE_S = 0.02
-LATE_S = 0.1  # a loop this late makes a timed-out Redis call the sidecar's overload
+LATE_S = 0.05  # a loop this late makes a timed-out Redis call the sidecar's overload (a
+# third of the default 150 ms command timeout: a reply can wait behind loop turns that long)
 WINDOW_S = 1.0  # lateness is the worst seen over about this long
 LOG_EVERY_S = 10.0
 

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 
 EJECT_AFTER = 3  # proxied requests that could not reach a node, within EJECT_S
 EJECT_S = 10.0  # how long it stays out; then its agent's state applies again
+SORT_EVERY_S = 0.2  # the candidates' order, re-sorted at most this often (a state moving: now)
 _NONE: frozenset[str] = frozenset()  # no pool blocked (a policy without pools)
 
 
@@ -57,9 +58,11 @@ class NodeTable:
         self.lag = LoopLag()  # the limiter's (Dispatcher): a late loop is not an outage
         self.reads = NodeReads(lambda: self.policy().watermarks.stale_after_s)
         self.index = Candidates(secrets.token_hex(4))
-        self._urgent_on: set[str] = set()  # models with urgent KV booked on a node, as last seen
+        self._urgent_nodes: set[str] = set()  # nodes with urgent KV booked, as last seen
+        self._sorted_at = -1e9
         self._live: dict[str, int] = {}  # model → nodes open or held, as last seen
         self._gauges: dict[str, Any] = {}  # node → its gauges' children (labels() costs)
+        self._gauged: dict[str, tuple[Any, ...]] = {}  # node → what its gauges say now
         self.place_moved = False  # a booking or release since the last sort
         self.outputs = UrgentOutputs()  # the urgent class's answer lengths: the decode guard
         self.placements = Placements(metrics, clock)  # where prompt heads went (routing)
@@ -106,7 +109,9 @@ class NodeTable:
         )
         hits = self.prefixes.matches(prefix) if prefix else None
         now, gate, mean = self.clock(), self.metrics.gate, self.outputs.mean
-        present = urgent_kv > 0 or model in self._urgent_on
+        present = urgent_kv > 0 or any(
+            model in self.views[n].node.models for n in self._urgent_nodes if n in self.views
+        )
         live = self._live.get(model, 0)
 
         def judge(views: list[NodeView]) -> list[tuple[NodeView, Ask]]:
@@ -147,7 +152,7 @@ class NodeTable:
 
     def prefix_booked(self, ticket: str, view: NodeView, ask: Ask, res: Any) -> None:
         if ask.urgent:
-            self._urgent_on.update(view.node.models)  # the decode guard acts from now on
+            self._urgent_nodes.add(view.node.id)  # the decode guard acts from now on
         self.placements.booked(ticket, view, ask, res)
 
     def urgent_waiting(self, waiting_kv: Callable[[str], int]) -> int:
@@ -231,24 +236,26 @@ class NodeTable:
         secs, micros = res[0]
         redis_us = int(secs) * 1_000_000 + int(micros)
         dirty = self.reads.apply(plan, res[1:reads], redis_us, now, self.views)
-        wall = time.time()
+        wall, states_moved = time.time(), plan.full
         for nid in dirty:
             v = self.views[nid]
             was = v.state
             v.observe(self.reads.state_of(nid, now), nid in self.reads.admin)
+            (self._urgent_nodes.add if v.kv_urgent > 0 else self._urgent_nodes.discard)(nid)
             if v.state != was:
-                v.since = wall
-                self.reads.moved = True
+                v.since, states_moved = wall, True
                 if v.state == Status.DOWN:
                     self.prefixes.drop_node(nid)  # a restarted engine has an empty cache
         self.placements.take(res[-1], self.views)
         self._gauge([self.views[n] for n in dirty])
-        if self.reads.moved or self.place_moved:  # the order, and the per-model figures
+        if self.reads.moved or self.place_moved or states_moved:  # the order moved
             self.index.stale, self.reads.moved, self.place_moved = True, False, False
-        if not self.index.stale:
+        if self.index.stale and (states_moved or now - self._sorted_at >= SORT_EVERY_S):
+            self.index.sort(now)
+            self._sorted_at = now
+        if not states_moved:
             return
         self._by_model(now)
-        self.index.sort(now)
         closed = (Status.DOWN, Status.DRAIN, Status.MAINTENANCE)
         unusable = frozenset(v.node.id for v in views if v.state in closed)
         if unusable != self.unusable:
@@ -262,16 +269,13 @@ class NodeTable:
         self.place_moved = True
 
     def _by_model(self, now: float) -> None:
-        """Per model: since when every live node serving it has been held, how many are open or
-        held, whether the urgent class has KV booked on one (routing's cluster-wide figures)."""
+        """Per model, when a node's state moved: since when every live node serving it has been
+        held, and how many are open or held (routing's cluster-wide figure)."""
         held = (Status.HOLD, Status.DRAIN)
         gone = (Status.DOWN, Status.MAINTENANCE)
-        self._urgent_on = set()
         for model, views in self.index.by_model.items():
             live = [v for v in views if v.state not in gone]
             self._live[model] = sum(1 for v in live if v.state in (Status.OPEN, Status.HOLD))
-            if any(v.kv_urgent > 0 for v in views):
-                self._urgent_on.add(model)
             if live and all(v.state in held for v in live):
                 self.held_since.setdefault(model, now)
             elif self.held_since.pop(model, None) is not None:
@@ -373,9 +377,13 @@ class NodeTable:
                     m.node_prefix_hits.labels(nid),
                 )
             states, memory, inflight, hits = kids
+            now = (v.state, round(v.projected(), 4), v.inflight, v.prefix_hit_ratio)
+            if self._gauged.get(nid) == now:
+                continue
+            self._gauged[nid] = now
             for s, g in states:
                 g.set(1 if v.state == s else 0)
-            memory.set(v.projected())
+            memory.set(now[1])
             inflight.set(v.inflight)
             if v.prefix_hit_ratio is not None:
                 hits.set(v.prefix_hit_ratio)

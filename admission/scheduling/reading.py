@@ -30,7 +30,8 @@ from admission.store import keys
 log = logging.getLogger(__name__)
 
 SWEEP = 16  # nodes whose every key one refresh re-reads (each node in turn)
-TOUCHED = 64  # nodes whose ledger one refresh re-reads because this sidecar used them
+TOUCHED = 32  # nodes whose ledger one refresh re-reads because this sidecar used them
+CHECK_EVERY_S = 0.25  # silent agents and ended ejections looked for this often (all nodes)
 CHANGES_READ = 20_000  # feed entries one refresh reads at most (more: the next one goes on)
 _FULL = 6  # commands per node fully read
 _LEDGER = 2  # ... and per ledger read
@@ -65,6 +66,7 @@ class NodeReads:
         self.admin: set[str] = set()
         self._bad_state_logged: set[str] = set()
         self.moved = False  # a state or a ledger read differed from the view (the order moves)
+        self._checked_at = -1e9
 
     def touch(self, node: str) -> None:
         if len(self._touched) < TOUCHED:
@@ -150,6 +152,9 @@ class NodeReads:
             self._take_ledger(v, res[i], res[i + 1], redis_us, now)
             dirty.add(v.node.id)
             i += _LEDGER
+        if now - self._checked_at < CHECK_EVERY_S:
+            return dirty
+        self._checked_at = now
         for nid, v in views.items():  # agents gone silent, ejections over: no entry says so
             ej = self.ejected_until.get(nid, 0.0)
             if ej and ej <= now:
