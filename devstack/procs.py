@@ -8,6 +8,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable
@@ -38,6 +39,12 @@ def wait_for(
             pass
         time.sleep(0.05)
     raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def sidecar_command(policy: str, unix: str, level: str = "warning") -> list[str]:
+    """`admission serve` on a unix socket, as benchmarks and tests start it (this interpreter)."""
+    serve = ["serve", "--policy", policy, "--unix", unix]
+    return [sys.executable, "-m", "admission.cli", "--log-level", level, *serve]
 
 
 def http_ok(url: str) -> bool:

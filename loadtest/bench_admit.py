@@ -16,7 +16,6 @@ import hashlib
 import os
 import statistics
 import subprocess
-import sys
 import time
 
 import aiohttp
@@ -24,7 +23,7 @@ import redis
 
 from admission.nodes.state import NodeState, Status
 from admission.store import keys
-from devstack.procs import RedisServer, stop_process, wait_for
+from devstack.procs import RedisServer, sidecar_command, stop_process, wait_for
 from loadtest.scratch import add_flag, scratch
 
 POLICY = """
@@ -130,18 +129,7 @@ def main() -> None:
     )
     sock = str(work / "sidecar.sock")
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "admission.cli",
-            "--log-level",
-            "warning",
-            "serve",
-            "--policy",
-            str(policy),
-            "--unix",
-            sock,
-        ],
+        sidecar_command(str(policy), sock),
         start_new_session=True,
     )
     r = redis.Redis.from_url(rs.url)

@@ -24,7 +24,6 @@ import hashlib
 import multiprocessing
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -33,19 +32,12 @@ import redis
 
 from admission.nodes.feed import Publisher
 from admission.nodes.state import NodeState, Status
-from devstack.procs import RedisServer, stop_process, wait_for
+from devstack.procs import RedisServer, sidecar_command, stop_process, wait_for
+from loadtest import bench_admit
 from loadtest.bench_admit import closed_loop, pct
 from loadtest.scratch import add_flag, scratch
 
-POLICY = """
-redis: {{url: "{url}", pool_size: 64}}
-queue: {{max_depth: 100000, max_depth_per_tenant: 100000}}
-classes: {{realtime: {{weight: 1, priority: 0, deadline_s: 10}}}}
-tenants:
-{tenants}
-nodes:
-{nodes}
-"""
+POLICY = bench_admit.POLICY.split("nodes:")[0] + "nodes:\n{nodes}\n"  # any number of nodes
 TENANT = (
     '  t{i}: {{keys: ["sha256:{d}"], limits: {{requests_per_s: {rps}, request_burst: {rps},'
     " tokens_per_min: 1000000000, token_burst: 100000000}}}}"
@@ -172,10 +164,10 @@ def run_size(n: int, a: argparse.Namespace, work: Path) -> dict[str, float | str
     log = (work / f"sidecar-{n}.log").open("w")
     agents = Agents(rs.url, n)
     agents.start()
-    py = [sys.executable, *os.environ.get("BENCH_PY_ARGS", "").split()]  # e.g. a profiler
-    serve = ["serve", "--policy", str(policy), "--unix", sock]
+    cmd = sidecar_command(str(policy), sock, "info")
+    cmd[1:1] = os.environ.get("BENCH_PY_ARGS", "").split()  # e.g. "-m cProfile -o FILE"
     proc = subprocess.Popen(
-        [*py, "-m", "admission.cli", "--log-level", "info", *serve],
+        cmd,
         start_new_session=True,
         stderr=log,
     )

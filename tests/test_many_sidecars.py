@@ -16,7 +16,6 @@ import asyncio
 import collections
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import pytest
 import redis
 
 from admission.store import keys
-from devstack.procs import stop_process, wait_for
+from devstack.procs import sidecar_command, stop_process, wait_for
 from loadtest.bench_scale import Agents
 from tests.test_cluster import cluster  # noqa: F401  (the fixture)
 
@@ -164,18 +163,7 @@ def test_eight_sidecars_two_edges_cluster_512_nodes(
             logs.append(log)
             procs.append(
                 subprocess.Popen(
-                    [
-                        sys.executable,
-                        "-m",
-                        "admission.cli",
-                        "--log-level",
-                        "warning",
-                        "serve",
-                        "--policy",
-                        str(policy),
-                        "--unix",
-                        sock,
-                    ],
+                    sidecar_command(str(policy), sock),
                     stderr=log,
                     start_new_session=True,
                 )
