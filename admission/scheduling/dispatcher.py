@@ -75,6 +75,7 @@ class Dispatcher:
         self.ahead = Ahead(limiter, st.backlog, metrics, clock)
         self.place = Placer(st, policy, metrics, self.nodes, clock, self._wake)
         self.nodes.lag = self.place.lag = limiter.lag  # one probe: the server's loop
+        self.nodes.waiting_pairs = self.queue.waiting_tenants
 
     def set_policy(self, policy: Policy) -> None:
         self.queue.set_policy(policy)
@@ -199,7 +200,22 @@ class Dispatcher:
         its fast path while batch queues."""
         if self.queue.waiting_at_or_above(item.requested_cls or item.cls):
             return None
-        return self._eligible(item) or None
+        nodes = self._eligible(item)
+        if nodes and not self._fair(item, len(nodes)):
+            return None  # a tenant waiting on another sidecar is owed the next slot
+        return nodes or None
+
+    def _fair(self, it: Item, room: int) -> bool:
+        """Whether `it` may take a node now, tenant weights counted across sidecars (shares.py);
+        held back at most `shares.HOLD_MAX_S` in all. `room`: the nodes found with room for it."""
+        cls = it.requested_cls or it.cls
+        mine = self.queue.waiting_in(it.model, cls)
+        now = self.clock()
+        held_s = now - it.held_at if it.held_at else 0.0
+        if self.nodes.shares.may_take(it.model, cls, it.tenant, it.cost, held_s, mine, room):
+            return True
+        it.held_at = it.held_at or now
+        return False
 
     def _eligible(self, it: Item) -> list[tuple[NodeView, Ask]]:
         """Nodes that would take `it` now, best first. Memory and prefill rules follow the class
@@ -301,7 +317,7 @@ class Dispatcher:
         def runnable(it: Item) -> bool:
             # The nodes found for the item popped are kept: routing runs once per decision.
             found[:] = self._eligible(it)
-            return bool(found)
+            return bool(found) and self._fair(it, len(found))
 
         while True:
             item = self.queue.pop(self.clock(), runnable)

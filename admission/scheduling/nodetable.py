@@ -29,6 +29,7 @@ from admission.scheduling.placements import Placements
 from admission.scheduling.prefixes import NO_PREFIX, Prefix
 from admission.scheduling.reading import NodeReads
 from admission.scheduling.routing import eligible, fallbacks, pool_rank, urgent
+from admission.scheduling.shares import Shares
 from admission.scheduling.views import NodeView
 from admission.store import REDIS_DOWN, PoolBusy, is_down, keys
 from admission.store.connection import on_cluster
@@ -56,6 +57,8 @@ class NodeTable:
         self._reading: asyncio.Future[None] | None = None
         self._one_read = asyncio.Lock()
         self.lag = LoopLag()  # the limiter's (Dispatcher): a late loop is not an outage
+        self.shares = Shares(policy)  # tenant weights across sidecars (shares.py)
+        self.waiting_pairs: Callable[[], dict[tuple[str, str], dict[str, float]]] = dict
         self.reads = NodeReads(lambda: self.policy().watermarks.stale_after_s)
         self.index = Candidates(secrets.token_hex(4))
         self._urgent_nodes: set[str] = set()  # nodes with urgent KV booked, as last seen
@@ -206,6 +209,7 @@ class NodeTable:
             pipe.time()
         plan = self.reads.queue(pipe, views)
         reads = 1 + plan.commands
+        shared = reads + self.shares.queue(pipe, self.waiting_pairs(), self.clock())
         self.placements.queue(pipe)
         try:
             # Per-command errors come back in place: the feed's writes must not fail the reads
@@ -230,8 +234,9 @@ class NodeTable:
         if any(isinstance(r, Exception) for r in [*res[:reads], res[-1]]):
             self._refresh_failed()
             return
+        self.shares.take(res[reads:shared])  # a failed share read keeps the last figures
         if any(isinstance(r, Exception) for r in res[reads:-1]):
-            self.metrics.redis_errors.labels("prefix_feed").inc()  # placements not told: harmless
+            self.metrics.redis_errors.labels("prefix_feed").inc()  # not told: harmless
         now = self._last_ok = self.clock()
         secs, micros = res[0]
         redis_us = int(secs) * 1_000_000 + int(micros)

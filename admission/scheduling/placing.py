@@ -110,6 +110,8 @@ class Placer:
         now = self.clock()
         chosen.booked(ask, now)
         self.nodes.touch(chosen.node.id)
+        cls = item.requested_cls or item.cls
+        self.nodes.shares.served(item.model, cls, item.tenant, item.cost)
         self.nodes.prefix_booked(ticket, chosen, ask, res)
         self.nodes.outputs.admitted(ticket, ask.urgent)
         self.metrics.queue_wait_seconds.labels(item.cls).observe(now - item.enqueued_at)

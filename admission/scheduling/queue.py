@@ -46,6 +46,7 @@ class Item:
     prompt: int = 0  # prompt tokens (estimate): the prefill this request books on a node
     prefix: Prefix = NO_PREFIX  # the prompt's head (prefixes.py): routing and booking use it
     requested_cls: str = ""
+    held_at: float = 0.0  # when fairness across sidecars first held it back (shares.py; 0: never)
     payload: Any = None
     cancelled: bool = False
     dispatched: bool = False
@@ -91,6 +92,8 @@ class FairQueue:
         self._live = 0
         self._per_tenant: dict[str, int] = {}
         self._kv: dict[str, int] = {}  # tokens (cost) waiting, by the class each asked for
+        # (model, class asked for) → tenant → requests waiting (shares.py: fairness across sidecars)
+        self._pairs: dict[tuple[str, str], dict[str, int]] = {}
         self._drain_rate = 0.0  # pops per second (EWMA), for Retry-After
         self._last_pop: float | None = None
 
@@ -113,6 +116,24 @@ class FairQueue:
 
     def tenant_depth(self, tenant: str) -> int:
         return self._per_tenant.get(tenant, 0)
+
+    def waiting_in(self, model: str, cls: str) -> dict[str, int]:
+        """Tenant → its requests waiting for `model` that asked for `cls`."""
+        return self._pairs.get((model, cls), {})
+
+    def waiting_tenants(self) -> dict[tuple[str, str], dict[str, float]]:
+        """(model, class asked for) → tenant → when its oldest request there at the head of a
+        lane arrived (monotonic; the lanes' heads are their oldest)."""
+        out: dict[tuple[str, str], dict[str, float]] = {p: {} for p in self._pairs}
+        for q in self._classes.values():
+            for tenant, lane in q.lanes.items():
+                head = lane.head()
+                if head is None:
+                    continue
+                pair = out.get((head.model, head.requested_cls))
+                if pair is not None and tenant in self._pairs[(head.model, head.requested_cls)]:
+                    pair[tenant] = min(pair.get(tenant, head.enqueued_at), head.enqueued_at)
+        return out
 
     def items(self) -> Iterator[Item]:
         for q in self._classes.values():
@@ -313,6 +334,13 @@ class FairQueue:
             self._per_tenant[item.tenant] = left
         else:
             self._per_tenant.pop(item.tenant, None)
+        pair = self._pairs.setdefault((item.model, item.requested_cls), {})
+        if (waiting := pair.get(item.tenant, 0) + n) > 0:
+            pair[item.tenant] = waiting
+        else:
+            pair.pop(item.tenant, None)
+            if not pair:
+                del self._pairs[(item.model, item.requested_cls)]
         kv = self._kv.get(item.requested_cls, 0) + n * item.cost
         if kv > 0:
             self._kv[item.requested_cls] = kv

@@ -160,3 +160,10 @@ def node_changes() -> str:
     when a node's state moved or that it is still alive, sidecars when an operator drained it
     or proxied requests ejected it. Sidecars read it with every refresh, in one XRANGE."""
     return f"{PREFIX}:node-changes"
+
+
+def tenant_shares(model: str, cls: str) -> str:
+    """Tenants' normalised service and who waits, for one model and class, across sidecars
+    (hash: s:<tenant> = tokens admitted ÷ weight, w:<tenant> = ms last seen waiting;
+    scheduling/shares.py)."""
+    return f"{PREFIX}:shares:{model}:{cls}"

@@ -1,0 +1,128 @@
+"""Tenant weights hold across sidecars: tenants of weights 5 : 3 : 1, each reaching its own
+sidecar (as regional edges or sticky load balancers send them), backlogged on shared nodes, are
+served in proportion to their weights — not by which sidecar asks first (shares.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from devstack.procs import RedisServer, sidecar_command, stop_process, wait_for
+from loadtest.bench_scale import Agents
+
+WEIGHTS = {"t5": 5, "t3": 3, "t1": 1}
+NODES, CAP, HOLD_S = 4, 4, 0.4  # 16 slots, ~40 admissions/s
+OFFER = 40  # asks per second per tenant: every one of them stays backlogged
+SECONDS, WARMUP_S = 14.0, 4.0  # shares counted after the warm-up, while all are backlogged
+POINTS = 3.0  # served shares within this many points of the weights
+
+POLICY = """
+redis: {{url: "{url}"}}
+queue: {{max_depth: 100000, max_depth_per_tenant: 100000}}
+classes: {{realtime: {{weight: 1, priority: 0, deadline_s: 60}}}}
+tenants:
+{tenants}
+nodes:
+{nodes}
+"""
+
+
+async def tenant_load(
+    sock: str, tenant: str, stop_at: float, served: list[tuple[float, str]]
+) -> None:
+    conn = aiohttp.UnixConnector(path=sock, limit=0)
+    async with aiohttp.ClientSession(connector=conn) as s:
+
+        async def one() -> None:
+            body = {"tenant": tenant, "model": "m", "prompt_tokens": 100, "max_tokens": 100}
+            async with s.post("http://sidecar/admit", json=body) as r:
+                data = await r.json()
+            if r.status != 200:
+                return
+            served.append((time.monotonic(), tenant))
+            await asyncio.sleep(HOLD_S)
+            rel = {"ticket": data["ticket"], "status": 200, "usage": {"prompt_tokens": 100}}
+            async with s.post("http://sidecar/release", json=rel) as r2:
+                await r2.read()
+
+        tasks = []
+        start = time.monotonic()
+        i = 0
+        while (due := start + i / OFFER) < stop_at:
+            if (delay := due - time.monotonic()) > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one()))
+            i += 1
+        # Whatever still waits is cancelled at the end: the sidecars give it back.
+        await asyncio.sleep(0.5)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def test_weights_hold_across_sidecars(
+    redis: Any, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    tenants = "\n".join(
+        f'  {t}: {{keys: ["plain:k-{t}"], weight: {w}, limits: {{requests_per_s: 100000,'
+        " request_burst: 100000, tokens_per_min: 1000000000, token_burst: 100000000}}"
+        for t, w in WEIGHTS.items()
+    )
+    nodes = "\n".join(
+        f'  n{i}: {{url: "http://127.0.0.1:{21000 + i}", models: [m], memory_source: kv,'
+        f" max_inflight: {CAP}}}"
+        for i in range(NODES)
+    )
+    policy = tmp_path / "policies.yaml"
+    policy.write_text(POLICY.format(url=redis_server.url, tenants=tenants, nodes=nodes))
+    agents = Agents(redis_server.url, NODES)
+    agents.start()
+    (tmp_path / "logs").mkdir()
+    socks = {t: str(tmp_path / f"{t}.sock") for t in WEIGHTS}
+    procs, logs = [], []
+    try:
+        for t, sock in socks.items():
+            log = (tmp_path / "logs" / f"{t}.log").open("w")
+            logs.append(log)
+            procs.append(
+                subprocess.Popen(
+                    sidecar_command(str(policy), sock), stderr=log, start_new_session=True
+                )
+            )
+        for sock in socks.values():
+            wait_for(lambda s=sock: os.path.exists(s), 30, "sidecar")
+        time.sleep(1.0)
+        served: list[tuple[float, str]] = []
+
+        async def run() -> float:
+            start = time.monotonic()
+            stop_at = start + SECONDS
+            await asyncio.gather(
+                *(tenant_load(sock, t, stop_at, served) for t, sock in socks.items())
+            )
+            return start
+
+        start = asyncio.run(run())
+        window = [t for at, t in served if start + WARMUP_S <= at <= start + SECONDS]
+        counts = collections.Counter(window)
+        total = sum(counts.values())
+        shares = {t: 100 * counts[t] / total for t in WEIGHTS}
+        want = {t: 100 * w / sum(WEIGHTS.values()) for t, w in WEIGHTS.items()}
+        print(f"served in the window: {dict(counts)}; shares {shares}; weights {want}")
+        assert total >= 0.7 * (SECONDS - WARMUP_S) * NODES * CAP / HOLD_S  # the nodes stayed busy
+        for t in WEIGHTS:
+            assert abs(shares[t] - want[t]) <= POINTS, (shares, want)
+    finally:
+        agents.stop.set()
+        agents.join(5)
+        for p in procs:
+            stop_process(p)
+        for log in logs:
+            log.close()
