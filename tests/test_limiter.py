@@ -634,29 +634,42 @@ async def test_round_trips_are_timed(redis_server: RedisServer) -> None:
 
 async def test_a_late_event_loop_is_overload_not_an_outage(redis_server: RedisServer) -> None:
     """A Redis call that timed out while this process's event loop ran late is the sidecar's
-    own overload: refused 503 `sidecar_overloaded`, and the limiter stays on Redis (fail-open
-    would skip every tenant's limits). The same timeout with a punctual loop is an outage: the
-    failure mode applies. Redis is made slow for real (CLIENT PAUSE), the loop late for real
-    (a blocking call in it)."""
+    own overload: asked again in line (acquire.lua is idempotent per request) and answered once
+    Redis does, charged once; past the wait, refused 503 `sidecar_overloaded`. The limiter stays
+    on Redis throughout (fail-open would skip every tenant's limits). The same timeout with a
+    punctual loop is an outage: the failure mode applies. Redis is made slow for real (CLIENT
+    PAUSE), the loop late for real (a blocking call in it)."""
     p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 600000}")
     lim, client = await make_limiter(p)
     admin = connect(p.redis)
     probe = asyncio.create_task(lim.lag.run())
     t = p.tenants["t1"]
+
+    async def late_call(ticket: str) -> Acquired:
+        await admin.execute_command("CLIENT", "PAUSE", 600, "ALL")
+        task = asyncio.create_task(lim.acquire(t, ticket, 10, 60))
+        await asyncio.sleep(0.02)  # sent; now the loop is blocked past the call's timeout
+        time.sleep(0.3)
+        return await task
+
     try:
         await asyncio.sleep(0.1)
         assert not lim.lag.overloaded()
-        await admin.execute_command("CLIENT", "PAUSE", 600, "ALL")
-        task = asyncio.create_task(lim.acquire(t, "late-1", 1, 60))
-        await asyncio.sleep(0.02)  # sent; now the loop is blocked past the call's timeout
-        time.sleep(0.3)
-        acq = await task
+        acq = await late_call("late-1")  # waits in line: answered when Redis is back
+        assert acq.mode == "redis" and acq.denied is None
+        assert not lim.degraded and lim.metrics.redis_fallback._value.get() == 0
+        assert lim.metrics.overloaded.labels("acquire")._value.get() >= 1
+        charged = await client.hget(keys.tenant_keys("t1", "late-1")[4], "tok")
+        assert charged is not None and int(charged) == 10  # reserved once, not given back
+
+        await asyncio.sleep(WINDOW_S * 2.2)
+        lim.busy_wait_s = 0.1  # a wait in line shorter than the pause: refused, still no fail-open
+        acq = await late_call("late-2")
         assert isinstance(acq.denied, BackendUnavailable)
         assert acq.denied.code == "sidecar_overloaded" and acq.denied.retry_after_s() == 1
         assert not lim.degraded and lim.metrics.redis_fallback._value.get() == 0
-        assert lim.metrics.overloaded.labels("acquire")._value.get() == 1
         await asyncio.sleep(0.7)  # Redis back
-        assert (await take(lim, t, "late-2", 1, 60)).mode == "redis"
+        assert (await take(lim, t, "late-3", 1, 60)).mode == "redis"
 
         await asyncio.sleep(WINDOW_S * 2.2)  # the loop punctual again
         assert not lim.lag.overloaded()

@@ -12,7 +12,7 @@ caller, who gets its result back and decides.
 
 from __future__ import annotations
 
-import functools
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -22,55 +22,18 @@ from typing import Any, NamedTuple
 from admission import store
 from admission.errors import AdmissionError, BackendUnavailable, RequestTooLarge, Throttled
 from admission.lag import LoopLag
+from admission.limits.args import U, acquire_args, settle_args
 from admission.limits.local import LocalLimits
 from admission.metrics import Metrics
-from admission.policy import FailureMode, Limits, Policy, Tenant
+from admission.policy import FailureMode, Policy, Tenant
 from admission.store import REDIS_DOWN, Call, PoolBusy, Store, keys
 
 log = logging.getLogger(__name__)
 
-U = 1_000_000  # micro-units per request or token: integer arithmetic in the scripts
 RETRY_AFTER_FAILURE_S = 1.0
+LATE_RETRY_S = 0.01  # a round trip our late loop timed out: asked again after this
 BUSY_WAIT_S = 15.0  # how long an admission waits in line for a pooled Redis connection
 ROOM_FRESH_S = 1.0  # a tenant's figures from Redis older than this never let a request ahead
-
-
-@dataclass(frozen=True)
-class Rates:
-    """A tenant's limits as the scripts take them: integer micro-units."""
-
-    req_cap_u: int
-    req_rate_u: int
-    tok_cap_u: int
-    tok_rate_u: int
-
-    @classmethod
-    def of(cls, lim: Limits, scale: float = 1.0) -> Rates:
-        """`scale` < 1 slows the refill (memory-aware limits); capacities stay."""
-        return cls(
-            req_cap_u=lim.request_burst * U,
-            req_rate_u=max(1, round(lim.requests_per_s * scale * U)),
-            tok_cap_u=lim.token_burst * U,
-            tok_rate_u=max(1, round(lim.tokens_per_min * scale * U / 60)),
-        )
-
-
-# The scripts' constant arguments, per limits (a reload makes new ones), encoded once: redis-py
-# packs bytes as they are, where each int or str argument costs a conversion per request.
-@functools.lru_cache(maxsize=4096)
-def _acquire_args(
-    lim: Limits, scale: float, lease_ttl_us: int
-) -> tuple[tuple[bytes, ...], tuple[bytes, ...]]:
-    r = Rates.of(lim, scale)
-    head = [r.req_cap_u, r.req_rate_u, U, r.tok_cap_u, r.tok_rate_u]
-    tail = [int(lim.burst_window_s * U), lim.burst_max, lim.max_concurrent, lease_ttl_us]
-    return tuple(b"%d" % x for x in head), tuple(b"%d" % x for x in tail)
-
-
-@functools.lru_cache(maxsize=4096)
-def _settle_args(lim: Limits) -> tuple[bytes, bytes]:
-    r = Rates.of(lim)
-    return b"%d" % r.tok_cap_u, b"%d" % r.tok_rate_u
 
 
 class Acquired(NamedTuple):
@@ -189,7 +152,7 @@ class Limiter:
         see `acquire_forced`, the way to call it."""
         lim = tenant.limits
         if not self.degraded:
-            head, tail = _acquire_args(lim, scale, int(lease_ttl_s * U))
+            head, tail = acquire_args(lim, scale, int(lease_ttl_s * U))
             args = [
                 *head,
                 b"%d" % (tokens * U),
@@ -274,11 +237,19 @@ class Limiter:
                         "admission busy: retry shortly", code="admission_busy", retry_after=1
                     )
             except REDIS_DOWN as exc:
+                if self.lag.overloaded():
+                    # Our own lateness timed it out: ask again (acquire.lua is idempotent per
+                    # request, lease.lua per ticket), in line, as for a busy pool; past the wait,
+                    # refused — never the failure mode.
+                    self.metrics.overloaded.labels("acquire").inc()
+                    if self.clock() < busy_until:
+                        await asyncio.sleep(LATE_RETRY_S)
+                        continue
+                    self.backlog.add(self.settle_call(tenant, ticket, 0))
+                    return self.lag.refusal(self.metrics, "acquire")
                 # It may have run anyway: give back whatever it reserved (a request admitted
                 # locally then is free of charge in Redis; its release is a no-op).
                 self.backlog.add(self.settle_call(tenant, ticket, 0))
-                if self.lag.overloaded():
-                    return self.lag.refusal(self.metrics, "acquire")
                 self._failed("acquire", exc)
                 return None
 
@@ -345,7 +316,7 @@ class Limiter:
         return Call(
             "settle",
             [k[1], k[3], k[4]],
-            [*_settle_args(tenant.limits), actual_tokens, ticket, b"1" if released else b"0"],
+            [*settle_args(tenant.limits), actual_tokens, ticket, b"1" if released else b"0"],
         )
 
     def _failed(self, op: str, exc: BaseException) -> None:
