@@ -147,6 +147,7 @@ async def open_loop(
             late = max(late, time.perf_counter() - due)
             tasks.append(asyncio.create_task(ask(s, i, lat, kinds)))
         await asyncio.gather(*tasks, return_exceptions=True)
+        kinds["_makespan_ms"] = int((time.perf_counter() - start) * 1000)  # first ask, last answer
     return lat, kinds, late
 
 
@@ -212,10 +213,14 @@ def run_size(n: int, a: argparse.Namespace, work: Path) -> dict[str, float | str
             rate = 2 * max(out["closed_per_s"], 1.0)
             lat, kinds, late = asyncio.run(open_loop(sock, a.seconds, rate))
             admitted = [kinds[f"admitted:t{i}"] for i in range(16)]
-            allowed = a.tenant_rps * (a.seconds + late + 2) + a.tenant_rps  # rate × time + burst
+            # A bucket admits at most its burst + rate × the time it was asked over: from the
+            # first ask to the last answer (an answer may come late: asked again in line).
+            makespan_s = kinds.pop("_makespan_ms") / 1000
+            allowed = a.tenant_rps * makespan_s + a.tenant_rps
             log.flush()
             text = Path(log.name).read_text()
             out["overload_rate"] = rate
+            out["overload_makespan_s"] = makespan_s
             out["overload_answers"] = ", ".join(
                 f"{k} {v}" for k, v in sorted(kinds.items()) if not k.startswith("admitted:")
             )
@@ -274,7 +279,8 @@ def main() -> None:
     for row in rows:
         if "overload_rate" in row:
             print(
-                f"overload, {row['nodes']} nodes, {row['overload_rate']:,.0f}/s: "
+                f"overload, {row['nodes']} nodes, {row['overload_rate']:,.0f}/s for {a.seconds:.0f} s"
+                f" (last answer at {row['overload_makespan_s']:.1f} s): "
                 f"{row['overload_answers']}; fail-open log lines {row['fail_open_lines']}; "
                 f"most admitted for one tenant {row['tenant_max_admitted']} "
                 f"(its limit allows {row['tenant_allowed']:,.0f})"
