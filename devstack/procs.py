@@ -14,11 +14,21 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+_GIVEN: set[int] = set()  # ports this process handed out already
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nothing listens on now, and that this process has not handed out before:
+    the kernel may give a port just closed again, and a stack that asks for several (NGINX,
+    nodes, sidecars) before starting any would otherwise get one twice (NGINX then failed with
+    "Address already in use" on an engine node's port)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def wait_for(
