@@ -37,6 +37,11 @@ class Admission:
     queued_s: float
 
 
+LATE_WAIT_S = 15.0  # a lease our late loop timed out is asked again for this long (as the
+# limiter waits in line for a busy pool), then refused sidecar_overloaded
+LATE_RETRY_S = 0.01
+
+
 class Placer:
     """Takes and gives back node leases for the dispatcher, and keeps the views in step."""
 
@@ -62,25 +67,29 @@ class Placer:
         """Take a lease on the best node; None if its ledger refused (another sidecar booked)."""
         node, ask = nodes[0]
         ticket = leases.make_ticket(item.rid, node.node.id, item.tenant)
-        try:
-            res = (
-                await self.store.scripts.run(
-                    leases.take(node.node, ticket, self.policy().queue.lease_ttl_s, ask)
-                )
-            )[0]
-        except PoolBusy:
-            return None  # our own pool is full: the item goes back to the head of its lane
-        except REDIS_DOWN as exc:
-            self.metrics.redis_errors.labels("lease").inc()
-            if self.lag.overloaded():  # our own lateness timed it out: refused, not fail-open
-                self.store.backlog.add(leases.give_back(ticket))  # it may have run
-                raise self.lag.refusal(self.metrics, "lease") from exc
-            if self.policy().redis.failure_mode == FailureMode.CLOSED:
-                self.store.backlog.add(leases.give_back(ticket))  # it may have run
-                raise BackendUnavailable(
-                    "lease store unavailable", code="limiter_unavailable"
-                ) from exc
-            return self.record(item, nodes, ticket)  # fail-open: local accounting only
+        call = leases.take(node.node, ticket, self.policy().queue.lease_ttl_s, ask)
+        late_until = self.clock() + LATE_WAIT_S
+        while True:
+            try:
+                res = (await self.store.scripts.run(call))[0]
+                break
+            except PoolBusy:
+                return None  # our own pool is full: the item goes back to the head of its lane
+            except REDIS_DOWN as exc:
+                self.metrics.redis_errors.labels("lease").inc()
+                if self.lag.overloaded():  # our own lateness timed it out: not an outage
+                    self.metrics.overloaded.labels("lease").inc()
+                    if self.clock() < late_until:  # asked again: lease.lua is idempotent per ticket
+                        await asyncio.sleep(LATE_RETRY_S)
+                        continue
+                    self.store.backlog.add(leases.give_back(ticket))  # it may have run
+                    raise self.lag.refusal(self.metrics, "lease") from exc
+                if self.policy().redis.failure_mode == FailureMode.CLOSED:
+                    self.store.backlog.add(leases.give_back(ticket))  # it may have run
+                    raise BackendUnavailable(
+                        "lease store unavailable", code="limiter_unavailable"
+                    ) from exc
+                return self.record(item, nodes, ticket)  # fail-open: local accounting only
         if isinstance(res, Exception):
             raise res
         if not leases.granted(res):
