@@ -258,3 +258,27 @@ def test_prefill_rate_counts_the_tokens_computed_not_those_found_cached() -> Non
     assert computed(EngineSample(prompt_tokens=10_000.0, prefix_hits=6_000.0)) == 4_000.0
     assert computed(EngineSample(prompt_tokens=10_000.0)) == 10_000.0  # no prefix counters
     assert computed(EngineSample()) is None
+
+
+def test_booking_factor_follows_what_the_ledger_booked_per_token_computed() -> None:
+    """The ledger books prompts less the prefix index's guess; the engine computes prompts less
+    what it really found cached. The factor between them scales the rate that drains pending
+    prefill: above 1 only while the engine has nothing waiting (a burst's bookings ahead of a
+    backlog are not a miscount), 1 without enough evidence, bounded either way."""
+    from admission.nodes.rates import Booking
+
+    b = Booking()
+    assert b.update(0.0, 0.0, 0.0, 0) == 1.0
+    assert b.update(1.0, 500.0, 50.0, 0) == 1.0  # under MIN_TOKENS booked: no opinion yet
+    f = b.update(2.0, 9_000.0, 900.0, 0)  # the engine found 9 in 10 booked tokens cached
+    assert f == pytest.approx(10.0, rel=0.05)
+    assert b.update(3.0, 18_000.0, 1_800.0, 3) == 1.0  # requests waiting: never faster
+    b2 = Booking()  # the index expects hits the engine did not keep: drain slower
+    b2.update(0.0, 0.0, 0.0, 0)
+    assert b2.update(1.0, 3_000.0, 6_000.0, 0) == pytest.approx(0.5, rel=0.05)
+    assert b2.update(2.0, 3_000.0, 6_000.0 + 1e9, 0) == pytest.approx(1 / Booking.MAX)
+    assert b2.update(3.0, 0.0, 0.0, 0) == 1.0  # the engine restarted: no evidence again
+    b3 = Booking()
+    b3.update(0.0, 0.0, 0.0, 0)
+    assert b3.update(1.0, 50_000.0, 0.0, 0) == Booking.MAX  # all found cached: bounded
+    assert b3.update(2.0, None, 10.0, 0) == Booking.MAX  # ledger unread: the last factor

@@ -93,7 +93,7 @@ def test_parse_vllm_metrics() -> None:
 
 
 def test_prefix_hit_ratio_is_recent_hits_over_queries() -> None:
-    from admission.nodes.agent import PrefixHits
+    from admission.nodes.rates import PrefixHits
 
     h = PrefixHits()
     assert h.update(None, None) is None  # an engine that does not report it
@@ -117,7 +117,7 @@ def test_nvml_reader_against_pynvml() -> None:
 
 
 def test_prefill_rate_is_the_decaying_peak() -> None:
-    from admission.nodes.agent import PrefillRate
+    from admission.nodes.rates import PrefillRate
 
     r = PrefillRate()
     assert r.update(0.0, 0.0) == 0.0  # unknown until two samples
@@ -127,7 +127,7 @@ def test_prefill_rate_is_the_decaying_peak() -> None:
 
 
 def test_tpot_is_running_over_output_rate() -> None:
-    from admission.nodes.agent import Tpot
+    from admission.nodes.rates import Tpot
 
     t = Tpot()
     t.update(0.0, 0.0, 10)

@@ -17,13 +17,16 @@ from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+from redis.exceptions import RedisError
 
 from admission.nodes import memory
 from admission.nodes.feed import Publisher
 from admission.nodes.gpu import GpuReader, NvmlReader, SimulatedGpuReader
+from admission.nodes.rates import Booking, PrefillRate, PrefixHits, Tpot
 from admission.nodes.state import NodeState
 from admission.nodes.watermarks import DOWN, OPEN, next_state
 from admission.policy import Node, Policy
+from admission.store import keys
 
 log = logging.getLogger(__name__)
 
@@ -74,92 +77,15 @@ def parse_vllm_metrics(text: str) -> EngineSample:
     return s
 
 
-class PrefillRate:
-    """The prompt tokens per second a node clears at full load, from vllm:prompt_tokens_total.
-
-    A sample only shows what the node was *given*, so the estimate is the peak seen, decaying
-    by `DECAY` per sample so that it follows a node that got slower. It is self-probing: the
-    dispatcher always lets a request onto a node whose pending prefill has drained, so a node
-    gets a full-speed sample as soon as it has work. Samples shorter than `MIN_DT_S` are noise.
-    """
-
-    DECAY = 0.998  # per sample (0.2 s): halves in ~70 s without a new peak
-    MIN_DT_S = 0.15
-
-    def __init__(self) -> None:
-        self.rate = 0.0
-        self._last: tuple[float, float] | None = None  # (time, prompt tokens total)
-
-    def update(self, now: float, total: float | None) -> float:
-        if total is None:
-            return self.rate
-        if self._last is not None:
-            t0, c0 = self._last
-            dt = now - t0
-            if dt < self.MIN_DT_S:
-                return self.rate
-            seen = max(0.0, total - c0) / dt
-            self.rate = max(seen, self.rate * self.DECAY)
-        self._last = (now, total)
-        return self.rate
-
-
-class Tpot:
-    """Seconds per output token that the node's running requests see now: running requests ÷
-    output tokens per second (each running request gets one token per engine step), smoothed.
-    Read from counters every sample, so it follows load within a second — unlike vLLM's
-    per-request latency histograms, observed only when a request ends."""
-
-    ALPHA = 0.5
-
-    def __init__(self) -> None:
-        self.tpot_s = 0.0
-        self._last: tuple[float, float] | None = None
-
-    def update(self, now: float, generated: float | None, running: int) -> float:
-        if generated is None:
-            return self.tpot_s
-        if self._last is not None:
-            t0, g0 = self._last
-            dt = now - t0
-            if dt < PrefillRate.MIN_DT_S:
-                return self.tpot_s
-            rate = max(0.0, generated - g0) / dt
-            seen = running / rate if rate > 0 and running > 0 else 0.0
-            self.tpot_s = (
-                seen if self.tpot_s == 0 else (self.ALPHA * seen + (1 - self.ALPHA) * self.tpot_s)
-            )
-        self._last = (now, generated)
-        return self.tpot_s
-
-
-class PrefixHits:
-    """The share of prompt tokens the engine found in its prefix cache lately (None: the
-    engine does not report it, or has looked nothing up yet), smoothed over samples. High on a
-    node whose prompts share prefixes: its KV in use is then well below what the ledger books
-    (each request's whole prompt), which is why `booked` can hold a node at lower measured
-    memory."""
-
-    ALPHA = 0.2
-
-    def __init__(self) -> None:
-        self.ratio: float | None = None
-        self._last: tuple[float, float] | None = None
-
-    def update(self, queries: float | None, hits: float | None) -> float | None:
-        if queries is None or hits is None:
-            return self.ratio
-        if self._last is not None:
-            dq, dh = queries - self._last[0], hits - self._last[1]
-            if dq > 0:
-                seen = min(1.0, max(0.0, dh / dq))
-                self.ratio = (
-                    seen
-                    if self.ratio is None
-                    else (self.ALPHA * seen + (1 - self.ALPHA) * self.ratio)
-                )
-        self._last = (queries, hits)
-        return self.ratio
+def computed(engine: EngineSample) -> float | None:
+    """Prompt tokens the engine really computed: vllm:prompt_tokens_total counts whole prompts,
+    the part found in its prefix cache (vllm:prefix_cache_hits_total) included. The ledger books
+    only the uncached part as pending prefill, so the rate that drains it must count the same:
+    a rate with the hits in it drained the ledger faster than the node (conversations mix:
+    realtime TTFT p50 5 s with every node inside its prefill budget)."""
+    if engine.prompt_tokens is None:
+        return None
+    return engine.prompt_tokens - (engine.prefix_hits or 0.0)
 
 
 class NodeProbe:
@@ -177,9 +103,12 @@ class NodeProbe:
         self.prefill = PrefillRate()
         self.tpot = Tpot()
         self.prefix = PrefixHits()
+        self.booking = Booking()
         self._warned: set[str] = set()
 
-    async def sample(self, policy: Policy) -> NodeState:
+    async def sample(self, policy: Policy, booked: float | None = None) -> NodeState:
+        """`booked`: the prefill tokens the node's ledger has booked in all (its `pb` counter;
+        None: not known)."""
         node = self.node
         self.seq += 1
         wanted = node.memory_source
@@ -218,7 +147,7 @@ class NodeProbe:
             memory=round(fraction, 5),
             per_token=per_token,
             base_memory=round(max(0.0, fraction - kv_in_use), 5),
-            prefill_rate=round(self.prefill.update(time.monotonic(), computed(engine)), 1),
+            prefill_rate=round(self._prefill_rate(engine, booked), 1),
             tpot_s=round(
                 self.tpot.update(time.monotonic(), engine.generation_tokens, engine.running), 5
             ),
@@ -232,21 +161,16 @@ class NodeProbe:
             gpu_total_bytes=gpu.total_bytes if gpu else None,
         )
 
+    def _prefill_rate(self, engine: EngineSample, booked: float | None) -> float:
+        """The rate at which the node clears the prefill its ledger books (rates.Booking)."""
+        now, done = time.monotonic(), computed(engine)
+        factor = self.booking.update(now, booked, done, engine.waiting)
+        return self.prefill.update(now, done) * factor
+
     def _warn_once(self, msg: str) -> None:
         if msg not in self._warned:
             self._warned.add(msg)
             log.warning(msg)
-
-
-def computed(engine: EngineSample) -> float | None:
-    """Prompt tokens the engine really computed: vllm:prompt_tokens_total counts whole prompts,
-    the part found in its prefix cache (vllm:prefix_cache_hits_total) included. The ledger books
-    only the uncached part as pending prefill, so the rate that drains it must count the same:
-    a rate with the hits in it drained the ledger faster than the node (conversations mix:
-    realtime TTFT p50 5 s with every node inside its prefill budget)."""
-    if engine.prompt_tokens is None:
-        return None
-    return engine.prompt_tokens - (engine.prefix_hits or 0.0)
 
 
 class Agent:
@@ -281,12 +205,28 @@ class Agent:
         nodes = [
             n for n in self.policy.nodes.values() if not self.node_ids or n.id in self.node_ids
         ]
-        states = await asyncio.gather(*(self._probe(n, session).sample(self.policy) for n in nodes))
+        booked = await self._booked(nodes)
+        states = await asyncio.gather(
+            *(self._probe(n, session).sample(self.policy, booked.get(n.id)) for n in nodes)
+        )
         pipe = self.redis.pipeline(transaction=False)
         stale_s = self.policy.watermarks.stale_after_s
         self.publisher.publish(pipe, list(states), time.monotonic(), stale_s)
         await pipe.execute()
         return list(states)
+
+    async def _booked(self, nodes: list[Node]) -> dict[str, float]:
+        """Each node's ledger counter of prefill booked (lease.lua's `pb`); {} if Redis does not
+        answer (the rates then keep their last factor)."""
+        pipe = self.redis.pipeline(transaction=False)
+        for n in nodes:
+            pipe.hget(keys.node_ledger(n.id), "pb")
+        try:
+            got = await pipe.execute()
+        except (RedisError, OSError) as exc:
+            log.debug("ledger counters unread: %s", exc)
+            return {}
+        return {n.id: float(v) if v is not None else 0.0 for n, v in zip(nodes, got, strict=True)}
 
     async def run(self, stop: asyncio.Event) -> None:
         async with aiohttp.ClientSession() as session:

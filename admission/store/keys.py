@@ -41,7 +41,8 @@ def node_ledger(node: str) -> str:
     """What a node will hold: hash {p: pending prefill tokens, t: µs, kv: reserved KV tokens,
     u: the urgent class's part of kv, r: the urgent reserve as of rt (µs), k:<ticket>: one
     lease's KV tokens, negative for an urgent lease, s: the part of kv that is shared prefix
-    blocks held, h:<hash>: a block's reference count, b:<ticket>: a lease's blocks}
+    blocks held, h:<hash>: a block's reference count, b:<ticket>: a lease's blocks, pb:
+    prefill booked in all (a counter, read by the agent)}
     (lease.lua, unlease.lua)."""
     return f"{PREFIX}:{{n:{node}}}:ledger"
 

@@ -34,7 +34,8 @@
 --   kv = KV tokens reserved by live leases, u = the urgent class's share of kv,
 --   r = the urgent reserve (its recent peak: u, or u + what waits, halving every RESERVE_HALF_US
 --   since rt), k:<ticket> = this lease's KV tokens (negative: an urgent lease), s = the part of
---   kv that is shared prefix blocks held (booked once, whoever holds them).
+--   kv that is shared prefix blocks held (booked once, whoever holds them), pb = pending
+--   prefill booked in all (a counter the agent reads).
 -- The reserve keeps room for what realtime has recently needed on this node, however small the
 -- band between the watermarks is in requests (a tiny KV pool): lower classes stay below
 -- drain − reserve, so realtime is not held behind work vLLM would have to preempt for it.
@@ -151,6 +152,9 @@ if urgent then
 end
 redis.call('HSET', ledger, 'p', tostring(pending), 't', now, 'kv', kv, 'u', u,
            'r', tostring(reserve), 'rt', now, 'k:' .. ticket, booked, 's', shared)
+-- pb: prefill booked in all, never decremented: the agent compares it with what the engine
+-- computed (admission/nodes/rates.py, Booking), to drain p at the rate the node clears it.
+if prompt > 0 then redis.call('HINCRBY', ledger, 'pb', math.floor(prompt)) end
 local ttl_ms = math.ceil(tonumber(ARGV[2]) / 1000)
 if #blocks > 0 then
   local counts, scores = {}, {}

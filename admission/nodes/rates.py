@@ -1,0 +1,142 @@
+"""What the agent learns from an engine's counters between samples: its prefill rate, the time
+per output token its running requests see, its prefix-cache hit ratio, and how the prefill the
+ledger books compares with what the engine really computes. Pure: fed counter totals."""
+
+from __future__ import annotations
+
+
+class PrefillRate:
+    """The prompt tokens per second a node clears at full load, from vllm:prompt_tokens_total.
+
+    A sample only shows what the node was *given*, so the estimate is the peak seen, decaying
+    by `DECAY` per sample so that it follows a node that got slower. It is self-probing: the
+    dispatcher always lets a request onto a node whose pending prefill has drained, so a node
+    gets a full-speed sample as soon as it has work. Samples shorter than `MIN_DT_S` are noise.
+    """
+
+    DECAY = 0.998  # per sample (0.2 s): halves in ~70 s without a new peak
+    MIN_DT_S = 0.15
+
+    def __init__(self) -> None:
+        self.rate = 0.0
+        self._last: tuple[float, float] | None = None  # (time, prompt tokens total)
+
+    def update(self, now: float, total: float | None) -> float:
+        if total is None:
+            return self.rate
+        if self._last is not None:
+            t0, c0 = self._last
+            dt = now - t0
+            if dt < self.MIN_DT_S:
+                return self.rate
+            seen = max(0.0, total - c0) / dt
+            self.rate = max(seen, self.rate * self.DECAY)
+        self._last = (now, total)
+        return self.rate
+
+
+class Tpot:
+    """Seconds per output token that the node's running requests see now: running requests ÷
+    output tokens per second (each running request gets one token per engine step), smoothed.
+    Read from counters every sample, so it follows load within a second — unlike vLLM's
+    per-request latency histograms, observed only when a request ends."""
+
+    ALPHA = 0.5
+
+    def __init__(self) -> None:
+        self.tpot_s = 0.0
+        self._last: tuple[float, float] | None = None
+
+    def update(self, now: float, generated: float | None, running: int) -> float:
+        if generated is None:
+            return self.tpot_s
+        if self._last is not None:
+            t0, g0 = self._last
+            dt = now - t0
+            if dt < PrefillRate.MIN_DT_S:
+                return self.tpot_s
+            rate = max(0.0, generated - g0) / dt
+            seen = running / rate if rate > 0 and running > 0 else 0.0
+            self.tpot_s = (
+                seen if self.tpot_s == 0 else (self.ALPHA * seen + (1 - self.ALPHA) * self.tpot_s)
+            )
+        self._last = (now, generated)
+        return self.tpot_s
+
+
+class PrefixHits:
+    """The share of prompt tokens the engine found in its prefix cache lately (None: the
+    engine does not report it, or has looked nothing up yet), smoothed over samples. High on a
+    node whose prompts share prefixes: its KV in use is then well below what the ledger books
+    (each request's whole prompt), which is why `booked` can hold a node at lower measured
+    memory."""
+
+    ALPHA = 0.2
+
+    def __init__(self) -> None:
+        self.ratio: float | None = None
+        self._last: tuple[float, float] | None = None
+
+    def update(self, queries: float | None, hits: float | None) -> float | None:
+        if queries is None or hits is None:
+            return self.ratio
+        if self._last is not None:
+            dq, dh = queries - self._last[0], hits - self._last[1]
+            if dq > 0:
+                seen = min(1.0, max(0.0, dh / dq))
+                self.ratio = (
+                    seen
+                    if self.ratio is None
+                    else (self.ALPHA * seen + (1 - self.ALPHA) * self.ratio)
+                )
+        self._last = (queries, hits)
+        return self.ratio
+
+
+class Booking:
+    """Prefill the ledger booked per prompt token the engine computed, lately: the factor that
+    turns the engine's computed-token rate into the rate at which the ledger's pending prefill
+    clears. The ledger books a request's prompt less what the prefix index expects its node
+    to hold; the engine computes its prompt less what it really found cached. Where the two
+    differ — prompts shorter than a prefix block that the engine still finds cached (vLLM's
+    blocks are 16 tokens; a chat template's head), or an index that expects more than the
+    engine kept — pending prefill drained at the computed rate drifts from the node: on 145
+    identical short prompts in flight the ledger held 292,603 tokens "pending" (85 s at its
+    rate) on a node with nothing waiting. So the published rate is the computed one times
+    booked ÷ computed over the last `HALF_S`-ish seconds.
+
+    Faster than computed only while the engine has nothing waiting: during a burst the
+    bookings run ahead of the engine because it has a backlog, not because the ledger
+    miscounts (`waiting` > 0 caps the factor at 1). 1 until `MIN_TOKENS` were booked."""
+
+    HALF_S = 20.0
+    MIN_TOKENS = 2_000.0
+    MAX = 16.0
+
+    def __init__(self) -> None:
+        self.factor = 1.0
+        self._booked = 0.0  # decayed sums since the first sample
+        self._computed = 0.0
+        self._last: tuple[float, float, float] | None = None  # (time, booked, computed totals)
+
+    def update(
+        self, now: float, booked: float | None, computed: float | None, waiting: int
+    ) -> float:
+        if booked is None or computed is None:
+            return self.factor
+        if self._last is not None:
+            t0, b0, c0 = self._last
+            if computed < c0:  # the engine restarted: its counters with it
+                self._booked = self._computed = 0.0
+            else:
+                decay = 0.5 ** (max(0.0, now - t0) / self.HALF_S)
+                # A ledger gone (expired when idle past the lease TTL) counts again from 0.
+                self._booked = self._booked * decay + (booked - b0 if booked >= b0 else booked)
+                self._computed = self._computed * decay + (computed - c0)
+        self._last = (now, booked, computed)
+        if self._booked < self.MIN_TOKENS:
+            self.factor = 1.0
+        else:
+            seen = self._booked / max(self._computed, self._booked / self.MAX)
+            self.factor = max(1 / self.MAX, min(1.0, seen) if waiting > 0 else seen)
+        return self.factor
