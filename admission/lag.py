@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any
+from typing import Any, Literal
 
 from admission.errors import BackendUnavailable
 
@@ -26,6 +26,7 @@ PROBE_S = 0.02
 LATE_S = 0.05  # a loop this late makes a timed-out Redis call the sidecar's overload (a
 # third of the default 150 ms command timeout: a reply can wait behind loop turns that long)
 WINDOW_S = 1.0  # lateness is the worst seen over about this long
+RETRY_S = 0.01  # a round trip our late loop timed out: asked again after this
 LOG_EVERY_S = 10.0
 
 
@@ -64,19 +65,38 @@ class LoopLag:
     def overloaded(self) -> bool:
         return self.late_s() >= LATE_S
 
-    def refusal(self, metrics: Any, op: str) -> BackendUnavailable:
-        """Count and log (once per `LOG_EVERY_S`) a Redis call this lateness timed out; the
-        refusal to answer with. Nothing switches to the failure mode."""
+    def timed_out(self, metrics: Any, op: str) -> None:
+        """Count and log (once per `LOG_EVERY_S`) a Redis call this lateness timed out. Nothing
+        switches to the failure mode."""
         metrics.overloaded.labels(op).inc()
         now = time.monotonic()
         if now - self._logged_at >= LOG_EVERY_S:
             self._logged_at = now
             log.warning(
-                "sidecar overloaded (event loop %.0f ms late) during %s: refused with "
-                "sidecar_overloaded; tenant limits stay enforced in Redis (no failure mode)",
+                "sidecar overloaded (event loop %.0f ms late) during %s: asked again in line, "
+                "then refused sidecar_overloaded; tenant limits stay enforced in Redis "
+                "(no failure mode)",
                 self.late_s(now) * 1000,
                 op,
             )
+
+    async def after_timeout(
+        self, metrics: Any, op: str, until: float, now: float
+    ) -> Literal["outage", "again", "refuse"]:
+        """What a Redis call that failed calls for: "outage" — the loop was on time, so Redis
+        is away (the caller's failure rule); "again" — our own lateness timed it out and
+        `until` is ahead: ask it again, after `RETRY_S` (acquire.lua is idempotent per request,
+        lease.lua per ticket); "refuse" — late past `until`: answer `refusal()`."""
+        if not self.overloaded():
+            return "outage"
+        self.timed_out(metrics, op)
+        if now < until:
+            await asyncio.sleep(RETRY_S)
+            return "again"
+        return "refuse"
+
+    @staticmethod
+    def refusal() -> BackendUnavailable:
         return BackendUnavailable(
             "sidecar overloaded: retry shortly", code="sidecar_overloaded", retry_after=1
         )

@@ -3,6 +3,7 @@ waits, redis-server, stopping a process group."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -11,7 +12,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 _GIVEN: set[int] = set()  # ports this process handed out already
@@ -55,6 +56,37 @@ def sidecar_command(policy: str, unix: str, level: str = "warning") -> list[str]
     """`admission serve` on a unix socket, as benchmarks and tests start it (this interpreter)."""
     serve = ["serve", "--policy", policy, "--unix", unix]
     return [sys.executable, "-m", "admission.cli", "--log-level", level, *serve]
+
+
+@contextlib.contextmanager
+def sidecars(policy: Path, socks: list[str], log_dir: Path) -> Iterator[list[Path]]:
+    """Start one `admission serve` per unix socket (logs in `log_dir`, which must not be the
+    policy's directory: its watcher would see them), wait until every socket is up, yield the
+    log paths; stop them all on the way out. A sidecar that exits while starting fails with its
+    log's tail."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    procs: list[subprocess.Popen[bytes]] = []
+    paths = [log_dir / f"sidecar-{k}.log" for k in range(len(socks))]
+    try:
+        for sock, path in zip(socks, paths, strict=True):
+            with path.open("w") as log:  # the child keeps its own descriptor
+                procs.append(
+                    subprocess.Popen(
+                        sidecar_command(str(policy), sock), stderr=log, start_new_session=True
+                    )
+                )
+        for sock, proc, path in zip(socks, procs, paths, strict=True):
+
+            def up(s: str = sock, p: subprocess.Popen[bytes] = proc) -> bool:
+                return os.path.exists(s) or p.poll() is not None
+
+            wait_for(up, 60, "sidecar")
+            if proc.poll() is not None:
+                raise RuntimeError(f"sidecar on {sock} exited: {path.read_text()[-2000:]}")
+        yield paths
+    finally:
+        for proc in procs:
+            stop_process(proc)
 
 
 def http_ok(url: str) -> bool:

@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import os
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 
-from devstack.procs import RedisServer, sidecar_command, stop_process, wait_for
+from devstack.procs import RedisServer, sidecars
 from loadtest.bench_scale import Agents
 
 WEIGHTS = {"t5": 5, "t3": 3, "t1": 1}
@@ -87,32 +85,21 @@ def test_weights_hold_across_sidecars(
     policy.write_text(POLICY.format(url=redis_server.url, tenants=tenants, nodes=nodes))
     agents = Agents(redis_server.url, NODES)
     agents.start()
-    (tmp_path / "logs").mkdir()
     socks = {t: str(tmp_path / f"{t}.sock") for t in WEIGHTS}
-    procs, logs = [], []
     try:
-        for t, sock in socks.items():
-            log = (tmp_path / "logs" / f"{t}.log").open("w")
-            logs.append(log)
-            procs.append(
-                subprocess.Popen(
-                    sidecar_command(str(policy), sock), stderr=log, start_new_session=True
+        with sidecars(policy, list(socks.values()), tmp_path / "logs"):
+            time.sleep(1.0)
+            served: list[tuple[float, str]] = []
+
+            async def run() -> float:
+                start = time.monotonic()
+                stop_at = start + SECONDS
+                await asyncio.gather(
+                    *(tenant_load(sock, t, stop_at, served) for t, sock in socks.items())
                 )
-            )
-        for sock in socks.values():
-            wait_for(lambda s=sock: os.path.exists(s), 30, "sidecar")
-        time.sleep(1.0)
-        served: list[tuple[float, str]] = []
+                return start
 
-        async def run() -> float:
-            start = time.monotonic()
-            stop_at = start + SECONDS
-            await asyncio.gather(
-                *(tenant_load(sock, t, stop_at, served) for t, sock in socks.items())
-            )
-            return start
-
-        start = asyncio.run(run())
+            start = asyncio.run(run())
         window = [t for at, t in served if start + WARMUP_S <= at <= start + SECONDS]
         counts = collections.Counter(window)
         total = sum(counts.values())
@@ -125,7 +112,3 @@ def test_weights_hold_across_sidecars(
     finally:
         agents.stop.set()
         agents.join(5)
-        for p in procs:
-            stop_process(p)
-        for log in logs:
-            log.close()

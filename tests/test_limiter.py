@@ -96,7 +96,7 @@ async def test_fractional_refill_is_exact(redis: Any, redis_server: RedisServer)
     assert ei.value.retry_after == pytest.approx(0.6, abs=0.01)  # 1 token at 1.667/s
     assert (await take(lim, t, "c", 50, 60))[0] == "redis"
     level = int(await redis.hget(keys.tenant_keys("t1", "x")[1], "l"))
-    assert 0 <= level < 0.01 * U  # only the few µs between calls refilled
+    assert 0 <= level < 0.05 * U  # only the ms between calls refilled (30 ms: a busy machine)
     await client.aclose()
 
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import pytest
 import redis
 
 from admission.store import keys
-from devstack.procs import sidecar_command, stop_process, wait_for
+from devstack.procs import sidecars
 from loadtest.bench_scale import Agents
 from tests.test_cluster import cluster  # noqa: F401  (the fixture)
 
@@ -153,54 +152,34 @@ def test_eight_sidecars_two_edges_cluster_512_nodes(
     agents = Agents(cluster, NODES, cluster=True)
     agents.start()
     socks = [str(tmp_path / f"s{k}.sock") for k in range(SIDECARS)]
-    procs = []
-    logs = []
     try:
         time.sleep(0.5)  # the first states are in
-        for k, sock in enumerate(socks):
-            (tmp_path / "logs").mkdir(exist_ok=True)  # not beside the policy: its watcher
-            log = (tmp_path / "logs" / f"s{k}.log").open("w")
-            logs.append(log)
-            procs.append(
-                subprocess.Popen(
-                    sidecar_command(str(policy), sock),
-                    stderr=log,
-                    start_new_session=True,
-                )
-            )
-        for sock, proc in zip(socks, procs, strict=True):
-            wait_for(lambda s=sock, p=proc: os.path.exists(s) or p.poll() is not None, 60)
-            assert proc.poll() is None, Path(logs[0].name).read_text()[-2000:]
-        time.sleep(1.0)
-        run = Run(socks)
-        sent_s, loaded_s, converged_s = asyncio.run(run.drive(agents))
+        with sidecars(policy, socks, tmp_path / "logs") as logs:
+            time.sleep(1.0)
+            run = Run(socks)
+            sent_s, loaded_s, converged_s = asyncio.run(run.drive(agents))
 
-        total = sum(run.answers.values())
-        print(
-            f"asks {total} in {sent_s:.1f} s: {dict(run.answers)}; a drain seen by all in "
-            f"{loaded_s * 1000:.0f} ms under the load, {converged_s * 1000:.0f} ms after it; "
-            f"busiest node held {max(run.worst.values())}"
-        )
-        assert total == RATE * SECONDS
-        assert run.answers["admitted"] >= 0.5 * total  # the cluster did take the load
-        assert max(run.worst.values()) <= CAP, run.worst.most_common(3)
-        assert run.answers["429 requests_per_s"] > 0  # t3's limit bound ...
-        assert run.admitted["t3"] <= LIMITED_RPS * (sent_s + HOLD_S + 1) + LIMITED_BURST  # ... held
-        assert converged_s <= CONVERGE_S and loaded_s <= LOADED_CONVERGE_S
-        # Nothing left booked: every lease released, every ledger back to zero.
-        r = redis.RedisCluster.from_url(cluster)
-        left = [n for n in range(NODES) if r.zcard(keys.node_leases(f"n{n}"))]
-        kv = [n for n in range(NODES) if int(r.hget(keys.node_ledger(f"n{n}"), "kv") or 0)]
-        r.close()
-        assert not left and not kv, (left[:5], kv[:5])
-        for log in logs:
-            log.flush()
-        text = "".join(Path(log.name).read_text() for log in logs)
-        assert "failure mode open" not in text and "Traceback" not in text, text[-3000:]
+            total = sum(run.answers.values())
+            print(
+                f"asks {total} in {sent_s:.1f} s: {dict(run.answers)}; a drain seen by all in "
+                f"{loaded_s * 1000:.0f} ms under the load, {converged_s * 1000:.0f} ms after it; "
+                f"busiest node held {max(run.worst.values())}"
+            )
+            assert total == RATE * SECONDS
+            assert run.answers["admitted"] >= 0.5 * total  # the cluster did take the load
+            assert max(run.worst.values()) <= CAP, run.worst.most_common(3)
+            assert run.answers["429 requests_per_s"] > 0  # t3's limit bound ...
+            bound = LIMITED_RPS * (sent_s + HOLD_S + 1) + LIMITED_BURST
+            assert run.admitted["t3"] <= bound  # ... held
+            assert converged_s <= CONVERGE_S and loaded_s <= LOADED_CONVERGE_S
+            # Nothing left booked: every lease released, every ledger back to zero.
+            r = redis.RedisCluster.from_url(cluster)
+            left = [n for n in range(NODES) if r.zcard(keys.node_leases(f"n{n}"))]
+            kv = [n for n in range(NODES) if int(r.hget(keys.node_ledger(f"n{n}"), "kv") or 0)]
+            r.close()
+            assert not left and not kv, (left[:5], kv[:5])
+            text = "".join(log.read_text() for log in logs)
+            assert "failure mode open" not in text and "Traceback" not in text, text[-3000:]
     finally:
         agents.stop.set()
         agents.join(5)
-        for proc in procs:
-            stop_process(proc)
-        for log in logs:
-            log.close()

@@ -12,7 +12,6 @@ caller, who gets its result back and decides.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -31,7 +30,6 @@ from admission.store import REDIS_DOWN, Call, PoolBusy, Store, keys
 log = logging.getLogger(__name__)
 
 RETRY_AFTER_FAILURE_S = 1.0
-LATE_RETRY_S = 0.01  # a round trip our late loop timed out: asked again after this
 BUSY_WAIT_S = 15.0  # how long an admission waits in line for a pooled Redis connection
 ROOM_FRESH_S = 1.0  # a tenant's figures from Redis older than this never let a request ahead
 
@@ -136,7 +134,7 @@ class Limiter:
     async def acquire(
         self,
         tenant: Tenant,
-        ticket: str,
+        rid: str,
         tokens: int,
         lease_ttl_s: float,
         also: Call | None = None,
@@ -157,21 +155,21 @@ class Limiter:
                 *head,
                 b"%d" % (tokens * U),
                 *tail,
-                ticket,
+                rid,
                 b"%d" % tokens,
                 b"1" if force else b"0",
             ]
 
-            calls = [Call("acquire", keys.tenant_keys(tenant.id, ticket), args)]
+            calls = [Call("acquire", keys.tenant_keys(tenant.id, rid), args)]
             if also is not None:
                 calls.append(also)
 
             # If the caller leaves (cancelled) while this is out, it ran anyway: give it back.
             def orphan() -> tuple[Call, ...]:
                 undo = (give_back(),) if give_back is not None else ()
-                return (self.settle_call(tenant, ticket, 0), *undo)
+                return (self.settle_call(tenant, rid, 0), *undo)
 
-            out = await self._run_waiting(calls, tenant, ticket, orphan)
+            out = await self._run_waiting(calls, tenant, rid, orphan)
             if isinstance(out, AdmissionError):
                 return Acquired("redis", None, out)
             if out is not None:
@@ -189,12 +187,12 @@ class Limiter:
                     return Acquired("redis", extra, over=_s(res[5]))
                 self._room.pop(tenant.id, None)
                 return Acquired("redis", extra, _denial(_s(res[1]), res, tokens))
-        return self._acquire_local(tenant, ticket, tokens, lease_ttl_s)
+        return self._acquire_local(tenant, rid, tokens, lease_ttl_s)
 
     def acquire_forced(
         self,
         tenant: Tenant,
-        ticket: str,
+        rid: str,
         tokens: int,
         lease_ttl_s: float,
         also: Call | None = None,
@@ -210,7 +208,7 @@ class Limiter:
         async def forced() -> Acquired:
             try:
                 return await self.acquire(
-                    tenant, ticket, tokens, lease_ttl_s, also, scale, give_back, force=True
+                    tenant, rid, tokens, lease_ttl_s, also, scale, give_back, force=True
                 )
             finally:
                 n, tok = self._ahead.pop(tenant.id, (1, tokens))
@@ -220,7 +218,7 @@ class Limiter:
         return forced()
 
     async def _run_waiting(
-        self, calls: list[Call], tenant: Tenant, ticket: str, orphan: store.Orphan = None
+        self, calls: list[Call], tenant: Tenant, rid: str, orphan: store.Orphan = None
     ) -> list[Any] | AdmissionError | None:
         """Run the acquire round trip. Every pooled connection in use is this process's
         overload, not an outage: nothing was sent, so nothing to give back; wait in line for a
@@ -237,30 +235,27 @@ class Limiter:
                         "admission busy: retry shortly", code="admission_busy", retry_after=1
                     )
             except REDIS_DOWN as exc:
-                if self.lag.overloaded():
-                    # Our own lateness timed it out: ask again (acquire.lua is idempotent per
-                    # request, lease.lua per ticket), in line, as for a busy pool; past the wait,
-                    # refused — never the failure mode.
-                    self.metrics.overloaded.labels("acquire").inc()
-                    if self.clock() < busy_until:
-                        await asyncio.sleep(LATE_RETRY_S)
-                        continue
-                    self.backlog.add(self.settle_call(tenant, ticket, 0))
-                    return self.lag.refusal(self.metrics, "acquire")
+                late = await self.lag.after_timeout(
+                    self.metrics, "acquire", busy_until, self.clock()
+                )
+                if late == "again":  # in line, as for a busy pool: never the failure mode
+                    continue
                 # It may have run anyway: give back whatever it reserved (a request admitted
                 # locally then is free of charge in Redis; its release is a no-op).
-                self.backlog.add(self.settle_call(tenant, ticket, 0))
+                self.backlog.add(self.settle_call(tenant, rid, 0))
+                if late == "refuse":
+                    return self.lag.refusal()
                 self._failed("acquire", exc)
                 return None
 
     async def settle(
-        self, tenant: Tenant | None, ticket: str, actual_tokens: int, also: Call | None = None
+        self, tenant: Tenant | None, rid: str, actual_tokens: int, also: Call | None = None
     ) -> int:
         """Refund (positive) or charge (negative) the difference to the reservation; idempotent.
 
         `also` (the node lease release) rides in the same round trip. With Redis unreachable
         both go to the backlog (0 is returned)."""
-        return (await self.settle_many([(tenant, ticket, actual_tokens, also, False)]))[0]
+        return (await self.settle_many([(tenant, rid, actual_tokens, also, False)]))[0]
 
     async def settle_many(
         self, items: list[tuple[Tenant | None, str, int, Call | None, bool]]
@@ -271,11 +266,11 @@ class Limiter:
         booked)."""
         calls: list[Call] = []
         slots: list[int] = []  # per item: index of its settle result, or -1
-        for tenant, ticket, actual, also, released in items:
-            self._local.release(ticket)
+        for tenant, rid, actual, also, released in items:
+            self._local.release(rid)
             slots.append(len(calls) if tenant is not None else -1)
             if tenant is not None:
-                calls.append(self.settle_call(tenant, ticket, actual, released))
+                calls.append(self.settle_call(tenant, rid, actual, released))
             if also is not None:
                 calls.append(also)
         if not calls:
@@ -309,14 +304,12 @@ class Limiter:
         return deltas
 
     @staticmethod
-    def settle_call(
-        tenant: Tenant, ticket: str, actual_tokens: int, released: bool = False
-    ) -> Call:
-        k = keys.tenant_keys(tenant.id, ticket)
+    def settle_call(tenant: Tenant, rid: str, actual_tokens: int, released: bool = False) -> Call:
+        k = keys.tenant_keys(tenant.id, rid)
         return Call(
             "settle",
             [k[1], k[3], k[4]],
-            [*settle_args(tenant.limits), actual_tokens, ticket, b"1" if released else b"0"],
+            [*settle_args(tenant.limits), actual_tokens, rid, b"1" if released else b"0"],
         )
 
     def _failed(self, op: str, exc: BaseException) -> None:
@@ -340,7 +333,7 @@ class Limiter:
             self._local.active = False
         self.metrics.redis_fallback.set(0)
 
-    def _acquire_local(self, tenant: Tenant, ticket: str, tokens: int, ttl_s: float) -> Acquired:
+    def _acquire_local(self, tenant: Tenant, rid: str, tokens: int, ttl_s: float) -> Acquired:
         settings = self.policy().redis
         if settings.failure_mode == FailureMode.CLOSED:
             return Acquired(
@@ -351,7 +344,7 @@ class Limiter:
             )
         try:
             self._local.acquire(
-                tenant.id, tenant.limits, tokens, settings.fail_open_fraction, ticket, ttl_s
+                tenant.id, tenant.limits, tokens, settings.fail_open_fraction, rid, ttl_s
             )
         except (Throttled, RequestTooLarge) as exc:
             return Acquired("local", denied=exc)

@@ -49,10 +49,10 @@ class LocalLimits:
         self.active = False
         self._b: dict[tuple[str, str], LocalBucket] = {}
         self._recent: dict[str, deque[float]] = {}  # admission times, for the burst guard
-        # tenant → {ticket: expiry}: the tickets admitted locally. A release may reach another
+        # tenant → {rid: expiry}: the requests admitted locally. A release may reach another
         # sidecar; the expiry (the lease TTL, as in Redis) bounds how long a slot stays taken.
         self._inflight: dict[str, dict[str, float]] = {}
-        self._owner: dict[str, str] = {}  # ticket → tenant
+        self._owner: dict[str, str] = {}  # rid → tenant
         self._swept: dict[str, float] = {}  # tenant → when its expired slots were last freed
 
     def acquire(
@@ -61,11 +61,11 @@ class LocalLimits:
         lim: Limits,
         tokens: int,
         fraction: float,
-        ticket: str = "",
+        rid: str = "",
         ttl_s: float = 600.0,
     ) -> None:
         """Debit one request and `tokens`, all-or-nothing; raise Throttled / RequestTooLarge.
-        A ticket admitted here holds a local concurrency slot until `release(ticket)`."""
+        A request admitted here holds a local concurrency slot until `release(rid)`."""
         self.active = True
         if tokens > lim.token_burst:
             raise RequestTooLarge("tokens_per_min", tokens, lim.token_burst)
@@ -96,15 +96,15 @@ class LocalLimits:
         tk.level -= tokens
         if lim.burst_max > 0:
             recent.append(now)
-        if ticket:
-            inflight[ticket] = now + ttl_s
-            self._owner[ticket] = tenant
+        if rid:
+            inflight[rid] = now + ttl_s
+            self._owner[rid] = tenant
 
-    def release(self, ticket: str) -> None:
-        """Free the local concurrency slot of `ticket` (no-op for tickets admitted in Redis)."""
-        tenant = self._owner.pop(ticket, None)
+    def release(self, rid: str) -> None:
+        """Free the local concurrency slot of `rid` (no-op for requests admitted in Redis)."""
+        tenant = self._owner.pop(rid, None)
         if tenant is not None:
-            self._inflight[tenant].pop(ticket, None)
+            self._inflight[tenant].pop(rid, None)
 
     def _bucket(self, tenant: str, kind: str, cap: float, rate: float) -> LocalBucket:
         b = self._b.get((tenant, kind))

@@ -227,7 +227,7 @@ class NodeTable:
             # Timed out by our own lateness, or every pooled connection in use: our overload,
             # not an outage — keep the views.
             if self.lag.overloaded() or isinstance(exc, PoolBusy):
-                self.lag.refusal(self.metrics, "refresh")
+                self.lag.timed_out(self.metrics, "refresh")
                 return
             self._refresh_failed()
             return

@@ -39,7 +39,6 @@ class Admission:
 
 LATE_WAIT_S = 15.0  # a lease our late loop timed out is asked again for this long (as the
 # limiter waits in line for a busy pool), then refused sidecar_overloaded
-LATE_RETRY_S = 0.01
 
 
 class Placer:
@@ -77,13 +76,12 @@ class Placer:
                 return None  # our own pool is full: the item goes back to the head of its lane
             except REDIS_DOWN as exc:
                 self.metrics.redis_errors.labels("lease").inc()
-                if self.lag.overloaded():  # our own lateness timed it out: not an outage
-                    self.metrics.overloaded.labels("lease").inc()
-                    if self.clock() < late_until:  # asked again: lease.lua is idempotent per ticket
-                        await asyncio.sleep(LATE_RETRY_S)
-                        continue
+                late = await self.lag.after_timeout(self.metrics, "lease", late_until, self.clock())
+                if late == "again":  # our own lateness timed it out: not an outage
+                    continue
+                if late == "refuse":
                     self.store.backlog.add(leases.give_back(ticket))  # it may have run
-                    raise self.lag.refusal(self.metrics, "lease") from exc
+                    raise self.lag.refusal() from exc
                 if self.policy().redis.failure_mode == FailureMode.CLOSED:
                     self.store.backlog.add(leases.give_back(ticket))  # it may have run
                     raise BackendUnavailable(

@@ -85,15 +85,16 @@ class Shares:
         if p is None or held_s >= HOLD_MAX_S:
             return True
         now = self.wall()
-        others = [  # blocked elsewhere: waiting there long enough that the nodes are full
-            p.served.get(t, 0.0)
-            for t, (at, waited) in p.waiting.items()
-            if t != tenant and t not in mine and now - at < FRESH_S and waited >= BLOCKED_S
-        ]
-        if not others or room > ROOM_PER_OWED * len(others):
+        least, owed = 0.0, 0  # blocked elsewhere: waiting there long enough that nodes are full
+        for t, (at, waited) in p.waiting.items():
+            if t != tenant and t not in mine and now - at < FRESH_S and waited >= BLOCKED_S:
+                served = p.served.get(t, 0.0)
+                least = served if owed == 0 else min(least, served)
+                owed += 1
+        if owed == 0 or room > ROOM_PER_OWED * owed:
             return True
         slack = SLACK_REQUESTS * max(1, cost) / self._weight(tenant)
-        return p.served.get(tenant, 0.0) <= min(others) + slack
+        return p.served.get(tenant, 0.0) <= least + slack
 
     def queue(self, pipe: Any, waiting: dict[tuple[str, str], dict[str, float]], now: float) -> int:
         """Queue on the refresh's pipeline: this sidecar's service since the last refresh, its

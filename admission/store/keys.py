@@ -17,16 +17,16 @@ def _tenant_prefixes(tenant: str) -> tuple[bytes, ...]:
     return tuple(f"{tag}:{k}".encode() for k in ("rq", "tk", "bw", "cc", "res:"))
 
 
-def tenant_keys(tenant: str, ticket: str) -> list[bytes]:
+def tenant_keys(tenant: str, rid: str) -> list[bytes]:
     """The keys of the acquire/settle scripts, in the order the scripts expect them (encoded:
     they are on every admission's path, and all but the reservation are the tenant's own)."""
     rq, tk, bw, cc, res = _tenant_prefixes(tenant)
     return [
         rq,  # request bucket: hash {l: level in micro-requests, t: last refill µs}
         tk,  # LLM-token bucket: same shape, micro-tokens
-        bw,  # burst guard: zset ticket → admit time µs (sliding window)
-        cc,  # concurrency leases: zset ticket → expiry µs
-        res + ticket.encode(),  # reservation: hash {tok: reserved tokens}; TTL = lease TTL
+        bw,  # burst guard: zset rid → admit time µs (sliding window)
+        cc,  # concurrency leases: zset rid → expiry µs
+        res + rid.encode(),  # reservation: hash {tok: reserved tokens}; TTL = lease TTL
     ]
 
 

@@ -4,7 +4,7 @@
 -- ARGV: 1 req_cap_u  2 req_rate_u  3 req_cost_u
 --       4 tok_cap_u  5 tok_rate_u  6 tok_cost_u
 --       7 burst_window_us  8 burst_max (0 = off)
---       9 max_concurrent (0 = off)  10 lease_ttl_us  11 ticket  12 tok_cost (whole tokens)
+--       9 max_concurrent (0 = off)  10 lease_ttl_us  11 rid  12 tok_cost (whole tokens)
 --      13 force: '1' = the sidecar already let this request through (it answered ahead of this
 --         round trip, its last figures showing room): debit it whatever the limits say now
 --         (levels may go below zero: a debt paid back before the next request)
@@ -22,7 +22,7 @@ local now = now_us()
 local req_cap, req_rate, req_cost = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 local tok_cap, tok_rate, tok_cost = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6])
 local window, burst_max = tonumber(ARGV[7]), tonumber(ARGV[8])
-local max_cc, lease_ttl, ticket = tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11]
+local max_cc, lease_ttl, rid = tonumber(ARGV[9]), tonumber(ARGV[10]), ARGV[11]
 
 local force = ARGV[13] == '1'
 local gone = redis.call('HGET', KEYS[5], 'gone')
@@ -47,8 +47,8 @@ end
 if redis.call('EXISTS', KEYS[5]) == 1 then
   local lease_ms = math.ceil(lease_ttl / 1000)
   redis.call('PEXPIRE', KEYS[5], lease_ms)
-  if max_cc > 0 and redis.call('ZSCORE', KEYS[4], ticket) then
-    redis.call('ZADD', KEYS[4], now + lease_ttl, ticket)
+  if max_cc > 0 and redis.call('ZSCORE', KEYS[4], rid) then
+    redis.call('ZADD', KEYS[4], now + lease_ttl, rid)
     redis.call('PEXPIRE', KEYS[4], lease_ms)
   end
   return {1, -1, -1}
@@ -97,13 +97,13 @@ bucket_store(KEYS[2], tk - tok_cost, tok_cap, tok_rate, now)
 local lease_ms = math.ceil(lease_ttl / 1000)
 if burst_max > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now - window)
-  redis.call('ZADD', KEYS[3], now, ticket)
+  redis.call('ZADD', KEYS[3], now, rid)
   redis.call('PEXPIRE', KEYS[3], math.ceil(window / 1000) + 1)
   in_window = in_window + 1
 end
 if max_cc > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', now)
-  redis.call('ZADD', KEYS[4], now + lease_ttl, ticket)
+  redis.call('ZADD', KEYS[4], now + lease_ttl, rid)
   redis.call('PEXPIRE', KEYS[4], lease_ms)
   running = running + 1
 end

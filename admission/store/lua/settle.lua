@@ -1,14 +1,14 @@
--- settle.lua: settle a reservation against actual usage, once per ticket.
+-- settle.lua: settle a reservation against actual usage, once per request id (rid).
 --
 -- KEYS: 1 token bucket, 2 concurrency zset, 3 reservation
 -- ARGV: 1 tok_cap_u  2 tok_rate_u  3 actual tokens (whole; -1 = unknown, keep the charge)
---       4 ticket  5 '1' when this is the request's release (not an undo): finding no
+--       4 rid  5 '1' when this is the request's release (not an undo): finding no
 --         reservation, it leaves {gone = actual} there for GONE_MS, which a forced acquire
 --         still on its way (the request was answered ahead of it) charges instead of reserving
 -- Refunds reserved-but-unused tokens, or debits overage in full (the level may go below zero:
 -- the tenant pays the debt back before its next request; it is not capped, or a tenant could
 -- overrun by any amount and pay for one bucket). Deleting the reservation makes a
--- second settle of the same ticket a no-op; an expired reservation settles nothing, harmlessly.
+-- second settle of the same rid a no-op; an expired reservation settles nothing, harmlessly.
 -- Returns {1, delta_tokens} (positive = refunded) or {0, 0} when there was nothing to settle.
 
 local now = now_us()
