@@ -112,3 +112,46 @@ def test_weights_hold_across_sidecars(
     finally:
         agents.stop.set()
         agents.join(5)
+
+
+class _Pipe:
+    """Records the refresh's commands (shares.queue) the way a Redis pipeline takes them."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return lambda *_a: self.calls.append(name)
+
+
+def test_a_tenant_that_also_asks_here_is_not_held_for() -> None:
+    """Hold back only for tenants whose traffic does not reach this sidecar: one that asks here
+    too is ordered by this sidecar's queue already (support mix, two sidecars, every tenant on
+    both: holding for tenants momentarily waiting only on the other cost realtime 20 points)."""
+    from types import SimpleNamespace
+
+    from admission.scheduling.shares import BLOCKED_S, LOCAL_S, Shares
+
+    now = [1_000.0]
+    sh = Shares(lambda: SimpleNamespace(tenants={}), wall=lambda: now[0])  # type: ignore[arg-type,return-value]
+
+    def redis_says(waiting_elsewhere: str) -> None:
+        pipe = _Pipe()
+        sh.queue(pipe, {("m", "rt"): {"a": now[0]}}, now[0])
+        at_ms = int(now[0] * 1000)
+        reply = {b"s:a": b"50000", b"s:b": b"0", b"s:c": b"0"}
+        reply[f"w:{waiting_elsewhere}".encode()] = f"{at_ms}:{int(BLOCKED_S * 2000)}".encode()
+        replies: list[Any] = [None] * len(pipe.calls)
+        replies[pipe.calls.index("hgetall")] = reply
+        sh.take(replies)
+
+    redis_says("b")  # b waits only on another sidecar, far behind a: a is held back
+    assert not sh.may_take("m", "rt", "a", 1000, 0.0, {"a"}, room=1)
+    sh.served("m", "rt", "b", 1000)  # b asks here too: this queue orders it
+    redis_says("b")
+    assert sh.may_take("m", "rt", "a", 1000, 0.0, {"a"}, room=1)
+    now[0] += LOCAL_S + 0.1  # b not seen here for LOCAL_S: its traffic went elsewhere
+    redis_says("b")
+    assert not sh.may_take("m", "rt", "a", 1000, 0.0, {"a"}, room=1)
+    redis_says("c")  # c never asked here
+    assert not sh.may_take("m", "rt", "a", 1000, 0.0, {"a"}, room=1)

@@ -11,7 +11,9 @@ on the admission path).
 A sidecar holds a request back while a tenant waiting on another sidecar has been served less
 (normalised) than this one's tenant by more than `SLACK_REQUESTS` of its requests: the other
 sidecar takes the next freed slot — only while that tenant is blocked (its oldest request has
-waited `BLOCKED_S`: the nodes are full; with room, nobody is held). Held back at most `HOLD_MAX_S` (a tenant waiting elsewhere
+waited `BLOCKED_S`: the nodes are full; with room, nobody is held). Only for tenants whose traffic does not
+reach this sidecar (none admitted or waiting here for `LOCAL_S`): one that asks here too is
+ordered by this sidecar's own queue already, and holding for it only delays realtime. Held back at most `HOLD_MAX_S` (a tenant waiting elsewhere
 that cannot use the nodes — its own gates — does not idle them). A tenant that starts waiting
 after an idle spell starts at the least service among those waiting (it banks no credit while
 idle), as the queue's own lanes do, and no waiting tenant is owed more than `CREDIT_REQUESTS`
@@ -36,6 +38,9 @@ HOLD_MAX_S = 1.0  # a request is held back for fairness at most this long
 FRESH_S = 0.5  # "waiting" marks older than this are stale (5 refreshes: its sidecar is gone)
 BLOCKED_S = 0.2  # a tenant waiting elsewhere counts once its oldest request waited this long:
 # the nodes are full for it (a request waiting less is only between two dispatcher passes)
+LOCAL_S = 2.0  # a tenant admitted or waiting here this recently is ordered by this sidecar's own
+# queue: not held for (support mix, 2 sidecars, every tenant on both: holding for tenants
+# momentarily waiting only on the other cost realtime 20 points of TTFT attainment)
 
 
 @dataclass
@@ -45,6 +50,7 @@ class _Pair:
     waiting: dict[str, tuple[float, float]] = field(default_factory=dict)
     delta: dict[str, float] = field(default_factory=dict)  # this sidecar's, not yet written
     cost: dict[str, int] = field(default_factory=dict)  # tenant → its last request's cost
+    here: dict[str, float] = field(default_factory=dict)  # tenant → last admitted/waiting here
 
 
 class Shares:
@@ -63,6 +69,7 @@ class Shares:
         p = self._pairs.setdefault((model, cls), _Pair())
         n = max(1, cost) / self._weight(tenant)
         p.cost[tenant] = max(1, cost)
+        p.here[tenant] = self.wall()
         p.delta[tenant] = p.delta.get(tenant, 0.0) + n
         p.served[tenant] = p.served.get(tenant, 0.0) + n
 
@@ -87,7 +94,13 @@ class Shares:
         now = self.wall()
         least, owed = 0.0, 0  # blocked elsewhere: waiting there long enough that nodes are full
         for t, (at, waited) in p.waiting.items():
-            if t != tenant and t not in mine and now - at < FRESH_S and waited >= BLOCKED_S:
+            if (
+                t != tenant
+                and t not in mine
+                and now - at < FRESH_S
+                and waited >= BLOCKED_S
+                and now - p.here.get(t, -LOCAL_S) >= LOCAL_S
+            ):
                 served = p.served.get(t, 0.0)
                 least = served if owed == 0 else min(least, served)
                 owed += 1
@@ -115,6 +128,7 @@ class Shares:
                 n += 1
             p.delta = {}
             for tenant, since in waiting.get((model, cls), {}).items():
+                p.here[tenant] = self.wall()
                 waited_ms = int(max(0.0, now - since) * 1000)
                 pipe.hset(key, f"w:{tenant}", f"{now_ms}:{waited_ms}")
                 n += 1
