@@ -224,3 +224,22 @@ async def test_urgent_reserve_decays_once_realtime_is_gone(redis: Any) -> None:
     batch = leases.Ask(10, 750, kv_limit=900, reserve_limit=1000)
     assert leases.granted((await s.run(leases.take(NODE, ticket(2), 60, batch)))[0])
     assert 190 < float((await fields(redis))["r"]) < 210
+
+
+async def test_a_forced_booking_asked_again_after_its_release_books_nothing(redis: Any) -> None:
+    """A request answered ahead: its forced booking ran but the reply was lost to a late loop,
+    the request ended and was released (on another sidecar), and the booking is asked again —
+    once or more. Each retry must book nothing: before, the first retry booked it again (or
+    the second, the mark being taken by the first) and the lease stayed until its TTL (9–19
+    leases after 1,024–6,000 clients on a loaded machine, tests/test_overload.py)."""
+    s = Scripts(redis)
+    t = leases.make_ticket("f" * 32, "n1", "t", ahead=True)
+    ask = leases.Ask(100, 200)
+    assert leases.granted((await s.run(leases.take(NODE, t, 60, ask, force=True)))[0])
+    await s.run(leases.give_back(t, released=True))
+    for _ in range(2):
+        res = (await s.run(leases.take(NODE, t, 60, ask, force=True)))[0]
+        assert leases.over(res) == "released"
+    assert await redis.zcard(keys.node_leases("n1")) == 0
+    _pending, kv, entries = await ledger(redis)
+    assert kv == 0 and not entries

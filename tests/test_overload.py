@@ -150,7 +150,11 @@ def test_concurrency_never_makes_the_edge_unavailable(edge: Stack, clients: int)
     # Every release reached a sidecar: no node lease is left once traffic stops.
     r = redis.Redis.from_url(edge.redis_url or "")
     try:
-        wait_for(lambda: r.zcard(keys.node_leases("stub")) == 0, 15, "releases delivered")
+        try:
+            wait_for(lambda: r.zcard(keys.node_leases("stub")) == 0, 15, "releases delivered")
+        except TimeoutError:
+            left = r.zrange(keys.node_leases("stub"), 0, -1)
+            raise AssertionError(f"{len(left)} leases left: {left[:4]}") from None
     finally:
         r.close()
     # Both sidecars are still alive and the edge is healthy afterwards.

@@ -126,7 +126,8 @@ end
 local over = ''
 if ARGV[12] == '1' then
   if redis.call('ZSCORE', KEYS[3], ticket) then
-    redis.call('ZREM', KEYS[3], ticket)
+    -- The mark stays until it expires (unlease.lua trims): the same booking asked again (its
+    -- reply timed out by a late loop) must find it too.
     redis.call('HSET', ledger, 'kv', kv, 'u', u, 's', shared)  -- expired leases dropped above
     return {1, n, tostring(pending), kv, 'released', 0}
   end
