@@ -5,10 +5,10 @@ while the loop worked through a backlog — looks like Redis going away. Taken a
 would switch the failure mode on (fail-open: no tenant's limits enforced) exactly when the
 sidecar is busiest. A probe wakes every `PROBE_S` and notes how late it woke; while the loop is
 `LATE_S` late (or the probe has not run for that long), a timed-out call is the sidecar's own
-overload: it is asked again in line (the limiter), or the decision refused with
-`sidecar_overloaded` (503, Retry-After), and nothing switches to the failure mode. New admissions are not shed for lateness alone: a late sidecar
-still queues them (under 6,000 concurrent clients, shedding at 0.5 s late refused 12 % that
-queueing serves, tests/test_overload.py).
+overload: it is asked again in line (`after_timeout`), then the decision refused with
+`sidecar_overloaded` (503, Retry-After); nothing switches to the failure mode. New admissions
+are not shed for lateness alone: a late sidecar still queues them (under 6,000 concurrent
+clients, shedding at 0.5 s late refused 12 % that queueing serves, tests/test_overload.py).
 """
 
 from __future__ import annotations

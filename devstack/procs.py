@@ -4,6 +4,7 @@ waits, redis-server, stopping a process group."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -76,13 +77,10 @@ def sidecars(policy: Path, socks: list[str], log_dir: Path) -> Iterator[list[Pat
                     )
                 )
         for sock, proc, path in zip(socks, procs, paths, strict=True):
-
-            def up(s: str = sock, p: subprocess.Popen[bytes] = proc) -> bool:
-                return os.path.exists(s) or p.poll() is not None
-
-            wait_for(up, 60, "sidecar")
-            if proc.poll() is not None:
-                raise RuntimeError(f"sidecar on {sock} exited: {path.read_text()[-2000:]}")
+            try:
+                wait_for(functools.partial(os.path.exists, sock), 60, "sidecar", proc)
+            except RuntimeError as exc:
+                raise RuntimeError(f"{exc}: {path.read_text()[-2000:]}") from None
         yield paths
     finally:
         for proc in procs:

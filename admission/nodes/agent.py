@@ -17,7 +17,6 @@ from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
-from redis.exceptions import RedisError
 
 from admission.nodes import memory
 from admission.nodes.feed import Publisher
@@ -188,6 +187,7 @@ class Agent:
             log.warning("no NVML on this host: nodes use their device_url or KV usage alone")
         self._probes: dict[str, NodeProbe] = {}
         self.publisher = Publisher()  # the state keys, and what is news on the change feed
+        self._pb: dict[str, float] = {}  # node → its ledger's prefill booked, as of the last tick
 
     def _probe(self, node: Node, session: aiohttp.ClientSession) -> NodeProbe:
         p = self._probes.get(node.id)
@@ -205,28 +205,20 @@ class Agent:
         nodes = [
             n for n in self.policy.nodes.values() if not self.node_ids or n.id in self.node_ids
         ]
-        booked = await self._booked(nodes)
         states = await asyncio.gather(
-            *(self._probe(n, session).sample(self.policy, booked.get(n.id)) for n in nodes)
+            *(self._probe(n, session).sample(self.policy, self._pb.get(n.id)) for n in nodes)
         )
         pipe = self.redis.pipeline(transaction=False)
         stale_s = self.policy.watermarks.stale_after_s
         self.publisher.publish(pipe, list(states), time.monotonic(), stale_s)
-        await pipe.execute()
-        return list(states)
-
-    async def _booked(self, nodes: list[Node]) -> dict[str, float]:
-        """Each node's ledger counter of prefill booked (lease.lua's `pb`); {} if Redis does not
-        answer (the rates then keep their last factor)."""
-        pipe = self.redis.pipeline(transaction=False)
+        # Each ledger's prefill booked (lease.lua's `pb`), for the next sample's rates: read in
+        # the same round trip, a tick late (the estimate spans ~20 s).
         for n in nodes:
             pipe.hget(keys.node_ledger(n.id), "pb")
-        try:
-            got = await pipe.execute()
-        except (RedisError, OSError) as exc:
-            log.debug("ledger counters unread: %s", exc)
-            return {}
-        return {n.id: float(v) if v is not None else 0.0 for n, v in zip(nodes, got, strict=True)}
+        got = await pipe.execute()
+        counts = got[len(got) - len(nodes) :]
+        self._pb = {n.id: float(v or 0) for n, v in zip(nodes, counts, strict=True)}
+        return list(states)
 
     async def run(self, stop: asyncio.Event) -> None:
         async with aiohttp.ClientSession() as session:
