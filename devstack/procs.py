@@ -87,6 +87,18 @@ def sidecars(policy: Path, socks: list[str], log_dir: Path) -> Iterator[list[Pat
             stop_process(proc)
 
 
+def pin_apart() -> str:
+    """Keep engines off the CPU the rest of a benchmark uses: this process (and whatever it
+    starts from now on: NGINX, Redis, sidecars, the load generator) moves to every CPU but the
+    last; returns the last one's number for the engine nodes (NodeSet's `cpus`), or "" on a
+    machine with one CPU."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return ""
+    os.sched_setaffinity(0, set(cpus[:-1]))
+    return str(cpus[-1])
+
+
 def http_ok(url: str) -> bool:
     with urllib.request.urlopen(url, timeout=1) as r:
         return bool(r.status == 200)

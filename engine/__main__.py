@@ -24,6 +24,9 @@ def main() -> None:
         default=True,
         help="as vLLM V1: on unless --no-enable-prefix-caching",
     )
+    p.add_argument(
+        "--tokenizer", default="", help="a tokenizer.json: count prompts as that real node does"
+    )
     a = p.parse_args()
     serve(
         a.port,
@@ -35,6 +38,7 @@ def main() -> None:
         max_queued_tokens=a.max_num_queued_tokens,
         max_queued_reqs=a.max_num_queued_reqs,
         prefix_caching=a.enable_prefix_caching,
+        tokenizer=a.tokenizer,
     )
 
 

@@ -18,11 +18,12 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from engine.emulator import Engine
-from engine.openai_api import MAX_MODEL_LEN, err_body, full_body, prompt_of
+from engine.openai_api import Tokens, err_body, full_body, prompt_of
 from engine.profiles import PROFILES
 from engine.scheduler import Seq, block_hashes
 
 ENGINE = web.AppKey("engine", Engine)
+TOKENS = web.AppKey("tokens", Tokens)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -49,17 +50,17 @@ async def generate(request: web.Request) -> web.StreamResponse:
             content_type="application/json",
         )
     # As vLLM reads them: max_completion_tokens wins on chat; with neither set, a chat request
-    # generates up to the model's length (MAX_MODEL_LEN here), a completion 16 tokens.
+    # generates up to the model's length, a completion 16 tokens.
     max_tokens = (
         (chat and body.get("max_completion_tokens"))
         or body.get("max_tokens")
-        or (MAX_MODEL_LEN if chat else 16)
+        or (engine.profile.max_model_len if chat else 16)
     )
     if not isinstance(max_tokens, int) or max_tokens < 1:
         raise web.HTTPBadRequest(
             text=err_body("max_tokens must be at least 1"), content_type="application/json"
         )
-    prompt, text = prompt_of(body, chat)
+    prompt, text = prompt_of(body, chat, request.app.get(TOKENS))
     seq = Seq(prompt, max_tokens, priority=int(body.get("priority", 0)), arrival=time.monotonic())
     if engine.sched.prefix_caching:
         seq.hashes = block_hashes(text, engine.profile.block_size)
@@ -89,6 +90,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
                 done.set_result(None)
 
         seq.on_token = on_token
+    if engine.profile.request_overhead_s:  # a fitted engine's HTTP path before it can schedule
+        await asyncio.sleep(engine.profile.request_overhead_s)
     try:
         engine.submit(seq)
     except OverflowError:
@@ -171,7 +174,14 @@ async def models(request: web.Request) -> web.Response:
     return web.json_response(
         {
             "object": "list",
-            "data": [{"id": e.model, "object": "model", "owned_by": "vllm", "max_model_len": 8192}],
+            "data": [
+                {
+                    "id": e.model,
+                    "object": "model",
+                    "owned_by": "vllm",
+                    "max_model_len": e.profile.max_model_len,
+                }
+            ],
         }
     )
 
@@ -207,9 +217,12 @@ async def fault(request: web.Request) -> web.Response:
     )
 
 
-def build_app(engine: Engine) -> web.Application:
+def build_app(engine: Engine, tokenizer: str = "") -> web.Application:
+    """`tokenizer`: a real node's tokenizer.json, to count prompts as it does (fitted profiles)."""
     app = web.Application(client_max_size=8 << 20)
     app[ENGINE] = engine
+    if tokenizer:
+        app[TOKENS] = Tokens(tokenizer)
 
     async def loop_ctx(app: web.Application) -> Any:
         task = asyncio.create_task(engine.run(), name="engine-loop")
@@ -244,6 +257,7 @@ def serve(
     max_queued_tokens: int = 0,
     max_queued_reqs: int = 0,
     prefix_caching: bool = True,
+    tokenizer: str = "",
 ) -> None:
     if start_delay_s:
         time.sleep(start_delay_s)  # slow start: the port refuses connections meanwhile, like vLLM
@@ -258,7 +272,7 @@ def serve(
     )
 
     async def main() -> None:
-        app = build_app(Engine(*engine_args))
+        app = build_app(Engine(*engine_args), tokenizer)
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         await web.TCPSite(runner, host, port).start()

@@ -9,15 +9,43 @@ from typing import Any
 from aiohttp import web
 
 
-def prompt_of(body: dict[str, Any], chat: bool) -> tuple[int, str | list[int]]:
-    """Prompt tokens as the emulator counts them (4 characters each, plus 4 per chat message),
-    and what its prefix cache sees (the text, or the token ids)."""
+class Tokens:
+    """Prompts counted as a real node counts them: its tokenizer (a `tokenizer.json`) over the
+    chat template it serves (engine.vllm_node.CHAT_TEMPLATE, rendered here by hand), for a
+    profile fitted to that node. The ids then key the prefix cache, as vLLM's do."""
+
+    def __init__(self, path: str) -> None:
+        from tokenizers import Tokenizer  # with the load extras; only fitted profiles need it
+
+        self._tok = Tokenizer.from_file(path)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def chat(self, msgs: list[Any]) -> list[int]:
+        text = "".join(
+            f"<|{m.get('role', 'user')}|> {m.get('content', '')}\n"
+            for m in msgs
+            if isinstance(m, dict)
+        )
+        return self.encode(text + "<|assistant|> ")
+
+
+def prompt_of(
+    body: dict[str, Any], chat: bool, tokens: Tokens | None = None
+) -> tuple[int, str | list[int]]:
+    """Prompt tokens as the emulator counts them (4 characters each, plus 4 per chat message;
+    or with `tokens`, the real node's tokenizer), and what its prefix cache sees (the text, or
+    the token ids)."""
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs:
             raise web.HTTPBadRequest(
                 text=err_body("messages must be a non-empty list"), content_type="application/json"
             )
+        if tokens is not None:
+            ids = tokens.chat(msgs)
+            return max(1, len(ids)), ids
         text = "".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
         return max(1, len(text) // 4 + 4 * len(msgs)), text
     prompt = body.get("prompt")
@@ -26,11 +54,11 @@ def prompt_of(body: dict[str, Any], chat: bool) -> tuple[int, str | list[int]]:
             text=err_body("prompt must be a string"), content_type="application/json"
         )
     if isinstance(prompt, str):
+        if tokens is not None:
+            ids = tokens.encode(prompt)
+            return max(1, len(ids)), ids
         return max(1, len(prompt) // 4), prompt
     return max(1, len(prompt)), prompt if all(isinstance(t, int) for t in prompt) else ""
-
-
-MAX_MODEL_LEN = 8192
 
 
 def err_body(msg: str, code: int = 400) -> str:

@@ -13,9 +13,12 @@ layers → 320 KiB per token (fp16).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
 
 GiB = 1 << 30
+FITTED = Path(__file__).with_name("fitted")  # profiles written by `loadtest.fit_engine`
 
 
 @dataclass(frozen=True)
@@ -35,6 +38,14 @@ class Profile:
     max_num_batched_tokens: int = 2048
     step_overhead_s: float = 0.002  # scheduler + sampling + launch per step
     context_bytes: int = 600 << 20  # CUDA context and allocator slack, outside vLLM's budget
+    # A profile fitted to a measured engine (loadtest.fit_engine) replaces the roofline by the
+    # fit: step = Σ coefficient × term, terms (1, prefill, prefill², decodes, context tokens).
+    fitted_step_s: tuple[float, ...] = ()
+    request_overhead_s: float = 0.0  # HTTP, tokenizing, engine IPC before a request can start
+    num_blocks_override: int = 0  # a KV pool set by block count (--num-gpu-blocks-override)
+    max_model_len: int = 8192
+    tokenizer: str = ""  # "tiny-llama": count and hash prompts with the real node's tokenizer
+    device: bool = True  # False: a CPU engine, no device memory (memory source "kv")
 
     @property
     def kv_pool_bytes(self) -> int:
@@ -46,6 +57,8 @@ class Profile:
 
     @property
     def num_blocks(self) -> int:
+        if self.num_blocks_override:
+            return self.num_blocks_override
         return self.kv_pool_bytes // (self.kv_bytes_per_token * self.block_size)
 
     @property
@@ -56,7 +69,11 @@ class Profile:
     def step_s(self, prefill_tokens: int, context_tokens: int, decode_tokens: int = 0) -> float:
         """Seconds one engine step takes, roofline style: the step is bound by the slower of
         memory (weights read once + every running sequence's KV) and compute (2 × params
-        FLOPs per prefilled or decoded token), plus a fixed per-step overhead."""
+        FLOPs per prefilled or decoded token), plus a fixed per-step overhead. A fitted profile
+        uses its measured model instead."""
+        if self.fitted_step_s:
+            terms = (1.0, prefill_tokens, prefill_tokens**2, decode_tokens, context_tokens)
+            return max(0.0, sum(c * t for c, t in zip(self.fitted_step_s, terms, strict=False)))
         memory = (
             self.weights_bytes + context_tokens * self.kv_bytes_per_token
         ) / self.hbm_bytes_per_s
@@ -107,3 +124,20 @@ PROFILES = {
         context_bytes=16 << 20,
     ),
 }
+
+
+def load_fitted(path: Path) -> Profile:
+    """A profile `loadtest.fit_engine` wrote (its `profile` object; the fit's evidence beside)."""
+    doc = json.loads(path.read_text())["profile"]
+    known = {f.name for f in fields(Profile)}
+    unknown = sorted(set(doc) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown profile fields {unknown}")
+    if "fitted_step_s" in doc:
+        doc["fitted_step_s"] = tuple(doc["fitted_step_s"])
+    return Profile(**doc)
+
+
+for _path in sorted(FITTED.glob("*.json")) if FITTED.is_dir() else ():
+    _p = load_fitted(_path)
+    PROFILES[_p.name] = _p

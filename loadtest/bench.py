@@ -67,6 +67,7 @@ def run_system(
         scheduling_policy="fcfs" if system in ("fifo", "limit_req") else "priority",
         model_dir=work / "tiny-llama",
         engine_args=valves(a, system),
+        cpus=getattr(a, "node_cpus", ""),  # loadtest.paired pins the nodes apart
     )
     procs: list[subprocess.Popen[bytes]] = []
     stack = None
@@ -110,7 +111,7 @@ def run_system(
                 model,
                 nodes.ports,
                 queue_url,
-                a.engine == "sim",
+                a.engine == "sim" and PROFILES[a.profile].device,  # else KV usage is memory
             )
         )
         if stack is not None:

@@ -18,9 +18,13 @@ from loadtest.workload import MIXED, Kind, Req, schedule
 
 
 def completed_rate(
-    profile: str, rate: float, seconds: float, kinds: tuple[Kind, ...] = MIXED
+    profile: str,
+    rate: float,
+    seconds: float,
+    kinds: tuple[Kind, ...] = MIXED,
+    num_blocks: int | None = None,
 ) -> float:
-    s = Scheduler(PROFILES[profile], policy="fcfs")
+    s = Scheduler(PROFILES[profile], policy="fcfs", num_blocks=num_blocks)
     reqs = schedule(rate, seconds, seed=11, kinds=kinds)
     t, i, done = 0.0, 0, 0
     lo = seconds * 0.3
@@ -64,8 +68,14 @@ def computed_prompt(r: Req, block_size: int) -> int:
     return r.prompt_tokens - min(shared // block_size * block_size, r.prompt_tokens - 1)
 
 
-def capacity(profile: str, seconds: float = 120, kinds: tuple[Kind, ...] = MIXED) -> float:
-    """Requests/s one node sustains for `kinds` (saturating completion rate)."""
+def capacity(
+    profile: str,
+    seconds: float = 120,
+    kinds: tuple[Kind, ...] = MIXED,
+    num_blocks: int | None = None,
+) -> float:
+    """Requests/s one node sustains for `kinds` (saturating completion rate); `num_blocks`:
+    its KV pool when not the profile's (--num-gpu-blocks-override)."""
     best, best_rate = 0.0, 0.0
     rate = 0.25
     saturated = 0
@@ -74,7 +84,7 @@ def capacity(profile: str, seconds: float = 120, kinds: tuple[Kind, ...] = MIXED
         # At least ~500 completions in the measured window: at low rates a short window's
         # Poisson noise looked like saturation (a prefill-heavy mix calibrated at 1/8 of its
         # real capacity).
-        return completed_rate(profile, rate, max(seconds, 700 / rate), kinds)
+        return completed_rate(profile, rate, max(seconds, 700 / rate), kinds, num_blocks)
 
     while rate < 2000 and saturated < 3:
         got = at(rate)

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 from typing import Any
@@ -212,3 +213,63 @@ def test_edge_to_real_vllm_chat_and_stream(vstack: Stack) -> None:
     assert r2.usage is not None and r2.usage.completion_tokens == 3
     nodes = json.load(urllib.request.urlopen(f"{vstack.sidecar_url}/nodes"))["nodes"]
     assert nodes[0]["state"] == "open"
+
+
+def test_the_fitted_emulator_counts_and_caches_prompts_as_the_real_node(
+    vstack: Stack, tmp_path: Any
+) -> None:
+    """engine/fitted/vllm-cpu-tiny.json (loadtest.fit_engine) with the node's tokenizer: the
+    same prompt_tokens and the same cached_tokens (128-token blocks, chained) as the real node,
+    for chat and completions, a repeated prompt and a conversation's next turn."""
+    from engine.vllm_node import build_tiny_model
+
+    tok = build_tiny_model(tmp_path / "tiny-llama") / "tokenizer.json"
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "engine",
+            "--port",
+            str(port),
+            "--profile",
+            "vllm-cpu-tiny",
+            "--tokenizer",
+            str(tok),
+        ],
+        cwd=ROOT,
+        start_new_session=True,
+    )
+    try:
+        wait_for(
+            lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/health").status == 200,
+            30,
+            "fitted emulator",
+        )
+        salt = f"{time.time_ns():x} "  # nothing either cache holds yet
+        system = salt + "you answer tenants' questions about gpu memory and queues. " * 12
+        turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "why?"}]
+        turn2 = [*turn1, {"role": "assistant", "content": "because " * 40}]
+        turn2.append({"role": "user", "content": "and then?"})
+        asks = [
+            ("/v1/chat/completions", {"messages": turn1}),
+            ("/v1/chat/completions", {"messages": turn1}),  # the same again: cached
+            ("/v1/chat/completions", {"messages": turn2}),  # the next turn: its head cached
+            ("/v1/completions", {"prompt": salt + "lorem ipsum dolor " * 90}),
+            ("/v1/completions", {"prompt": salt + "lorem ipsum dolor " * 90}),
+        ]
+        seen = []
+        for path, extra in asks:
+            body = {"model": "tiny-llama", "max_tokens": 2, **extra}
+            real = json.loads(post(vstack.node_ports[0], path, body))["usage"]
+            emu = json.loads(post(port, path, body))["usage"]
+            pair = [
+                (u["prompt_tokens"], u["prompt_tokens_details"]["cached_tokens"])
+                for u in (real, emu)
+            ]
+            assert pair[0] == pair[1], (path, pair)
+            seen.append(pair[0])
+        assert seen[0][1] == 0 and seen[1][1] >= 256 and seen[2][1] >= seen[1][1]
+        assert seen[4][1] > 0
+    finally:
+        stop_process(proc)

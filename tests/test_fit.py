@@ -1,0 +1,132 @@
+"""The emulator fitted to a real engine (loadtest.fit_engine, engine/fitted/): the fit's
+arithmetic, the shipped profile, and the report's verdicts (loadtest.fidelity, loadtest.paired).
+The real node's side is in tests/test_vllm.py."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from engine.profiles import FITTED, PROFILES, Profile, load_fitted
+from engine.scheduler import Scheduler, Seq
+from loadtest.fidelity import order, table
+from loadtest.fit_engine import Sample, fit
+
+
+def _profile(**kw: object) -> Profile:
+    base = dict(PROFILES["tiny"].__dict__)
+    base.update(kw)
+    return Profile(**base)  # type: ignore[arg-type]
+
+
+def test_fit_recovers_a_known_step_model_from_noisy_samples() -> None:
+    truth = (0.0012, 2.5e-5, 4e-9, 1.5e-4, 6e-7, 0.009)
+    rng = random.Random(3)
+    samples = []
+    for _ in range(200):
+        kind = rng.choice(("prefill", "decode", "mixed"))
+        p = rng.randrange(8, 2000) if kind != "decode" else 0
+        d = rng.randrange(1, 64) if kind != "prefill" else 0
+        c = p + d * rng.randrange(16, 200)
+        terms = (1, p, p * p, d, c, 1 if kind == "prefill" else 0)
+        y = sum(a * b for a, b in zip(truth, terms, strict=True)) * rng.uniform(0.97, 1.03)
+        samples.append(Sample(kind, p, d, c, y))
+    coef, pred, meas = fit(samples)
+    assert all(c >= 0 for c in coef)
+    for got, want in zip(coef, truth, strict=True):
+        assert got == pytest.approx(want, rel=0.15), (coef, truth)
+    assert max(abs(pred - meas) / meas) < 0.08
+
+
+def test_fit_keeps_coefficients_non_negative() -> None:
+    # Decode steps that get cheaper with more context than a constant would allow: the
+    # unconstrained context term is negative; the fit drops it instead of predicting < 0 s.
+    samples = [Sample("decode", 0, 4, c, 0.004 - c * 1e-7) for c in range(100, 4000, 100)]
+    coef, pred, _ = fit(samples)
+    assert all(c >= 0 for c in coef) and coef[4] == 0.0
+    assert (pred > 0).all()
+
+
+def test_a_fitted_profile_steps_by_its_model() -> None:
+    p = _profile(fitted_step_s=(0.001, 2e-5, 1e-9, 1e-4, 5e-7), num_blocks_override=48)
+    assert p.step_s(1000, 1000, 0) == pytest.approx(0.001 + 0.02 + 0.001 + 0.0005)
+    assert p.step_s(0, 6400, 64) == pytest.approx(0.001 + 0.0064 + 0.0032)
+    assert p.num_blocks == 48
+    assert Scheduler(p).num_blocks == 48
+    # The roofline is untouched for the GPU profiles.
+    assert PROFILES["a100-40gb-llama3-8b"].fitted_step_s == ()
+
+
+def test_the_shipped_fitted_profile_is_the_fits_output(tmp_path: Path) -> None:
+    path = FITTED / "vllm-cpu-tiny.json"
+    doc = json.loads(path.read_text())
+    p = PROFILES["vllm-cpu-tiny"]
+    assert p == load_fitted(path)
+    # As engine.vllm_node starts the node: block size 128, 48 blocks, 64 sequences, 2,048.
+    assert (p.block_size, p.num_blocks, p.max_num_seqs, p.max_num_batched_tokens) == (
+        128,
+        48,
+        64,
+        2048,
+    )
+    assert p.tokenizer == "tiny-llama" and not p.device and p.max_model_len == 2048
+    fit_doc = doc["fit"]
+    assert fit_doc["samples"] == len(fit_doc["raw"]) >= 30
+    assert fit_doc["token_check"]["equal"] == fit_doc["token_check"]["requests"]
+    # The coefficients are what the raw samples give (nobody typed them in).
+    coef, _, _ = fit([Sample(*r) for r in fit_doc["raw"]])
+    assert list(p.fitted_step_s) == pytest.approx(coef[:5], rel=1e-6, abs=1e-12)
+    assert p.request_overhead_s == pytest.approx(coef[5], rel=1e-4, abs=1e-6)
+    # A step of the emulator costs what the node measured, within the fit's own error.
+    for kind, pre, dec, ctx, sec in fit_doc["raw"]:
+        if kind == "prefill":
+            sec -= p.request_overhead_s
+        assert p.step_s(pre, ctx, dec) == pytest.approx(sec, rel=1.5, abs=0.004)
+    bad = tmp_path / "x.json"
+    bad.write_text(json.dumps({"profile": {**doc["profile"], "warp": 9}}))
+    with pytest.raises(ValueError, match="warp"):
+        load_fitted(bad)
+
+
+def test_the_emulator_runs_a_fitted_profile_step_by_step() -> None:
+    p = PROFILES["vllm-cpu-tiny"]
+    s = Scheduler(p, num_blocks=24)
+    s.add(Seq(600, 4))
+    r = s.step(0.0)
+    assert r.prefill_tokens == 600
+    assert r.duration_s == pytest.approx(p.step_s(600, 600, 0))
+
+
+def _summary(rt: float, good: float, ttft: float, thr: float) -> dict[str, object]:
+    cls = {
+        "slo_attainment": rt,
+        "ttft_p50_ms": ttft,
+        "ttft_p90_ms": 2 * ttft,
+        "e2e_p50_ms": 3 * ttft,
+        "e2e_p90_ms": 4 * ttft,
+    }
+    return {
+        "classes": {"realtime": cls},
+        "goodput_tokens_per_s": good,
+        "throughput_tokens_per_s": thr,
+        "preemptions": 0.0,
+        "prefix_hit_ratio": None,
+    }
+
+
+def test_fidelity_orders_systems_and_reports_the_worst_error() -> None:
+    got = {
+        "fifo": {"vllm": _summary(0.2, 100, 900, 500), "sim": _summary(0.25, 110, 1000, 520)},
+        "admission": {"vllm": _summary(0.9, 300, 300, 480), "sim": _summary(0.95, 320, 240, 440)},
+    }
+    assert order({s: by["vllm"] for s, by in got.items()}) == ["admission", "fifo"]  # type: ignore[arg-type]
+    text, verdict = table("mix", got)  # type: ignore[arg-type]
+    assert verdict["agree"] is True
+    assert verdict["worst"]["ttft_p50"] == pytest.approx(0.2)
+    assert verdict["worst"]["throughput"] == pytest.approx(40 / 480)
+    assert "agree" in text
+    got["fifo"]["sim"] = _summary(0.99, 400, 100, 520)
+    assert table("mix", got)[1]["agree"] is False  # type: ignore[arg-type]
