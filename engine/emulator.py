@@ -18,6 +18,8 @@ from engine.profiles import Profile
 from engine.scheduler import Scheduler, Seq
 
 LAT = (0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+CATCH_UP_S = 0.05  # behind the model's timeline by more than this: the time is lost, not caught up
+STEP_TOKENS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 
 class Engine:
@@ -84,6 +86,11 @@ class Engine:
             "Requests that arrived with a client X-Tenant* header.",
             registry=r,
         )
+        # Not a vLLM metric: seconds this process fell behind its model's timeline (loadtest.
+        # fidelity reports it: an emulator slower than its profile says so here).
+        self.m_overrun = Counter(
+            "sim_step_overrun_seconds", "Time the emulator lost behind its cost model.", registry=r
+        )
         self.m_prio = Counter(
             "emulator_requests_by_priority", "Requests by priority field.", ["priority"], registry=r
         )
@@ -91,6 +98,13 @@ class Engine:
             k: Histogram(n, d, names, buckets=LAT, registry=r).labels(**lab)
             for k, (n, d) in hist.items()
         }
+        self.h_step = Histogram(
+            "vllm:iteration_tokens_total",
+            "Histogram of number of tokens per engine_step.",
+            names,
+            buckets=STEP_TOKENS,
+            registry=r,
+        ).labels(**lab)
         info = Gauge(
             "vllm:cache_config_info",
             "Information of the LLMEngine CacheConfig",
@@ -114,23 +128,38 @@ class Engine:
     # -- the loop ---------------------------------------------------------------------------
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
+        due: float | None = None  # when the last step's modeled time ended (None: idle since)
         while True:
             if self.sched.idle() or self.hang:
                 self.wake.clear()
                 await self.wake.wait()
+                due = None
                 continue
+            # Steps follow one another on the model's timeline: a step starts when the last one
+            # ended, not when this process finished streaming its tokens — in vLLM the engine
+            # core steps on while the API server streams, and a fitted profile's step times
+            # already hold what that streaming cost the node. A process too slow for the model
+            # (over CATCH_UP_S behind) restarts the timeline and counts the time it lost.
             started = loop.time()
+            base = started
+            if due is not None:
+                if started - due <= CATCH_UP_S:
+                    base = due
+                else:
+                    self.m_overrun.inc(started - due)
             res = self.sched.step(time.monotonic())
             self.m_prompt.inc(res.prefill_tokens + res.cached)  # vLLM counts whole prompts
             self.m_cache_q.inc(res.queried)
             self.m_cache_hit.inc(res.cached)
             self.m_gen.inc(len(res.decoded))
+            if res.prefill_tokens or res.decoded:  # tokens computed this step, as vLLM counts
+                self.h_step.observe(res.prefill_tokens + len(res.decoded))
             self.m_preempt.inc(res.preempted)
             self.m_running.set(len(self.sched.running))
             self.m_waiting.set(len(self.sched.waiting))
             self.m_kv.set(self.sched.kv_usage)
-            # Real time: the step's cost minus what computing it took.
-            await asyncio.sleep(max(0.0, res.duration_s - (loop.time() - started)))
+            due = base + res.duration_s
+            await asyncio.sleep(max(0.0, due - loop.time()))
             for seq in res.decoded:
                 if seq.on_token is not None:
                     seq.on_token(seq)

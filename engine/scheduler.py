@@ -4,11 +4,12 @@ As vLLM V1 schedules (its `Scheduler.schedule`): per step, running sequences in 
 each take their next tokens from the step's token budget — one to decode, or their next prompt
 chunk (chunked prefill) — so a long prefill early in the list can take a whole step. KV blocks
 are allocated per scheduled chunk, not for the whole prompt up front. When a running sequence
-needs a block and none is free, the worst-priority newest running sequence is preempted: its
-blocks are freed and it goes back to the front of the waiting queue to be recomputed. Only in a
-step that preempted nothing are waiting sequences admitted, in policy order (priority:
-(priority, arrival); fcfs: arrival), while a slot is free and their first chunk fits in free
-blocks, stopping at the first that does not (vLLM's head-of-line behaviour).
+needs a block and none is free, the worst-priority newest running sequence (fcfs: the last of
+the running list) is preempted: its blocks are freed and it goes back to the front of the
+waiting queue to be recomputed. Only in a step that preempted nothing are waiting sequences
+admitted, in policy order (priority: (priority, arrival); fcfs: arrival), while a slot is free
+and their first chunk fits in free blocks, stopping at the first that does not (vLLM's
+head-of-line behaviour).
 
 Prefix caching (on by default, as in vLLM V1): a sequence carries the chained hashes of its
 prompt's full blocks; once a block is computed it is kept by hash, shared (reference-counted)
@@ -273,7 +274,9 @@ class Scheduler:
         seq.computed += hit * self.p.block_size
         if seq.cached_tokens < 0:
             seq.cached_tokens = hit * self.p.block_size
-        if self.prefix_caching:
+        if self.prefix_caching and not seq.preemptions:
+            # vLLM counts a preempted request's lookups apart (PrefixCacheStats.preempted_*),
+            # not in vllm:prefix_cache_queries / _hits.
             self._hits += hit * self.p.block_size
             self._queries += seq.prompt_tokens
 
@@ -309,8 +312,11 @@ class Scheduler:
             self.evictable.move_to_end(h, last=False)
 
     def _victim(self) -> Seq:
-        # Worst priority, then newest (fcfs: newest).
-        return max(self.running, key=self._order)
+        # As vLLM V1: priority, the worst priority then the latest arrival; fcfs, the last of
+        # the running list (the last scheduled: a preempted request started again is next).
+        if self.policy == "priority":
+            return max(self.running, key=self._order)
+        return self.running[-1]
 
     def _preempt(self, seq: Seq) -> None:
         self.running.remove(seq)

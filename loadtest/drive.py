@@ -59,6 +59,15 @@ async def sample_nodes(
                 n["preemptions"] = vals.get("vllm:num_preemptions_total", 0.0)
                 n["prefix_hits"] = vals.get("vllm:prefix_cache_hits_total", 0.0)
                 n["prefix_queries"] = vals.get("vllm:prefix_cache_queries_total", 0.0)
+                # Engine steps and the tokens they computed (vLLM's iteration histogram).
+                n["steps"] = vals.get("vllm:iteration_tokens_total_count", 0.0)
+                n["step_tokens"] = vals.get("vllm:iteration_tokens_total_sum", 0.0)
+                if "sim_step_overrun_seconds_total" in text:  # the emulator's own lateness
+                    n["overrun_s"] = next(
+                        float(ln.split()[-1])
+                        for ln in text.splitlines()
+                        if ln.startswith("sim_step_overrun_seconds_total")
+                    )
                 series.setdefault(f"mem node-{p}", []).append((time.monotonic() - t0, mem))
                 waiting += vals.get("vllm:num_requests_waiting", 0.0)
             if queue_url:

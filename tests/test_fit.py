@@ -130,3 +130,60 @@ def test_fidelity_orders_systems_and_reports_the_worst_error() -> None:
     assert "agree" in text
     got["fifo"]["sim"] = _summary(0.99, 400, 100, 520)
     assert table("mix", got)[1]["agree"] is False  # type: ignore[arg-type]
+
+
+def test_paired_rounds_give_median_range_and_a_verdict_on_the_medians() -> None:
+    from loadtest.paired import table as paired_table
+    from loadtest.paired import verdict
+
+    def run(rt: float) -> dict[str, object]:
+        s = _summary(rt, 100, 100, 100)
+        s.update(lost=0, generator_late_p99_ms=3.0)
+        s["classes"]["realtime"]["e2e_attainment"] = rt  # type: ignore[index]
+        return s
+
+    runs = {
+        "vllm_priority": [run(x) for x in (0.626, 0.9, 0.85, 1.0, 0.79)],
+        "admission": [run(x) for x in (0.98, 0.84, 0.99, 0.97, 0.88)],
+    }
+    text = paired_table(["vllm_priority", "admission"], runs)  # type: ignore[arg-type]
+    assert "85.0% (62.6%–100.0%)" in text and "97.0% (84.0%–99.0%)" in text
+    v = verdict(["vllm_priority", "admission"], runs)  # type: ignore[arg-type]
+    assert "**met**" in v and "ahead in 3 of 5" in v
+    runs["admission"] = [run(x) for x in (0.5, 0.6, 0.7, 0.8, 0.84)]
+    assert "**not met**" in verdict(["vllm_priority", "admission"], runs)  # type: ignore[arg-type]
+
+
+async def test_the_emulator_steps_on_its_models_timeline_while_tokens_stream() -> None:
+    """A step starts when the last one ended, not when this process has finished streaming
+    the last step's tokens (vLLM's engine core steps on while its API server streams; a fitted
+    profile's step times already hold that cost): 10 steps of 30 ms whose token callbacks
+    take 15 ms each last ~0.3 s, not ~0.45 s. Falling further behind than CATCH_UP_S is
+    counted as lost time."""
+    import asyncio
+    import time
+
+    from engine.emulator import Engine
+
+    p = _profile(fitted_step_s=(0.03, 0.0, 0.0, 0.0, 0.0), max_num_seqs=8)
+    e = Engine(p)
+    run = asyncio.create_task(e.run())
+    try:
+        seq = Seq(16, 10)
+        seq.on_token = lambda _s: time.sleep(0.015)  # the HTTP side's work per step
+        started = time.monotonic()
+        e.submit(seq)
+        while seq.finish_reason is None:
+            await asyncio.sleep(0.005)
+        took = time.monotonic() - started
+        assert 0.25 <= took < 0.38, took
+        assert e.m_overrun._value.get() == 0.0
+        slow = Seq(16, 3)
+        slow.on_token = lambda _s: time.sleep(0.1)  # slower than the model: time is lost
+        e.submit(slow)
+        while slow.finish_reason is None:
+            await asyncio.sleep(0.005)
+        assert e.m_overrun._value.get() > 0.1
+    finally:
+        run.cancel()
+    await asyncio.gather(run, return_exceptions=True)

@@ -202,3 +202,44 @@ def test_step_cost_model_matches_public_figures() -> None:
     assert 0.030 < p.step_s(0, 256 * 1024) < 0.040
     # KV pool: 36 GiB × ... ≈ 18 GiB at 128 KiB/token ≈ 147k tokens.
     assert 140_000 < p.num_blocks * p.block_size < 150_000
+
+
+def test_a_preempted_requests_lookup_is_not_counted_in_the_prefix_cache_stats() -> None:
+    """vLLM counts lookups of a request that was preempted apart (PrefixCacheStats.preempted_*):
+    vllm:prefix_cache_queries / _hits hold new requests only."""
+    from engine.scheduler import block_hashes
+
+    s = Scheduler(TINY, num_blocks=12)
+    text = "q" * 64 * 4
+    a = Seq(64, 200, priority=1, arrival=0, hashes=block_hashes(text, 16))
+    s.add(a)
+    first = s.step(0.0)
+    b = Seq(64, 200, priority=0, arrival=1, hashes=block_hashes("z" + text, 16))
+    s.add(b)
+    queried, hits = first.queried, first.cached
+    for _ in range(400):
+        if s.idle():
+            break
+        r = s.step(0.0)
+        queried, hits = queried + r.queried, hits + r.cached
+    assert a.preemptions >= 1  # a gave way to b, then found its own blocks cached again
+    assert queried == 64 + 64 and hits == 0  # each new request once; a's recompute not counted
+
+
+def test_fcfs_preempts_the_last_of_the_running_list_as_vllm_does() -> None:
+    # vLLM V1 under fcfs preempts running[-1], the last scheduled: a request preempted and
+    # started again is the next victim, though it arrived first.
+    s = Scheduler(TINY, policy="fcfs", num_blocks=6)
+    old, new = Seq(16, 80, arrival=0), Seq(16, 80, arrival=1)
+    s.add(old)
+    s.add(new)
+    s.running = [new, old]  # old was preempted once and started again: last in the list
+    for q in s.running:
+        s._grow(q, 16)
+        q.computed = 16
+    s.waiting = []
+    for _ in range(200):
+        r = s.step(0.0)
+        if r.preempted:
+            break
+    assert old.preemptions == 1 and new.preemptions == 0

@@ -174,6 +174,7 @@ def test_emulator_exports_the_metric_names_admission_reads(vstack: Stack, emulat
         "vllm:cache_config_info",
         "vllm:prefix_cache_queries_total",
         "vllm:prefix_cache_hits_total",
+        "vllm:iteration_tokens_total_count",  # engine steps (loadtest.fidelity compares them)
     ]
     real = (
         urllib.request.urlopen(f"http://127.0.0.1:{vstack.node_ports[0]}/metrics").read().decode()
