@@ -41,7 +41,10 @@ class Engine:
         self.max_queued_tokens = max_queued_tokens
         self.max_queued_reqs = max_queued_reqs
         self.model = model_name or profile.model
-        self.sched = Scheduler(profile, policy, num_blocks, prefix_caching)
+        # vLLM's block pool keeps one block aside (its null block): N blocks hold N - 1 blocks
+        # of KV, and kv_cache_usage_perc counts over N - 1.
+        self.total_blocks = num_blocks if num_blocks is not None else profile.num_blocks
+        self.sched = Scheduler(profile, policy, self.total_blocks - 1, prefix_caching)
         self.wake = asyncio.Event()
         self.leak_bytes = 0
         self.hang = False
@@ -119,9 +122,9 @@ class Engine:
         )
         info.labels(
             str(profile.block_size),
-            str(self.sched.num_blocks),
+            str(self.total_blocks),
             str(profile.gpu_memory_utilization),
-            str(self.sched.num_blocks * profile.block_size * profile.kv_bytes_per_token),
+            str(self.total_blocks * profile.block_size * profile.kv_bytes_per_token),
             "0",
         ).set(1)
 
@@ -200,7 +203,7 @@ class Engine:
         used = (
             p.weights_bytes
             + p.activation_bytes
-            + self.sched.num_blocks * p.block_size * p.kv_bytes_per_token
+            + self.total_blocks * p.block_size * p.kv_bytes_per_token
         )
         used += self.leak_bytes + p.context_bytes
         return {"used_bytes": min(used, p.total_bytes), "total_bytes": p.total_bytes}

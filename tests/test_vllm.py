@@ -4,6 +4,7 @@ edge serves it end to end. Marked `vllm`: part of the suite `make test` runs (se
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import subprocess
@@ -51,21 +52,12 @@ def _tenants_for(model: str) -> dict[str, Any]:
     return {k: {**v, "models": [model]} for k, v in raw.items()}
 
 
-@pytest.fixture(scope="module")
-def emulator() -> Iterator[int]:
+@contextlib.contextmanager
+def _emulator(*args: str) -> Iterator[int]:
+    """An emulated node (`python -m engine ARGS`) on a free port, stopped after."""
     port = free_port()
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "engine",
-            "--port",
-            str(port),
-            "--profile",
-            "tiny",
-            "--served-model-name",
-            "tiny-llama",
-        ],
+        [sys.executable, "-m", "engine", "--port", str(port), *args],
         cwd=ROOT,
         start_new_session=True,
     )
@@ -78,6 +70,12 @@ def emulator() -> Iterator[int]:
         yield port
     finally:
         stop_process(proc)
+
+
+@pytest.fixture(scope="module")
+def emulator() -> Iterator[int]:
+    with _emulator("--profile", "tiny", "--served-model-name", "tiny-llama") as port:
+        yield port
 
 
 def post(port: int, path: str, body: dict[str, Any]) -> bytes:
@@ -225,28 +223,7 @@ def test_the_fitted_emulator_counts_and_caches_prompts_as_the_real_node(
     from engine.vllm_node import build_tiny_model
 
     tok = build_tiny_model(tmp_path / "tiny-llama") / "tokenizer.json"
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "engine",
-            "--port",
-            str(port),
-            "--profile",
-            "vllm-cpu-tiny",
-            "--tokenizer",
-            str(tok),
-        ],
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    try:
-        wait_for(
-            lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/health").status == 200,
-            30,
-            "fitted emulator",
-        )
+    with _emulator("--profile", "vllm-cpu-tiny", "--tokenizer", str(tok)) as port:
         salt = f"{time.time_ns():x} "  # nothing either cache holds yet
         system = salt + "you answer tenants' questions about gpu memory and queues. " * 12
         turn1 = [{"role": "system", "content": system}, {"role": "user", "content": "why?"}]
@@ -272,5 +249,3 @@ def test_the_fitted_emulator_counts_and_caches_prompts_as_the_real_node(
             seen.append(pair[0])
         assert seen[0][1] == 0 and seen[1][1] >= 256 and seen[2][1] >= seen[1][1]
         assert seen[4][1] > 0
-    finally:
-        stop_process(proc)
