@@ -39,7 +39,8 @@ class Profile:
     step_overhead_s: float = 0.002  # scheduler + sampling + launch per step
     context_bytes: int = 600 << 20  # CUDA context and allocator slack, outside vLLM's budget
     # A profile fitted to a measured engine (loadtest.fit_engine) replaces the roofline by the
-    # fit: step = Σ coefficient × term, terms (1, prefill, prefill², decodes, context tokens).
+    # fit: step = Σ coefficient × term, terms (1, prefill, prefill², decodes, context tokens,
+    # requests waiting in the engine).
     fitted_step_s: tuple[float, ...] = ()
     request_overhead_s: float = 0.0  # HTTP, tokenizing, engine IPC before a request can start
     num_blocks_override: int = 0  # a KV pool set by block count (--num-gpu-blocks-override)
@@ -66,13 +67,16 @@ class Profile:
         """Seconds of compute one prefilled or decoded token takes: 2 x params FLOPs."""
         return 2 * self.params / self.flops_per_s
 
-    def step_s(self, prefill_tokens: int, context_tokens: int, decode_tokens: int = 0) -> float:
+    def step_s(
+        self, prefill_tokens: int, context_tokens: int, decode_tokens: int = 0, waiting: int = 0
+    ) -> float:
         """Seconds one engine step takes, roofline style: the step is bound by the slower of
         memory (weights read once + every running sequence's KV) and compute (2 × params
         FLOPs per prefilled or decoded token), plus a fixed per-step overhead. A fitted profile
-        uses its measured model instead."""
+        uses its measured model instead (`waiting`: requests queued in the engine, whose
+        bookkeeping a CPU node pays for in every step)."""
         if self.fitted_step_s:
-            terms = (1.0, prefill_tokens, prefill_tokens**2, decode_tokens, context_tokens)
+            terms = (1.0, prefill_tokens, prefill_tokens**2, decode_tokens, context_tokens, waiting)
             return max(0.0, sum(c * t for c, t in zip(self.fitted_step_s, terms, strict=False)))
         memory = (
             self.weights_bytes + context_tokens * self.kv_bytes_per_token

@@ -195,7 +195,11 @@ class Scheduler:
             else:
                 decoded.append(seq)
         context = sum(s.context for s in self.running)
-        duration = self.p.step_s(prefill, context, len(decoded)) if (decoded or prefill) else 0.0
+        duration = (
+            self.p.step_s(prefill, context, len(decoded), len(self.waiting))
+            if (decoded or prefill)
+            else 0.0
+        )
         finished: list[Seq] = []
         end = now + duration
         for seq in decoded:

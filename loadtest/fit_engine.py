@@ -13,9 +13,10 @@ merged two steps counts as two):
   decode   B streams of L-token prompts decoding together: each interval is one step of B
            decodes over their summed context;
   mixed    B decoding streams and one prefill of p arriving: the decoders' interval that ends
-           with the newcomer's first token is one step of p prefill and B decodes.
+           with the newcomer's first token is one step of p prefill and B decodes;
+  queued   64 decoding streams (max_num_seqs) with w more requests waiting in the engine.
 The model fitted (least squares, coefficients kept non-negative) is the emulator's:
-    step_s = c0 + c1·prefill + c2·prefill² + c3·decodes + c4·context tokens
+    step_s = c0 + c1·prefill + c2·prefill² + c3·decodes + c4·context tokens + c5·waiting
 and the first token adds `request_overhead_s`. The profile carries the node's settings
 (block size, KV blocks, max_num_seqs, batched tokens, model length) and its tokenizer, so the
 emulator counts and caches prompts as the node does; a check sends chat prompts of the tiny
@@ -51,7 +52,7 @@ from loadtest.workload import TINY, load_kinds, req_prompt, schedule
 PROBE_BLOCKS = 256  # KV blocks while probing (the profile keeps the bench's 48): room for B x L
 BLOCK = 128  # the CPU build's block size
 TERMS = ("c0 (per step)", "c1 (per prefill token)", "c2 (per prefill token²)", "c3 (per decode)")
-TERMS += ("c4 (per context token)", "request overhead")
+TERMS += ("c4 (per context token)", "c5 (per request waiting)", "request overhead")
 
 
 class Sample(NamedTuple):
@@ -60,6 +61,7 @@ class Sample(NamedTuple):
     decodes: int  # sequences decoding in the step
     context: int  # tokens of context held by the running sequences
     seconds: float
+    waiting: int = 0  # requests queued in the engine behind the running ones
 
 
 async def stream(
@@ -134,7 +136,34 @@ async def probe(url: str, repeats: int, seed: int, tokens: Tokens) -> list[Sampl
                 out += await decode(s, url, rng, b, ln)
             for b, p in ((4, 256), (8, 1024), (16, 512), (32, 1536), (64, 256), (16, 1900)):
                 out += await mixed(s, url, rng, b, p)
+            for w in (0, 150, 400):
+                out += await queued(s, url, rng, w)
     return out
+
+
+async def queued(
+    s: aiohttp.ClientSession, url: str, rng: random.Random, w: int, gen: int = 160
+) -> list[Sample]:
+    """64 streams decoding (the node's max_num_seqs) while `w` more requests wait behind them:
+    what a queue inside the engine costs every step (its scheduler and API server keep books
+    on each waiting request; under FIFO overload hundreds wait)."""
+    b, ln = 64, 16
+    running = [asyncio.create_task(stream(s, url, prompt(rng, ln), gen)) for _ in range(b)]
+    await asyncio.sleep(0.3)  # these hold the node's 64 slots first
+    waiters = [asyncio.create_task(stream(s, url, prompt(rng, ln), 2)) for _ in range(w)]
+    start = time.monotonic() + 0.3 + w * 0.002  # the waiters have reached the engine
+    res = await asyncio.gather(*running)
+    await asyncio.gather(*waiters)
+    end = min(toks[-1][0] for _, toks in res)
+    steps = []
+    for _, toks in res:
+        inside = [(t, n) for t, n in toks if start <= t <= end]
+        tokens = sum(n for _t, n in inside[1:])
+        if tokens >= 8 and inside[-1][0] > inside[0][0]:
+            steps.append((inside[-1][0] - inside[0][0]) / tokens)
+    if not steps:
+        return []
+    return [Sample("queued", 0, b, b * (ln + gen // 2), statistics.median(steps), w)]
 
 
 async def decode(
@@ -194,17 +223,18 @@ def fit(samples: list[Sample]) -> tuple[list[float], np.ndarray, np.ndarray]:
     coefficients kept non-negative (a term whose best value is negative is dropped and the rest
     refitted). (coefficients, predicted and measured per sample)."""
     rows = [  # one point per probe setting (its median): an outlier run moves nothing
-        (
+        Sample(
             g[0].kind,
             statistics.median(sm.prefill for sm in g),
             g[0].decodes,
             statistics.median(sm.context for sm in g),
             statistics.median(sm.seconds for sm in g),
+            g[0].waiting,
         )
         for g in settings(samples).values()
     ]
-    x = np.array([_terms(k, p, d, c) for k, p, d, c, _ in rows])
-    y = np.array([sec for *_r, sec in rows])
+    x = np.array([_terms(r) for r in rows])
+    y = np.array([r.seconds for r in rows])
     scale = np.abs(x).max(axis=0)
     scale[scale == 0] = 1.0
     w = 1.0 / np.maximum(y, 1e-4)
@@ -219,22 +249,23 @@ def fit(samples: list[Sample]) -> tuple[list[float], np.ndarray, np.ndarray]:
     coef = np.zeros(x.shape[1])
     coef[keep] = sol
     coef = coef / scale
-    every = np.array([_terms(s.kind, s.prefill, s.decodes, s.context) for s in samples])
+    every = np.array([_terms(s) for s in samples])
     return [float(v) for v in coef], every @ coef, np.array([s.seconds for s in samples])
 
 
-def settings(samples: list[Sample]) -> dict[tuple[str, int, int, int], list[Sample]]:
+def settings(samples: list[Sample]) -> dict[tuple[str, int, int, int, int], list[Sample]]:
     """Samples by probe setting: kind, decodes, prefill and context to within 32 tokens (a
     text prompt's count varies by a few tokens from run to run)."""
-    out: dict[tuple[str, int, int, int], list[Sample]] = {}
+    out: dict[tuple[str, int, int, int, int], list[Sample]] = {}
     for sm in samples:
-        key = (sm.kind, round(sm.prefill / 32), sm.decodes, round(sm.context / 32))
+        key = (sm.kind, round(sm.prefill / 32), sm.decodes, round(sm.context / 32), sm.waiting)
         out.setdefault(key, []).append(sm)
     return out
 
 
-def _terms(kind: str, p: float, d: float, c: float) -> list[float]:
-    return [1.0, p, p * p, d, c, 1.0 if kind == "prefill" else 0.0]
+def _terms(s: Sample) -> list[float]:
+    p = float(s.prefill)
+    return [1.0, p, p * p, s.decodes, s.context, s.waiting, 1.0 if s.kind == "prefill" else 0.0]
 
 
 async def token_check(url: str, tokenizer: Path, n: int = 40) -> dict[str, Any]:
@@ -266,18 +297,19 @@ def vllm_version() -> str:
 
 def report(samples: list[Sample], pred: np.ndarray, meas: np.ndarray) -> str:
     rows = [
-        "| probe | prefill | decodes | context | measured ms | fitted ms | error |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| probe | prefill | decodes | context | waiting | measured ms | fitted ms | error |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     index = {id(sm): i for i, sm in enumerate(samples)}
     for g in settings(samples).values():
         idx = [index[id(sm)] for sm in g]
-        k, d = g[0].kind, g[0].decodes
+        k, d, w = g[0].kind, g[0].decodes, g[0].waiting
         p = int(statistics.median(sm.prefill for sm in g))
         c = int(statistics.median(sm.context for sm in g))
         m, f = float(np.median(meas[idx])), float(np.median(pred[idx]))
         rows.append(
-            f"| {k} | {p} | {d} | {c} | {m * 1000:.2f} | {f * 1000:.2f} | {(f - m) / m:+.0%} |"
+            f"| {k} | {p} | {d} | {c} | {w} | {m * 1000:.2f} | {f * 1000:.2f} "
+            f"| {(f - m) / m:+.0%} |"
         )
     return "\n".join(rows)
 
@@ -354,8 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         max_num_batched_tokens=2048,
         step_overhead_s=0.0,
         context_bytes=0,
-        fitted_step_s=tuple(round(c, 12) for c in coef[:5]),
-        request_overhead_s=round(coef[5], 6),
+        fitted_step_s=tuple(round(c, 12) for c in coef[:6]),
+        request_overhead_s=round(coef[6], 6),
         num_blocks_override=48,  # engine.vllm_node's default --num-gpu-blocks-override
         max_model_len=2048,
         tokenizer=TINY_MODEL,
@@ -377,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
                 k: round(
                     float(np.median([e for e, s in zip(err, samples, strict=True) if s[0] == k])), 4
                 )
-                for k in ("prefill", "decode", "mixed")
+                for k in ("prefill", "decode", "mixed", "queued")
                 if any(s[0] == k for s in samples)
             },
             "token_check": check,

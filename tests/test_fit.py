@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -23,17 +24,18 @@ def _profile(**kw: object) -> Profile:
 
 
 def test_fit_recovers_a_known_step_model_from_noisy_samples() -> None:
-    truth = (0.0012, 2.5e-5, 4e-9, 1.5e-4, 6e-7, 0.009)
+    truth = (0.0012, 2.5e-5, 4e-9, 1.5e-4, 6e-7, 8e-6, 0.009)
     rng = random.Random(3)
     samples = []
     for _ in range(200):
-        kind = rng.choice(("prefill", "decode", "mixed"))
-        p = rng.randrange(8, 2000) if kind != "decode" else 0
+        kind = rng.choice(("prefill", "decode", "mixed", "queued"))
+        p = rng.randrange(8, 2000) if kind in ("prefill", "mixed") else 0
         d = rng.randrange(1, 64) if kind != "prefill" else 0
+        w = rng.randrange(0, 500) if kind == "queued" else 0
         c = p + d * rng.randrange(16, 200)
-        terms = (1, p, p * p, d, c, 1 if kind == "prefill" else 0)
+        terms = (1, p, p * p, d, c, w, 1 if kind == "prefill" else 0)
         y = sum(a * b for a, b in zip(truth, terms, strict=True)) * rng.uniform(0.97, 1.03)
-        samples.append(Sample(kind, p, d, c, y))
+        samples.append(Sample(kind, p, d, c, y, w))
     coef, pred, meas = fit(samples)
     assert all(c >= 0 for c in coef)
     for got, want in zip(coef, truth, strict=True):
@@ -51,9 +53,10 @@ def test_fit_keeps_coefficients_non_negative() -> None:
 
 
 def test_a_fitted_profile_steps_by_its_model() -> None:
-    p = _profile(fitted_step_s=(0.001, 2e-5, 1e-9, 1e-4, 5e-7), num_blocks_override=48)
+    p = _profile(fitted_step_s=(0.001, 2e-5, 1e-9, 1e-4, 5e-7, 1e-5), num_blocks_override=48)
     assert p.step_s(1000, 1000, 0) == pytest.approx(0.001 + 0.02 + 0.001 + 0.0005)
     assert p.step_s(0, 6400, 64) == pytest.approx(0.001 + 0.0064 + 0.0032)
+    assert p.step_s(0, 6400, 64, waiting=300) == pytest.approx(0.001 + 0.0064 + 0.0032 + 0.003)
     assert p.num_blocks == 48
     assert Scheduler(p).num_blocks == 48
     # The roofline is untouched for the GPU profiles.
@@ -78,13 +81,14 @@ def test_the_shipped_fitted_profile_is_the_fits_output(tmp_path: Path) -> None:
     assert fit_doc["token_check"]["equal"] == fit_doc["token_check"]["requests"]
     # The coefficients are what the raw samples give (nobody typed them in).
     coef, _, _ = fit([Sample(*r) for r in fit_doc["raw"]])
-    assert list(p.fitted_step_s) == pytest.approx(coef[:5], rel=1e-6, abs=1e-12)
-    assert p.request_overhead_s == pytest.approx(coef[5], rel=1e-4, abs=1e-6)
+    assert list(p.fitted_step_s) == pytest.approx(coef[:6], rel=1e-6, abs=1e-12)
+    assert p.request_overhead_s == pytest.approx(coef[6], rel=1e-4, abs=1e-6)
     # A step of the emulator costs what the node measured, within the fit's own error.
-    for kind, pre, dec, ctx, sec in fit_doc["raw"]:
-        if kind == "prefill":
-            sec -= p.request_overhead_s
-        assert p.step_s(pre, ctx, dec) == pytest.approx(sec, rel=1.5, abs=0.004)
+    for raw in fit_doc["raw"]:
+        sm = Sample(*raw)
+        sec = sm.seconds - (p.request_overhead_s if sm.kind == "prefill" else 0.0)
+        got = p.step_s(sm.prefill, sm.context, sm.decodes, sm.waiting)
+        assert got == pytest.approx(sec, rel=1.5, abs=0.004)
     bad = tmp_path / "x.json"
     bad.write_text(json.dumps({"profile": {**doc["profile"], "warp": 9}}))
     with pytest.raises(ValueError, match="warp"):
@@ -165,24 +169,31 @@ async def test_the_emulator_steps_on_its_models_timeline_while_tokens_stream() -
 
     from engine.emulator import Engine
 
-    p = _profile(fitted_step_s=(0.03, 0.0, 0.0, 0.0, 0.0), max_num_seqs=8)
+    p = _profile(fitted_step_s=(0.03, 0.0, 0.0, 0.0, 0.0, 0.0), max_num_seqs=8)
     e = Engine(p)
     run = asyncio.create_task(e.run())
+
+    def paced(work_s: float, done: asyncio.Event) -> Callable[[Seq], None]:
+        def on_token(s: Seq) -> None:
+            time.sleep(work_s)  # the HTTP side's work per step
+            if s.finish_reason is not None:
+                done.set()
+
+        return on_token
+
     try:
-        seq = Seq(16, 10)
-        seq.on_token = lambda _s: time.sleep(0.015)  # the HTTP side's work per step
+        seq, done = Seq(16, 10), asyncio.Event()
+        seq.on_token = paced(0.015, done)
         started = time.monotonic()
         e.submit(seq)
-        while seq.finish_reason is None:
-            await asyncio.sleep(0.005)
+        await done.wait()
         took = time.monotonic() - started
         assert 0.25 <= took < 0.38, took
         assert e.m_overrun._value.get() == 0.0
-        slow = Seq(16, 3)
-        slow.on_token = lambda _s: time.sleep(0.1)  # slower than the model: time is lost
+        slow, done = Seq(16, 3), asyncio.Event()
+        slow.on_token = paced(0.1, done)  # slower than the model: time is lost
         e.submit(slow)
-        while slow.finish_reason is None:
-            await asyncio.sleep(0.005)
+        await done.wait()
         assert e.m_overrun._value.get() > 0.1
     finally:
         run.cancel()
