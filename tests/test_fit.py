@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import pytest
 from engine.profiles import FITTED, PROFILES, Profile, load_fitted
 from engine.scheduler import Scheduler, Seq
 from loadtest.fidelity import order, table
-from loadtest.fit_engine import Sample, fit
+from loadtest.fit_engine import Sample, fit, settings
 
 
 def _profile(**kw: object) -> Profile:
@@ -83,12 +84,19 @@ def test_the_shipped_fitted_profile_is_the_fits_output(tmp_path: Path) -> None:
     coef, _, _ = fit([Sample(*r) for r in fit_doc["raw"]])
     assert list(p.fitted_step_s) == pytest.approx(coef[:6], rel=1e-6, abs=1e-12)
     assert p.request_overhead_s == pytest.approx(coef[6], rel=1e-4, abs=1e-6)
-    # A step of the emulator costs what the node measured, within the fit's own error.
-    for raw in fit_doc["raw"]:
-        sm = Sample(*raw)
-        sec = sm.seconds - (p.request_overhead_s if sm.kind == "prefill" else 0.0)
-        got = p.step_s(sm.prefill, sm.context, sm.decodes, sm.waiting)
-        assert got == pytest.approx(sec, rel=1.5, abs=0.004)
+    # A step of the emulator costs what the node measured: each probe setting's median within
+    # 30 % (single samples are noisier: the fit works on the medians).
+    for group in settings([Sample(*raw) for raw in fit_doc["raw"]]).values():
+        sm = group[0]
+        measured = statistics.median(g.seconds for g in group)
+        measured -= p.request_overhead_s if sm.kind == "prefill" else 0.0
+        got = p.step_s(
+            int(statistics.median(g.prefill for g in group)),
+            int(statistics.median(g.context for g in group)),
+            sm.decodes,
+            sm.waiting,
+        )
+        assert got == pytest.approx(measured, rel=0.3), (sm, got, measured)
     bad = tmp_path / "x.json"
     bad.write_text(json.dumps({"profile": {**doc["profile"], "warp": 9}}))
     with pytest.raises(ValueError, match="warp"):
