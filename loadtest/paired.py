@@ -78,16 +78,16 @@ def table(systems: list[str], runs: dict[str, list[dict[str, Any]]]) -> str:
 def verdict(systems: list[str], runs: dict[str, list[dict[str, Any]]]) -> str:
     base, ours = systems[0], systems[-1]
     read = METRICS[0][1]
-    diffs = [
-        (read(b) or 0.0) - (read(o) or 0.0) for b, o in zip(runs[base], runs[ours], strict=True)
+    diffs = [  # ours − base, per round
+        (read(o) or 0.0) - (read(b) or 0.0) for b, o in zip(runs[base], runs[ours], strict=True)
     ]
     med = {s: statistics.median([read(r) or 0.0 for r in runs[s]]) for s in (base, ours)}
     met = med[ours] >= med[base]
-    per_round = ", ".join(f"{-d:+.1%}" for d in diffs)
+    per_round = ", ".join(f"{d:+.1%}" if abs(d) >= 0.0005 else "±0.0%" for d in diffs)
     return (
         f"realtime TTFT attainment, median over {len(diffs)} rounds: {ours} {med[ours]:.1%} vs "
         f"{base} {med[base]:.1%} → **{'met' if met else 'not met'}**; per round ({ours} − "
-        f"{base}): {per_round}; {ours} ahead in {sum(d < 0 for d in diffs)} of {len(diffs)}"
+        f"{base}): {per_round}; {ours} ahead in {sum(d > 0 for d in diffs)} of {len(diffs)}"
     )
 
 
