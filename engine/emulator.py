@@ -41,10 +41,8 @@ class Engine:
         self.max_queued_tokens = max_queued_tokens
         self.max_queued_reqs = max_queued_reqs
         self.model = model_name or profile.model
-        # vLLM's block pool keeps one block aside (its null block): N blocks hold N - 1 blocks
-        # of KV, and kv_cache_usage_perc counts over N - 1.
         self.total_blocks = num_blocks if num_blocks is not None else profile.num_blocks
-        self.sched = Scheduler(profile, policy, self.total_blocks - 1, prefix_caching)
+        self.sched = Scheduler.pool(profile, policy, self.total_blocks, prefix_caching)
         self.wake = asyncio.Event()
         self.leak_bytes = 0
         self.hang = False

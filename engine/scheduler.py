@@ -103,6 +103,20 @@ class Scheduler:
         self.preemptions_total = 0
         self.max_waiting = 10_000
 
+    @classmethod
+    def pool(
+        cls,
+        profile: Profile,
+        policy: str = "priority",
+        total_blocks: int | None = None,
+        prefix_caching: bool = True,
+    ) -> Scheduler:
+        """A scheduler over a pool of `total_blocks` (the profile's when None) as vLLM's block
+        pool keeps it: one block aside (its null block), so N blocks hold N - 1 blocks of KV and
+        kv_cache_usage_perc counts over N - 1."""
+        total = total_blocks if total_blocks is not None else profile.num_blocks
+        return cls(profile, policy, total - 1, prefix_caching)
+
     # -- requests --------------------------------------------------------------------------
     def add(self, seq: Seq) -> None:
         if len(self.waiting) >= self.max_waiting:

@@ -24,8 +24,7 @@ def completed_rate(
     kinds: tuple[Kind, ...] = MIXED,
     num_blocks: int | None = None,
 ) -> float:
-    blocks = (num_blocks or PROFILES[profile].num_blocks) - 1  # vLLM's null block, as Engine
-    s = Scheduler(PROFILES[profile], policy="fcfs", num_blocks=blocks)
+    s = Scheduler.pool(PROFILES[profile], "fcfs", num_blocks)  # as the emulated node's pool
     reqs = schedule(rate, seconds, seed=11, kinds=kinds)
     t, i, done = 0.0, 0, 0
     lo = seconds * 0.3
