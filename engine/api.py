@@ -18,7 +18,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from engine.emulator import Engine
-from engine.openai_api import Tokens, err_body, full_body, prompt_of
+from engine.openai_api import Tokens, err_body, full_body, logprobs_of, prompt_of
 from engine.profiles import PROFILES
 from engine.scheduler import Seq, block_hashes
 
@@ -60,18 +60,25 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise web.HTTPBadRequest(
             text=err_body("max_tokens must be at least 1"), content_type="application/json"
         )
+    copies = body.get("n") or 1
+    if not isinstance(copies, int) or not 1 <= copies <= 128:
+        raise web.HTTPBadRequest(
+            text=err_body("n must be an integer from 1 to 128"), content_type="application/json"
+        )
     prompt, text = prompt_of(body, chat, request.app.get(TOKENS))
-    seq = Seq(prompt, max_tokens, priority=int(body.get("priority", 0)), arrival=time.monotonic())
-    if engine.sched.prefix_caching:
-        seq.hashes = block_hashes(text, engine.profile.block_size)
-    engine.m_prio.labels(str(seq.priority)).inc()
+    # n > 1: vLLM's parallel sampling, n sequences of one prompt (the copies find its blocks
+    # cached), each up to max_tokens; the answer has a choice per sequence.
+    hashes = block_hashes(text, engine.profile.block_size) if engine.sched.prefix_caching else ()
+    arrival = time.monotonic()
+    seqs = [
+        Seq(prompt, max_tokens, priority=int(body.get("priority", 0)), arrival=arrival)
+        for _ in range(copies)
+    ]
+    for seq in seqs:
+        seq.hashes = hashes
+    engine.m_prio.labels(str(seqs[0].priority)).inc()
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
-    usage: dict[str, Any] = {
-        "prompt_tokens": prompt,
-        "completion_tokens": 0,
-        "total_tokens": prompt,
-    }
     stream = bool(body.get("stream"))
     # vLLM with --enable-request-id-headers echoes the caller's X-Request-Id.
     echo = (
@@ -79,25 +86,39 @@ async def generate(request: web.Request) -> web.StreamResponse:
         if "X-Request-Id" in request.headers
         else {}
     )
-    queue: asyncio.Queue[int] = asyncio.Queue()
-    if stream:
-        seq.on_token = lambda s: queue.put_nowait(s.generated)
-    else:
-        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    queue: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    for i, seq in enumerate(seqs):
+        if stream:
+            seq.on_token = lambda s, i=i: queue.put_nowait((i, s.generated))
+        else:
 
-        def on_token(s: Seq) -> None:
-            if s.finish_reason and not done.done():
-                done.set_result(None)
+            def on_token(s: Seq) -> None:
+                if all(q.finish_reason for q in seqs) and not done.done():
+                    done.set_result(None)
 
-        seq.on_token = on_token
+            seq.on_token = on_token
     if engine.profile.request_overhead_s:  # a fitted engine's HTTP path before it can schedule
         await asyncio.sleep(engine.profile.request_overhead_s)
     try:
-        engine.submit(seq)
+        for seq in seqs:
+            engine.submit(seq)
     except OverflowError:
+        for seq in seqs:
+            engine.abort(seq)
         raise web.HTTPServiceUnavailable(
             text=err_body("engine queue full", 503), content_type="application/json"
         ) from None
+
+    def usage() -> dict[str, Any]:
+        out = sum(q.generated for q in seqs)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": out,
+            "total_tokens": prompt + out,
+            "prompt_tokens_details": {"cached_tokens": max(0, seqs[0].cached_tokens)},
+        }
+
     try:
         if not stream:
             await done
@@ -106,27 +127,23 @@ async def generate(request: web.Request) -> web.StreamResponse:
                 # a JSON list of calls (the emulator's always) is a 400, after the work is done.
                 msg = err_body("output is not a valid tool call list")
                 raise web.HTTPBadRequest(text=msg, content_type="application/json")
-            usage.update(
-                completion_tokens=seq.generated,
-                total_tokens=prompt + seq.generated,
-                prompt_tokens_details={"cached_tokens": max(0, seq.cached_tokens)},
-            )
-            doc = full_body(
-                body, chat, rid, created, engine.model, seq.generated, seq.finish_reason
-            )
-            return web.json_response({**doc, "usage": usage}, headers=echo)
+            outs = [(q.generated, q.finish_reason) for q in seqs]
+            doc = full_body(body, chat, rid, created, engine.model, outs)
+            return web.json_response({**doc, "usage": usage()}, headers=echo)
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", **echo}
         )
         await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta: str, finish: str | None, first: bool = False) -> bytes:
-            c: dict[str, Any] = {"index": 0, "logprobs": None, "finish_reason": finish}
+        def chunk(i: int, tokens: list[str], finish: str | None, first: bool = False) -> bytes:
+            delta = "".join(tokens)
+            c: dict[str, Any] = {"index": i, "logprobs": None, "finish_reason": finish}
             if chat:
                 c["delta"] = (
                     {"role": "assistant", "content": delta} if first else {"content": delta}
                 )
+                c["logprobs"] = logprobs_of(body, tokens) if tokens else None
             else:
                 c["text"] = delta
             d = {
@@ -139,33 +156,34 @@ async def generate(request: web.Request) -> web.StreamResponse:
             return b"data: " + json.dumps(d).encode() + b"\n\n"
 
         if chat:
-            await resp.write(chunk("", None, first=True))
-        sent = 0
-        while sent < seq.max_tokens:
-            n = await queue.get()
-            parts = "".join(f" tok{i}" for i in range(sent, n))
-            sent = n
-            await resp.write(chunk(parts, seq.finish_reason if sent >= seq.max_tokens else None))
+            for i in range(copies):
+                await resp.write(chunk(i, [], None, first=True))
+        sent = [0] * copies
+        ended = [False] * copies
+        while not all(ended):
+            i, n = await queue.get()
+            ended[i] = seqs[i].finish_reason is not None and n >= seqs[i].generated
+            if n <= sent[i] and not ended[i]:
+                continue
+            parts = [f" tok{k}" for k in range(sent[i], n)]
+            sent[i] = max(sent[i], n)
+            await resp.write(chunk(i, parts, seqs[i].finish_reason if ended[i] else None))
         opts = body.get("stream_options") or {}
         if opts.get("include_usage"):
-            usage.update(
-                completion_tokens=sent,
-                total_tokens=prompt + sent,
-                prompt_tokens_details={"cached_tokens": max(0, seq.cached_tokens)},
-            )
             d = {
                 "id": rid,
                 "object": obj,
                 "created": created,
                 "model": engine.model,
                 "choices": [],
-                "usage": usage,
+                "usage": usage(),
             }
             await resp.write(b"data: " + json.dumps(d).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         return resp
     except (asyncio.CancelledError, ConnectionResetError):
-        engine.abort(seq)  # the client went away: vLLM aborts the request
+        for seq in seqs:
+            engine.abort(seq)  # the client went away: vLLM aborts the request
         raise
 
 

@@ -67,36 +67,46 @@ def err_body(msg: str, code: int = 400) -> str:
     )
 
 
+def logprobs_of(body: dict[str, Any], tokens: list[str]) -> dict[str, Any] | None:
+    """A chat choice's (or stream chunk's) `logprobs` for `tokens`, as vLLM writes them when
+    asked (`logprobs`, `top_logprobs` alternatives per token); None when not asked."""
+    if not body.get("logprobs"):
+        return None
+    top = int(body.get("top_logprobs") or 0)
+
+    def entry(t: str, lp: float) -> dict[str, Any]:
+        return {"token": t, "logprob": lp, "bytes": list(t.encode())}
+
+    alts = [entry(f" alt{k}", -1.0 - k) for k in range(top)]
+    return {"content": [{**entry(t, -0.01), "top_logprobs": alts} for t in tokens]}
+
+
 def full_body(
-    body: dict[str, Any], chat: bool, rid: str, created: int, model: str, n: int, finish: Any
+    body: dict[str, Any],
+    chat: bool,
+    rid: str,
+    created: int,
+    model: str,
+    outs: list[tuple[int, Any]],
 ) -> dict[str, Any]:
-    """A non-streamed answer of `n` generated tokens, usage aside. Chat `logprobs` (with
-    `top_logprobs` alternatives per token) as vLLM writes them: large answers come from there."""
-    tokens = [f" tok{i}" for i in range(n)]
-    choice: dict[str, Any] = {
-        "index": 0,
-        "logprobs": None,
-        "finish_reason": finish,
-        "stop_reason": None,
-    }
-    if chat:
-        choice["message"] = {"role": "assistant", "content": "".join(tokens), "refusal": None}
-        if body.get("logprobs"):
-            top = int(body.get("top_logprobs") or 0)
-
-            def entry(t: str, lp: float) -> dict[str, Any]:
-                return {"token": t, "logprob": lp, "bytes": list(t.encode())}
-
-            choice["logprobs"] = {
-                "content": [
-                    {
-                        **entry(t, -0.01),
-                        "top_logprobs": [entry(f" alt{k}", -1.0 - k) for k in range(top)],
-                    }
-                    for t in tokens
-                ]
-            }
-    else:
-        choice["text"] = "".join(tokens)
+    """A non-streamed answer, usage aside: a choice per sequence, `outs` its (generated tokens,
+    finish reason). Chat `logprobs` (with `top_logprobs` alternatives per token) as vLLM writes
+    them: large answers come from there (and from n)."""
+    choices = []
+    for index, (n, finish) in enumerate(outs):
+        tokens = [f" tok{i}" for i in range(n)]
+        choice: dict[str, Any] = {
+            "index": index,
+            "logprobs": None,
+            "finish_reason": finish,
+            "stop_reason": None,
+        }
+        if chat:
+            content = "".join(tokens)
+            choice["message"] = {"role": "assistant", "content": content, "refusal": None}
+            choice["logprobs"] = logprobs_of(body, tokens)
+        else:
+            choice["text"] = "".join(tokens)
+        choices.append(choice)
     obj = "chat.completion" if chat else "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": choices}

@@ -148,6 +148,39 @@ def test_emulator_responses_have_vllm_shape(vstack: Stack, emulator: int, path: 
         assert isinstance(doc["prompt_tokens_details"]["cached_tokens"], int)
 
 
+def test_emulator_answers_n_and_logprobs_as_vllm(vstack: Stack, emulator: int) -> None:
+    """n copies and logprobs, plain and streamed: the answers the edge must size and settle
+    (n × max_tokens of work; the large answers of slow readers come from these)."""
+    body: dict[str, Any] = {
+        "model": "tiny-llama",
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 4,
+        "ignore_eos": True,
+        "n": 3,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    path = "/v1/chat/completions"
+    real = json.loads(post(vstack.node_ports[0], path, body))
+    emu = json.loads(post(emulator, path, body))
+    assert mismatch(shape(emu), shape(real)) is None, mismatch(shape(emu), shape(real))
+    for doc in (real, emu):
+        assert sorted(c["index"] for c in doc["choices"]) == [0, 1, 2]
+        assert doc["usage"]["completion_tokens"] == 12
+        assert all(len(c["logprobs"]["content"]) == 4 for c in doc["choices"])
+        assert all(len(e["top_logprobs"]) == 2 for e in doc["choices"][0]["logprobs"]["content"])
+    stream_body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    for port in (vstack.node_ports[0], emulator):
+        events = sse(post(port, path, stream_body))
+        assert events[-1]["usage"]["completion_tokens"] == 12
+        chunks = [c for e in events[:-1] for c in e["choices"]]
+        assert {c["index"] for c in chunks} == {0, 1, 2}
+        with_lp = [c for c in chunks if c.get("logprobs")]
+        assert sum(len(c["logprobs"]["content"]) for c in with_lp) == 12, port
+        assert all(c["finish_reason"] == "length" for c in chunks if c["finish_reason"])
+        assert sum(1 for c in chunks if c["finish_reason"]) == 3
+
+
 def test_real_vllm_reports_the_cached_tokens_of_a_repeated_prompt(vstack: Stack) -> None:
     body = {"model": "tiny-llama", "max_tokens": 2, "prompt": "the shared system prompt " * 60}
     first = json.loads(post(vstack.node_ports[0], "/v1/completions", body))["usage"]
