@@ -38,6 +38,7 @@ def placeholders(
         "@@SIDECAR_SOCKET_LIST@@": ", ".join(f'"{s}"' for s in http),
         "@@ADMIT_SOCKET_LIST@@": ", ".join(f'"{s}"' for s in admit),
         "@@SIDECAR_SERVERS@@": "\n".join(f"    server unix:{s} max_fails=0;" for s in http),
+        "@@RELAY_SOCKET@@": str(socket_dir / "edge-relay.sock"),
         "@@MAX_BODY@@": str(policy.edge.max_body_bytes),
         "@@MAX_FILE_BODY@@": str(policy.batch.max_file_bytes + 65536),  # + multipart headers
     }

@@ -18,10 +18,12 @@ docs/reliability.md.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
 import signal
+import socket
 import time
 import urllib.request
 from collections import Counter
@@ -377,3 +379,123 @@ def test_redis_refusing_writes(
         run(off)()
     settle_and_check(stack, answers, set(), label, 2.0)
     assert redis_errors(stack) > errors
+
+
+# Slow readers (issue 28): streams far larger than the socket buffers between the engine and a
+# client (n 8 × 320 tokens with 20 alternatives each: ~4.5 MB, past the 4 MiB a send buffer
+# grows to by default), each read a byte every two seconds by a client with a 4 KiB receive
+# buffer, from the batch tenant; realtime streams from another tenant meanwhile.
+SLOW_READERS = 120
+SLOW_BODY = {
+    "model": "llama-3-8b",
+    "messages": [{"role": "user", "content": "list every token you know " * 4}],
+    "max_tokens": 320,
+    "ignore_eos": True,
+    "n": 8,
+    "logprobs": True,
+    "top_logprobs": 20,
+    "stream": True,
+    "stream_options": {"include_usage": True},
+}
+
+
+async def slow_reader(port: int, release: asyncio.Event, statuses: list[bytes]) -> None:
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    # limit: the reader stops taking bytes from the socket past 8 KiB unread.
+    reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
+    data = json.dumps(SLOW_BODY).encode()
+    writer.write(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-demo-etl\r\n"
+        b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(data) + data
+    )
+    statuses.append((await reader.readline())[9:12])
+    while not release.is_set():
+        await reader.read(1)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(release.wait(), 2.0)
+    writer.close()
+
+
+async def realtime_ttft(s: aiohttp.ClientSession, url: str) -> float | None:
+    """Seconds to the first generated token of a short realtime stream (None: not a 200)."""
+    t = time.monotonic()
+    body = {
+        "model": "llama-3-8b",
+        "messages": [{"role": "user", "content": "a quick answer please"}],
+        "max_tokens": 24,
+        "stream": True,
+    }
+    headers = {"Authorization": "Bearer sk-demo-acme"}
+    async with s.post(f"{url}/v1/chat/completions", json=body, headers=headers) as r:
+        if r.status != 200:
+            return None
+        ttft = None
+        async for line in r.content:
+            if ttft is None and b"tok" in line:
+                ttft = time.monotonic() - t
+        return ttft
+
+
+def engines_idle(stack: Stack) -> bool:
+    assert stack.nodes is not None
+    for port in stack.nodes.ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as m:
+            for ln in m.read().decode().splitlines():
+                busy = ln.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting"))
+                if busy and float(ln.rsplit(" ", 1)[1]) > 0:
+                    return False
+    return True
+
+
+def test_slow_readers_hold_nothing_and_realtime_keeps_its_ttft(stack: Stack) -> None:
+    async def main() -> tuple[list[bytes], list[float | None], dict[str, Any], int]:
+        release = asyncio.Event()
+        statuses: list[bytes] = []
+        readers = []
+        ttfts: list[asyncio.Future[float | None]] = []
+        conn = aiohttp.TCPConnector(limit=0, force_close=True)
+        async with aiohttp.ClientSession(connector=conn) as s:
+            t0 = time.monotonic()
+            for i in range(SLOW_READERS):  # over the first 10 s
+                await asyncio.sleep(max(0.0, t0 + i * 10 / SLOW_READERS - time.monotonic()))
+                readers.append(asyncio.ensure_future(slow_reader(stack.port, release, statuses)))
+                if i % 6 == 0:
+                    ttfts.append(asyncio.ensure_future(realtime_ttft(s, stack.url)))
+            while time.monotonic() - t0 < 30:  # realtime at 2/s for 20 s more
+                await asyncio.sleep(0.5)
+                ttfts.append(asyncio.ensure_future(realtime_ttft(s, stack.url)))
+            answered = await asyncio.gather(*ttfts)
+            # The engines finish the readers' work while the readers still hold their streams.
+            loop = asyncio.get_running_loop()
+            for _ in range(240):
+                if await loop.run_in_executor(None, engines_idle, stack):
+                    break
+                await asyncio.sleep(0.5)
+            assert stack.redis_url is not None
+            left = await loop.run_in_executor(None, wait_unbooked, stack.redis_url, 15.0)
+            connected = sum(not r.done() for r in readers)
+            release.set()
+            await asyncio.gather(*readers)
+        return statuses, list(answered), left, connected
+
+    statuses, ttfts, left, connected = asyncio.run(main())
+    admitted = statuses.count(b"200")
+    ok = sorted(t for t in ttfts if t is not None)
+    within = sum(t <= 1.0 for t in ok) / max(1, len(ttfts))
+    print(
+        f"\nCHAOS {SLOW_READERS} slow readers: {Counter(statuses)}; {connected} still reading "
+        f"when the engines were idle; booked then: {len(left)} keys; realtime {len(ttfts)} "
+        f"streams, TTFT p50 {ok[len(ok) // 2]:.2f} s, p90 {ok[int(len(ok) * 0.9)]:.2f} s, "
+        f"{within:.0%} within the 1 s target"
+    )
+    assert admitted >= SLOW_READERS // 2, Counter(statuses)
+    assert connected == SLOW_READERS  # every reader was still on its stream…
+    assert not left, left  # …and nothing was booked for any of them
+    assert within >= 0.9, ok
+    assert stack.redis_url is not None
+    assert not wait_unbooked(stack.redis_url)
+    health = sidecar_health(stack.sock_dir)
+    assert len(health) == 2 and all(h == (200, "ok") for h in health), health

@@ -409,6 +409,7 @@ def test_edge_without_its_tenant_table_answers_503_not_401(stack: Stack, tmp_pat
         text = (stack.run_dir / name).read_text()
         text = text.replace(str(stack.sock_dir / "edge.json"), str(run / "missing.json"))
         text = text.replace(str(stack.internal_socket), str(run / "internal.sock"))
+        text = text.replace(str(stack.sock_dir / "edge-relay.sock"), str(run / "relay.sock"))
         text = text.replace(str(stack.run_dir), str(run))
         text = text.replace(f"127.0.0.1:{stack.port}", f"127.0.0.1:{port}")
         (run / name).write_text(text)

@@ -1,11 +1,13 @@
 -- admission.edge.access: the access phase of /v1/completions and /v1/chat/completions.
--- identify → read features → class check → ask the sidecar → rewrite the body → let
--- proxy_pass + the balancer move the bytes. Every refusal goes through admission.edge.respond.
+-- identify → read features → class check → ask the sidecar → rewrite the body → hand the
+-- route to the relay (admission.edge.relay), whose balancer moves the bytes to the node.
+-- Every refusal goes through admission.edge.respond.
 local edge_table = require "admission.edge.table"
 local identify = require "admission.edge.identify"
 local request = require "admission.edge.request"
 local admit = require "admission.edge.admit"
 local respond = require "admission.edge.respond"
+local relay = require "admission.edge.relay"
 
 local ngx = ngx
 local ngx_var = ngx.var
@@ -87,7 +89,7 @@ function _M.run()
       ctx.peers = { peers[first] }
       for i, p in ipairs(peers) do if i ~= first then ctx.peers[#ctx.peers + 1] = p end end
       request.rewrite(f, t.classes[class] or 0)
-      return
+      return relay.route(ctx)
     end
     log(WARN, "admission sidecar unavailable (", err, "): fail-closed")
     return respond.error(503, "admission_unavailable", "admission service unavailable", 1)
@@ -101,6 +103,7 @@ function _M.run()
   for _, fb in ipairs(d.fallbacks or {}) do peers[#peers + 1] = fb end
   ctx.peers = peers
   request.rewrite(f, d.priority)
+  relay.route(ctx)
 end
 
 -- /v1/files and /v1/batches: authenticate like every call, then hand the request to a sidecar

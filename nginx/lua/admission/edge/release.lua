@@ -1,5 +1,5 @@
--- admission.edge.release: report ticket, status and usage to a sidecar after the response
--- (log phase). The log phase cannot use sockets, so the release is queued in a shared dict
+-- admission.edge.release: report ticket, status and usage to a sidecar after the engine's
+-- response (the relay server's log phase: admission.edge.relay). The log phase cannot use sockets, so the release is queued in a shared dict
 -- and delivered by a few drainer timers per worker, in batches (one POST of a JSON array)
 -- over keepalive unix-socket connections to the sidecars.
 --
@@ -133,11 +133,15 @@ function _M.log()
   local status = last or 0
   -- header_s: how long the last engine took to answer its status line (nil: it never did).
   -- The sidecar believes a quick 4xx did no work, not a slow one (admission/usage.py).
-  local body = cjson.encode({ ticket = ctx.ticket, status = status,
-                              node_failed = first == 502 and not first_header,
-                              header_s = tonumber(str_match(headers, "([%d.]+)%s*$")),
-                              usage = usage.extract(ctx) or cjson.null })
-  local len, err = dict:rpush(QUEUE, body)
+  _M.queue({ ticket = ctx.ticket, status = status,
+             node_failed = first == 502 and not first_header,
+             header_s = tonumber(str_match(headers, "([%d.]+)%s*$")),
+             usage = usage.extract(ctx) or cjson.null })
+end
+
+-- Queue one release for the drainers (any phase).
+function _M.queue(release)
+  local len, err = dict:rpush(QUEUE, cjson.encode(release))
   if not len then
     log(ERR, "admission release queue full (", err, "); the lease will expire")
     return

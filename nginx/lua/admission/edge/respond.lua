@@ -110,6 +110,11 @@ local ENGINE_ERRORS = {
 function _M.header_filter()
   request_id()
   _M.ratelimit(ngx.ctx.ratelimit)
+  _M.engine_errors()
+end
+
+-- The shaping alone (the relay server's header filter: the public side adds the rest).
+function _M.engine_errors()
   local e = ENGINE_ERRORS[ngx.status]
   if not e or ngx.var.upstream_http_content_type then
     return
