@@ -156,9 +156,7 @@ class Engine:
             if res.prefill_tokens or res.decoded:  # tokens computed this step, as vLLM counts
                 self.h_step.observe(res.prefill_tokens + len(res.decoded))
             self.m_preempt.inc(res.preempted)
-            self.m_running.set(len(self.sched.running))
-            self.m_waiting.set(len(self.sched.waiting))
-            self.m_kv.set(self.sched.kv_usage)
+            self._gauges()
             due = base + res.duration_s
             await asyncio.sleep(max(0.0, due - loop.time()))
             for seq in res.decoded:
@@ -195,6 +193,12 @@ class Engine:
         if seq.finish_reason is None:
             self.sched.abort(seq)
             self.m_success.labels("0", self.model, "abort").inc()
+            self._gauges()  # the loop may go idle now: no step would set them
+
+    def _gauges(self) -> None:
+        self.m_running.set(len(self.sched.running))
+        self.m_waiting.set(len(self.sched.waiting))
+        self.m_kv.set(self.sched.kv_usage)
 
     def device(self) -> dict[str, int]:
         p = self.profile

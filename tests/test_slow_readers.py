@@ -6,6 +6,7 @@ has read it (issue 28, finding 5) — and the client still gets the whole answer
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import time
@@ -131,3 +132,65 @@ def test_a_stalled_reader_gives_the_node_back_when_the_engine_ends(
     else:
         assert b'"usage"' in rest[-3000:]
     assert not wait_unbooked(stack.redis_url or "")
+
+
+def test_a_stream_still_passes_token_by_token(stack: Stack) -> None:
+    """The public side buffers the relay's answer (for slow readers): a reader at pace still
+    gets each chunk as the engine makes it, not at the end."""
+    body = {
+        "model": "llama-3-8b",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 200,  # ~2.4 s on the emulated A100
+        "ignore_eos": True,
+        "stream": True,
+    }
+    req = urllib.request.Request(
+        f"{stack.url}/v1/chat/completions",
+        data=json.dumps(body).encode(),
+        headers={"Authorization": "Bearer sk-demo-acme", "Content-Type": "application/json"},
+    )
+    t0 = time.monotonic()
+    arrivals = []
+    with urllib.request.urlopen(req, timeout=60) as r:
+        for line in r:
+            if b"tok" in line:
+                arrivals.append(time.monotonic() - t0)
+    assert len(arrivals) > 50, len(arrivals)
+    first, last = arrivals[0], arrivals[-1]
+    assert first < 0.5, first
+    assert last - first > 1.5, (first, last)
+    # Evenly spread: each tenth of the chunks arrives in its own stretch of the stream.
+    tenths = [arrivals[len(arrivals) * k // 10] for k in range(10)]
+    assert all(b - a > 0.05 for a, b in itertools.pairwise(tenths)), tenths
+
+
+def running_on_engines(stack: Stack) -> float:
+    assert stack.nodes is not None
+    total = 0.0
+    for port in stack.nodes.ports:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as m:
+            for ln in m.read().decode().splitlines():
+                if ln.startswith("vllm:num_requests_running"):
+                    total += float(ln.rsplit(" ", 1)[1])
+    return total
+
+
+def test_a_client_that_leaves_mid_stream_stops_the_engine(stack: Stack) -> None:
+    """Through both halves of the edge, a client gone is a request aborted on the engine (no
+    engine work for nobody) and its lease given back."""
+    body = {
+        "model": "llama-3-8b",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3000,  # ~36 s on the emulated A100
+        "ignore_eos": True,
+        "stream": True,
+    }
+    s = stalled_client(stack, body)
+    assert running_on_engines(stack) == 1
+    s.close()
+    for _ in range(50):
+        if running_on_engines(stack) == 0 and inflight(stack) == 0:
+            break
+        time.sleep(0.1)
+    assert running_on_engines(stack) == 0
+    assert inflight(stack) == 0
