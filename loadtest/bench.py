@@ -2,6 +2,7 @@
 
     .venv/bin/python -m loadtest.bench [--systems fifo,limit_req,vllm_priority,admission]
         [--nodes 4] [--load 1.5] [--seconds 60] [--profile a100-40gb-llama3-8b] [--out bench-out]
+        [--repeat N]
 
 Systems (each on fresh emulated nodes, one after another, same seeded arrivals):
   fifo           NGINX round-robin straight to the nodes; vLLM --scheduling-policy fcfs
@@ -37,7 +38,7 @@ from devstack.procs import free_port, port_open, stop_process, wait_for
 from devstack.stack import MODULES, Stack
 from engine.profiles import PROFILES
 from engine.vllm_node import TINY_MODEL
-from loadtest import report
+from loadtest import repeat, report
 from loadtest.baselines import demo_keys, plain_nginx, router, valves
 from loadtest.capacity import bounds_line, capacity
 from loadtest.drive import drive
@@ -184,6 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--workload", help="a YAML mix instead of the built-in one (loadtest/workloads/)"
     )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=1,
+        help="rounds: seeds seed..seed+N-1, systems rotated; prints median (min–max) and paired "
+        "differences (loadtest/repeat.py)",
+    )
     ap.add_argument("--out", default="bench-out")
     add_flag(ap)
     a = ap.parse_args(argv)
@@ -217,21 +225,32 @@ def main(argv: list[str] | None = None) -> int:
         for t in policy.tenants.values()
         if "realtime" in t.classes and t.id != "nightly-etl"
     }
-    results, summaries = [], []
     work = scratch("bench-", a.keep_work)
-    for system in a.systems.split(","):
-        print(f"running {system} ...", flush=True)
-        res = run_system(system, a, reqs, work)
-        results.append(res)
-        summaries.append(report.summarise(res, slo, weights, slo_e2e, slo_tpot))
-    table = report.markdown(summaries)
-    print("\n" + table + "\n")
-    (out / "report.md").write_text(table + "\n")
-    report.write_json(out / "report.json", summaries, results)
-    paths = report.plots(out, results, summaries)
-    print(
-        f"report: {out / 'report.md'}, {out / 'report.json'}; plots: {', '.join(str(p) for p in paths)}"
-    )
+    systems = a.systems.split(",")
+    rounds: list[list[dict[str, Any]]] = []
+    for rnd in range(a.repeat):
+        if rnd:
+            reqs = schedule(rate, a.seconds, seed=a.seed + rnd, kinds=kinds)
+            print(f"round {rnd + 1} of {a.repeat} (seed {a.seed + rnd})", flush=True)
+        results, summaries = [], []
+        for system in repeat.order(systems, rnd):
+            print(f"running {system} ...", flush=True)
+            res = run_system(system, a, reqs, work / f"round-{rnd}")
+            results.append(res)
+            summaries.append(report.summarise(res, slo, weights, slo_e2e, slo_tpot))
+        rounds.append(summaries)
+        table = report.markdown(summaries)
+        print("\n" + table + "\n", flush=True)
+        suffix = f"-round-{rnd + 1}" if a.repeat > 1 else ""
+        (out / f"report{suffix}.md").write_text(table + "\n")
+        report.write_json(out / f"report{suffix}.json", summaries, results)
+        if rnd == 0:
+            paths = report.plots(out, results, summaries)
+            print(f"report: {out}/report*.md, report*.json; plots: {', '.join(map(str, paths))}")
+    if a.repeat > 1:
+        summary = repeat.table(rounds)
+        print(f"\n{a.repeat} rounds:\n\n{summary}\n")
+        (out / "report-rounds.md").write_text(summary + "\n")
     return 0
 
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from loadtest import report
+from loadtest import repeat, report
 from loadtest.report import Record, SystemResult
 from loadtest.workload import prompt_text, schedule
 
@@ -151,3 +152,40 @@ def test_shares_are_compared_with_weights_only_for_backlogged_tenants() -> None:
     )
     table = report.markdown([s])
     assert "a all answered" in table and "b 17% vs 17%" in table
+
+
+def _summary(system: str, goodput: float, realtime: float, hits: float | None) -> dict[str, Any]:
+    return {
+        "system": system,
+        "goodput_tokens_per_s": goodput,
+        "good_tokens": int(goodput * 60),
+        "prefix_hit_ratio": hits,
+        "classes": {"realtime": {"slo_attainment": realtime}, "offline": {"slo_attainment": None}},
+    }
+
+
+def test_repeated_rounds_give_median_spread_and_paired_differences() -> None:
+    rounds = [
+        [_summary("admission", 1000, 0.90, 0.5), _summary("vllm_router", 900, 0.95, 0.6)],
+        [_summary("vllm_router", 800, 0.80, 0.6), _summary("admission", 1100, 0.70, 0.4)],
+        [_summary("admission", 900, 0.99, 0.5), _summary("vllm_router", 950, 0.90, 0.7)],
+    ]
+    out = repeat.table(rounds)
+    first = out.split("Paired")[0]
+    rows = {ln.split(" | ")[0].strip("| "): ln for ln in first.splitlines() if ln.startswith("| ")}
+    # Medians with the range, over the three rounds.
+    assert "1000 (900–1100)" in rows["admission"] and "90.0% (70.0%–99.0%)" in rows["admission"]
+    assert "900 (800–950)" in rows["vllm_router"] and "60.0% (60.0%–70.0%)" in rows["vllm_router"]
+    # Paired, round by round: goodput +100, +300, −50 (2 of 3 won); realtime −5, −10, +9 points.
+    against = out.split("Paired")[1]
+    assert "+100 (-50–+300), 2/3" in against
+    assert "-5.0 (-10.0–+9.0), 1/3" in against
+    # A class without a TTFT target has no column.
+    assert "offline" not in out
+
+
+def test_rounds_rotate_the_systems() -> None:
+    systems = ["fifo", "vllm_router", "admission"]
+    assert repeat.order(systems, 0) == systems
+    assert repeat.order(systems, 1) == ["vllm_router", "admission", "fifo"]
+    assert repeat.order(systems, 3) == systems
