@@ -23,4 +23,4 @@ chaos:
 	.venv/bin/pytest -m chaos -s -q
 
 fuzz:
-	.venv/bin/python -m loadtest.fuzz --edge-cases 100000 --policy-cases 100000 --batch-api-cases 10000
+	.venv/bin/python -m loadtest.fuzz --edge-cases 100000 --policy-cases 100000 --batch-api-cases 10000 --estimate-cases 10000

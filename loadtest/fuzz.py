@@ -37,7 +37,8 @@ import aiohttp
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from loadtest.fuzz_policy import fuzz_policy
+from loadtest.fuzz_estimate import report_estimate
+from loadtest.fuzz_policy import report_policy
 
 # Every random API key the fuzzer sends carries this mark, so that the logs can be searched for
 # any of them afterwards.
@@ -368,20 +369,13 @@ def main(argv: list[str] | None = None) -> int:
         default=2000,
         help="Batch API operations (files, batches) through the same edge",
     )
+    p.add_argument("--estimate-cases", type=int, default=0, help="prompt estimate vs tokenizer")
     p.add_argument("--batch", type=int, default=32, help="edge requests in flight together")
     p.add_argument("--work", default=None, help="run directory (default: a temporary one)")
     a = p.parse_args(argv)
-    failures: list[str] = []
-    if a.policy_cases:
-        t0 = time.monotonic()
-        pt = fuzz_policy(a.policy_cases)
-        print(
-            f"policy: {pt.valid + pt.invalid:,} mutations in {time.monotonic() - t0:.0f} s: "
-            f"{pt.valid:,} valid, {pt.invalid:,} rejected with PolicyError; "
-            f"{len(pt.failures)} failures",
-            flush=True,
-        )
-        failures += pt.failures
+    failures = report_policy(a.policy_cases) if a.policy_cases else []
+    if a.estimate_cases:
+        failures += report_estimate(a.estimate_cases)
     if a.edge_cases:
         work = Path(a.work or tempfile.mkdtemp(prefix="fuzz-"))
         failures += run_edge(

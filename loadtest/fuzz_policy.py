@@ -8,6 +8,7 @@ raise PolicyError, and no message may carry a `plain:` key.
 from __future__ import annotations
 
 import tempfile
+import time
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -115,3 +116,16 @@ def fuzz_policy(n_cases: int, seed: int | None = None) -> PolicyTally:
 
         run()
     return tally
+
+
+def report_policy(n_cases: int) -> list[str]:
+    """`fuzz_policy`, its line printed; the failures."""
+    t0 = time.monotonic()
+    pt = fuzz_policy(n_cases)
+    print(
+        f"policy: {pt.valid + pt.invalid:,} mutations in {time.monotonic() - t0:.0f} s: "
+        f"{pt.valid:,} valid, {pt.invalid:,} rejected with PolicyError; "
+        f"{len(pt.failures)} failures",
+        flush=True,
+    )
+    return pt.failures
