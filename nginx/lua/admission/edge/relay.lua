@@ -14,8 +14,6 @@ local release = require "admission.edge.release"
 
 local ngx = ngx
 local log = ngx.log
-local str_match = string.match
-local tonumber = tonumber
 
 local _M = { _VERSION = "0.1.0" }
 
@@ -64,15 +62,8 @@ function _M.log()
   if not ctx.ticket then
     return
   end
-  local v = ngx.var
-  local statuses = v.upstream_status
-  local reached = statuses and statuses ~= ""
-  if reached then
-    local last = tonumber(str_match(statuses, "(%d+)%s*$"))
-    local header = str_match(v.upstream_header_time or "", "([%d.]+)%s*$")
-    reached = not (last == 502 and not header)
-  end
-  if not reached then
+  local _, last, _, header = release.upstream()
+  if not last or (last == 502 and not header) then
     release.queue({ ticket = ctx.ticket, status = 0, node_failed = false, usage = cjson.null })
   end
 end

@@ -113,29 +113,34 @@ function _M.configure(socket_paths)
   end)
 end
 
+-- What NGINX's upstream variables say of the peers tried: upstream_status lists every one
+-- ("502, 200" after a fallback), the last is the answer; header times are "-" for a peer that
+-- never sent its status line. Returns first status, last status, first header time, last
+-- header time (nil where absent).
+function _M.upstream()
+  local v = ngx.var
+  local statuses = v.upstream_status or ""
+  local headers = v.upstream_header_time or ""
+  return tonumber(str_match(statuses, "^%s*(%d+)")), tonumber(str_match(statuses, "(%d+)%s*$")),
+         tonumber(str_match(headers, "^%s*([%d.]+)")), tonumber(str_match(headers, "([%d.]+)%s*$"))
+end
+
 function _M.log()
   local ctx = ngx.ctx
   if not ctx.ticket then
     return
   end
-  -- upstream_status lists every peer tried ("502, 200" after a fallback): the last is the
-  -- answer. The first peer is the node the ticket names: it could not be reached when it gave
-  -- 502 without sending a response header (connect refused or timed out, or closed unanswered)
-  -- — not on a 502 NGINX gives for what a live engine sent ("upstream sent too big header").
-  local v = ngx.var
-  local statuses = v.upstream_status or ""
-  local first = tonumber(str_match(statuses, "^%s*(%d+)"))
-  local last = tonumber(str_match(statuses, "(%d+)%s*$"))
-  local headers = v.upstream_header_time or ""
-  local first_header = tonumber(str_match(headers, "^%s*([%d.]+)"))
+  -- The first peer is the node the ticket names: it could not be reached when it gave 502
+  -- without sending a response header (connect refused or timed out, or closed unanswered) —
+  -- not on a 502 NGINX gives for what a live engine sent ("upstream sent too big header").
+  local first, last, first_header, last_header = _M.upstream()
   -- No upstream status at all: no engine was contacted (the client left before the proxy
   -- started): 0, nothing ran — not the 499 NGINX logs for it.
-  local status = last or 0
   -- header_s: how long the last engine took to answer its status line (nil: it never did).
   -- The sidecar believes a quick 4xx did no work, not a slow one (admission/usage.py).
-  _M.queue({ ticket = ctx.ticket, status = status,
+  _M.queue({ ticket = ctx.ticket, status = last or 0,
              node_failed = first == 502 and not first_header,
-             header_s = tonumber(str_match(headers, "([%d.]+)%s*$")),
+             header_s = last_header,
              usage = usage.extract(ctx) or cjson.null })
 end
 
