@@ -19,8 +19,8 @@ from loadtest.fuzz import (
     _after,
     check,
     fuzz_edge,
-    fuzz_policy,
 )
+from loadtest.fuzz_policy import fuzz_policy
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -203,6 +203,14 @@ def test_errors_never_echo_secrets() -> None:
     # A YAML error on a line holding a key names the problem and the line, not the line's text.
     got = problems(BASE_POLICY.replace('keys: ["plain:sk-acme"]', 'keys: ["plain:sk-acme"]]'))
     assert got and not any("sk-acme" in p for p in got)
+    # A bare key typed where a value was due (found by `make fuzz`: "weight: must be a number,
+    # got 'sk-demo-hobbyist'"), as a value or as a mapping key, is never printed.
+    # (A mapping key is printed in the path, unless it is an `sk-` key.)
+    for bad in ("sk-live-0123abcd", "Zx81kQ0pL2mN7vB4tY6w"):
+        got = problems(BASE_POLICY.replace("weight: 8,", f"weight: {bad},", 1))
+        assert got and not any(bad in p for p in got), got
+    got = problems(BASE_POLICY.replace("  acme:\n", "  acme:\n    sk-live-0123abcd: 1\n", 1))
+    assert got and not any("sk-live-0123abcd" in p for p in got), got
     # A Redis URL with a password is redacted where it is echoed.
     got = problems(BASE_POLICY.replace("redis://127.0.0.1:6379/0", "http://:hunter2@db:6379/0"))
     assert any("redis.url" in p and "***" in p for p in got)

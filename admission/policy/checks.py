@@ -61,19 +61,26 @@ def redact(url: str) -> str:
     return re.sub(r"(//[^/@:]*:)[^/@]*@", r"\1***@", url)
 
 
+# What may be an API key pasted in the wrong place: an OpenAI-style `sk-…`, or one unbroken
+# token of 16+ letters, digits, `-` and `_` (random keys look like that; names rarely do).
+_KEYLIKE = re.compile(r"sk-|^[A-Za-z0-9_-]{16,}$")
+
+
 def shown(v: Any) -> str:
     """A value for an error message, never a secret: containers and strings that may hold a
-    key (`plain:`) or a URL password are named, not printed."""
+    key (`plain:`, a bare key typed where a value was due) or a URL password are named, not
+    printed."""
     if isinstance(v, dict):
         return "a mapping"
     if isinstance(v, list):
         return "a list"
     if isinstance(v, str):
-        return "a string" if "plain:" in v or "@" in v or len(v) > 40 else repr(v)
+        secret = "plain:" in v or "@" in v or len(v) > 40 or _KEYLIKE.search(v)
+        return "a string" if secret else repr(v)
     return f"{type(v).__name__} {v!r}"
 
 
-_PLAIN = re.compile(r"plain:[^\s'\",\]}]*")
+_PLAIN = re.compile(r"(plain:|\bsk-)[^\s'\",\]}]*")
 
 
 class Checker:
@@ -85,7 +92,8 @@ class Checker:
         line = self.lines.get(path)
         where = f" (line {line})" if line else ""
         # The last guard: whatever a message quotes (a key name included), no demo key leaves.
-        self.problems.append(_PLAIN.sub("plain:***", f"{path or '<root>'}{where}: {message}"))
+        text = f"{path or '<root>'}{where}: {message}"
+        self.problems.append(_PLAIN.sub(lambda m: m.group(1) + "***", text))
 
     def mapping(
         self, value: Any, path: str, allowed: set[str] | None, required: Iterable[str] = ()
