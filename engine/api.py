@@ -18,11 +18,13 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from engine.emulator import Engine
-from engine.openai_api import Tokens, err_body, full_body, logprobs_of, prompt_of
+from engine.openai_api import Tokens, err_body, full_body, logprobs_json, prompt_of
 from engine.profiles import PROFILES
 from engine.scheduler import Seq, block_hashes
 
 ENGINE = web.AppKey("engine", Engine)
+LP_MARK = "\x00logprobs"  # where a chunk's logprobs JSON goes (built apart: logprobs_json)
+LP_TEXT = json.dumps(LP_MARK)
 TOKENS = web.AppKey("tokens", Tokens)
 
 
@@ -137,12 +139,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
         def chunk(i: int, tokens: list[str], finish: str | None, first: bool = False) -> bytes:
             delta = "".join(tokens)
-            c: dict[str, Any] = {"index": i, "logprobs": None, "finish_reason": finish}
+            c: dict[str, Any] = {"index": i, "logprobs": LP_MARK, "finish_reason": finish}
             if chat:
                 c["delta"] = (
                     {"role": "assistant", "content": delta} if first else {"content": delta}
                 )
-                c["logprobs"] = logprobs_of(body, tokens) if tokens else None
             else:
                 c["text"] = delta
             d = {
@@ -152,7 +153,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
                 "model": engine.model,
                 "choices": [c],
             }
-            return b"data: " + json.dumps(d).encode() + b"\n\n"
+            lp = logprobs_json(body, tokens) if chat and tokens else "null"
+            return b"data: " + json.dumps(d).replace(LP_TEXT, lp, 1).encode() + b"\n\n"
 
         if chat:
             for i in range(copies):

@@ -381,11 +381,11 @@ def test_redis_refusing_writes(
     assert redis_errors(stack) > errors
 
 
-# Slow readers (issue 28): streams far larger than the socket buffers between the engine and a
+# Slow readers (issue 28): 200 streams far larger than the socket buffers between the engine and a
 # client (n 8 × 320 tokens with 20 alternatives each: ~4.5 MB, past the 4 MiB a send buffer
 # grows to by default), each read a byte every two seconds by a client with a 4 KiB receive
 # buffer, from the batch tenant; realtime streams from another tenant meanwhile.
-SLOW_READERS = 120
+SLOW_READERS = 200
 SLOW_BODY = {
     "model": "llama-3-8b",
     "messages": [{"role": "user", "content": "list every token you know " * 4}],
@@ -459,10 +459,10 @@ def test_slow_readers_hold_nothing_and_realtime_keeps_its_ttft(stack: Stack) -> 
         conn = aiohttp.TCPConnector(limit=0, force_close=True)
         async with aiohttp.ClientSession(connector=conn) as s:
             t0 = time.monotonic()
-            for i in range(SLOW_READERS):  # over the first 10 s
-                await asyncio.sleep(max(0.0, t0 + i * 10 / SLOW_READERS - time.monotonic()))
+            for i in range(SLOW_READERS):  # over the first 15 s
+                await asyncio.sleep(max(0.0, t0 + i * 15 / SLOW_READERS - time.monotonic()))
                 readers.append(asyncio.ensure_future(slow_reader(stack.port, release, statuses)))
-                if i % 6 == 0:
+                if i % 10 == 0:
                     ttfts.append(asyncio.ensure_future(realtime_ttft(s, stack.url)))
             while time.monotonic() - t0 < 30:  # realtime at 2/s for 20 s more
                 await asyncio.sleep(0.5)
@@ -494,7 +494,9 @@ def test_slow_readers_hold_nothing_and_realtime_keeps_its_ttft(stack: Stack) -> 
     assert admitted >= SLOW_READERS // 2, Counter(statuses)
     assert connected == SLOW_READERS  # every reader was still on its stream…
     assert not left, left  # …and nothing was booked for any of them
-    assert within >= 0.9, ok
+    # ≥ 85 % of realtime streams within the 1 s target (measured 94–96 %): the readers' 0.9 GB
+    # of answers pass through the same two cores as the engines, NGINX and this client.
+    assert within >= 0.85, ok
     assert stack.redis_url is not None
     assert not wait_unbooked(stack.redis_url)
     health = sidecar_health(stack.sock_dir)
