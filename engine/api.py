@@ -72,12 +72,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
     # cached), each up to max_tokens; the answer has a choice per sequence.
     hashes = block_hashes(text, engine.profile.block_size) if engine.sched.prefix_caching else ()
     arrival = time.monotonic()
+    priority = int(body.get("priority", 0))
     seqs = [
-        Seq(prompt, max_tokens, priority=int(body.get("priority", 0)), arrival=arrival)
+        Seq(prompt, max_tokens, priority=priority, arrival=arrival, hashes=hashes)
         for _ in range(copies)
     ]
-    for seq in seqs:
-        seq.hashes = hashes
     engine.m_prio.labels(str(seqs[0].priority)).inc()
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -90,22 +89,21 @@ async def generate(request: web.Request) -> web.StreamResponse:
     )
     queue: asyncio.Queue[tuple[int, int]] = asyncio.Queue()
     done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def all_done(s: Seq) -> None:
+        if all(q.finish_reason for q in seqs) and not done.done():
+            done.set_result(None)
+
     for i, seq in enumerate(seqs):
-        if stream:
-            seq.on_token = lambda s, i=i: queue.put_nowait((i, s.generated))
-        else:
-
-            def on_token(s: Seq) -> None:
-                if all(q.finish_reason for q in seqs) and not done.done():
-                    done.set_result(None)
-
-            seq.on_token = on_token
+        seq.on_token = (lambda s, i=i: queue.put_nowait((i, s.generated))) if stream else all_done
     await engine.request_path()
+    submitted: list[Seq] = []
     try:
         for seq in seqs:
             engine.submit(seq)
+            submitted.append(seq)
     except OverflowError:
-        for seq in seqs:
+        for seq in submitted:  # the copies the valve let in go too: the request is refused
             engine.abort(seq)
         raise web.HTTPServiceUnavailable(
             text=err_body("engine queue full", 503), content_type="application/json"

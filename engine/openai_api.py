@@ -68,44 +68,41 @@ def err_body(msg: str, code: int = 400) -> str:
     )
 
 
+def _entry(t: str, lp: float) -> dict[str, Any]:
+    return {"token": t, "logprob": lp, "bytes": list(t.encode())}
+
+
+def _alts(top: int) -> list[dict[str, Any]]:
+    return [_entry(f" alt{k}", -1.0 - k) for k in range(top)]
+
+
 def logprobs_of(body: dict[str, Any], tokens: list[str]) -> dict[str, Any] | None:
-    """A chat choice's (or stream chunk's) `logprobs` for `tokens`, as vLLM writes them when
-    asked (`logprobs`, `top_logprobs` alternatives per token); None when not asked."""
+    """A chat choice's `logprobs` for `tokens`, as vLLM writes them when asked (`logprobs`,
+    `top_logprobs` alternatives per token); None when not asked."""
     if not body.get("logprobs"):
         return None
-    top = int(body.get("top_logprobs") or 0)
-
-    def entry(t: str, lp: float) -> dict[str, Any]:
-        return {"token": t, "logprob": lp, "bytes": list(t.encode())}
-
-    alts = [entry(f" alt{k}", -1.0 - k) for k in range(top)]
-    return {"content": [{**entry(t, -0.01), "top_logprobs": alts} for t in tokens]}
+    alts = _alts(int(body.get("top_logprobs") or 0))
+    return {"content": [{**_entry(t, -0.01), "top_logprobs": alts} for t in tokens]}
 
 
 def logprobs_json(body: dict[str, Any], tokens: list[str]) -> str:
-    """`json.dumps(logprobs_of(body, tokens))`, built from the alternatives' text made once (a
-    stream with 20 alternatives a token is mostly these; dumping them anew for every token made
-    the emulator's CPU, not the engine model, the bottleneck of large answers)."""
-    lp = logprobs_of(body, [])
-    if lp is None:
+    """`json.dumps(logprobs_of(body, tokens))` for a stream chunk, with the alternatives' text
+    made once (a chunk with 20 alternatives a token is mostly these; dumping them anew for
+    every token made the emulator's CPU, not the engine model, the bottleneck of large
+    answers)."""
+    if not body.get("logprobs"):
         return "null"
     alts = _alts_json(int(body.get("top_logprobs") or 0))
+    # Each entry's own JSON, its closing brace opened again for the alternatives.
     entries = ",".join(
-        f'{{"token": {json.dumps(t)}, "logprob": -0.01, "bytes": {list(t.encode())}, '
-        f'"top_logprobs": {alts}}}'
-        for t in tokens
+        f'{json.dumps(_entry(t, -0.01))[:-1]}, "top_logprobs": {alts}}}' for t in tokens
     )
     return f'{{"content": [{entries}]}}'
 
 
 @functools.lru_cache(maxsize=32)
 def _alts_json(top: int) -> str:
-    return json.dumps(
-        [
-            {"token": f" alt{k}", "logprob": -1.0 - k, "bytes": list(f" alt{k}".encode())}
-            for k in range(top)
-        ]
-    )
+    return json.dumps(_alts(top))
 
 
 def full_body(

@@ -53,12 +53,14 @@ def table(rounds: list[list[dict[str, Any]]]) -> str:
             for k, v in _figures(s).items():
                 per[s["system"]][k].append(v)
     classes = sorted({k for figs in per.values() for k in figs if k.startswith("ttft:")})
-    head = ["system", "rounds", "goodput tok/s", *(f"{c[5:]} TTFT att." for c in classes)]
+    head = ["system", "rounds", "goodput tok/s", "good tokens"]
+    head += [f"{c[5:]} TTFT att." for c in classes]
     head.append("prefix hits")
     lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
     for name in systems:
         f = per[name]
         cells = [name, str(len(f["goodput"])), _spread(f["goodput"], "{:.0f}")]
+        cells.append(_spread(f["good_tokens"], "{:,.0f}"))
         cells += [_spread(f.get(c, []), "{:.1%}") for c in classes]
         cells.append(_spread(f.get("prefix_hits", []), "{:.1%}"))
         lines.append("| " + " | ".join(cells) + " |")

@@ -175,6 +175,7 @@ def test_repeated_rounds_give_median_spread_and_paired_differences() -> None:
     rows = {ln.split(" | ")[0].strip("| "): ln for ln in first.splitlines() if ln.startswith("| ")}
     # Medians with the range, over the three rounds.
     assert "1000 (900–1100)" in rows["admission"] and "90.0% (70.0%–99.0%)" in rows["admission"]
+    assert "60,000 (54,000–66,000)" in rows["admission"]  # good tokens
     assert "900 (800–950)" in rows["vllm_router"] and "60.0% (60.0%–70.0%)" in rows["vllm_router"]
     # Paired, round by round: goodput +100, +300, −50 (2 of 3 won); realtime −5, −10, +9 points.
     against = out.split("Paired")[1]

@@ -66,6 +66,17 @@ def refunded(stack: Stack, tenant: str) -> float:
     return 0.0
 
 
+def stream_of(tokens: int) -> dict[str, Any]:
+    """A streamed chat request that generates exactly `tokens` tokens."""
+    return {
+        "model": "llama-3-8b",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": tokens,
+        "ignore_eos": True,
+        "stream": True,
+    }
+
+
 def stalled_client(stack: Stack, body: dict[str, Any]) -> socket.socket:
     """Sends the request, reads the first bytes, then stops reading (a small receive buffer,
     as a client on a slow link has)."""
@@ -137,13 +148,7 @@ def test_a_stalled_reader_gives_the_node_back_when_the_engine_ends(
 def test_a_stream_still_passes_token_by_token(stack: Stack) -> None:
     """The public side buffers the relay's answer (for slow readers): a reader at pace still
     gets each chunk as the engine makes it, not at the end."""
-    body = {
-        "model": "llama-3-8b",
-        "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 200,  # ~2.4 s on the emulated A100
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = stream_of(200)  # ~2.4 s on the emulated A100
     req = urllib.request.Request(
         f"{stack.url}/v1/chat/completions",
         data=json.dumps(body).encode(),
@@ -178,13 +183,7 @@ def running_on_engines(stack: Stack) -> float:
 def test_a_client_that_leaves_mid_stream_stops_the_engine(stack: Stack) -> None:
     """Through both halves of the edge, a client gone is a request aborted on the engine (no
     engine work for nobody) and its lease given back."""
-    body = {
-        "model": "llama-3-8b",
-        "messages": [{"role": "user", "content": "hi"}],
-        "max_tokens": 3000,  # ~36 s on the emulated A100
-        "ignore_eos": True,
-        "stream": True,
-    }
+    body = stream_of(3000)  # ~36 s on the emulated A100
     s = stalled_client(stack, body)
     assert running_on_engines(stack) == 1
     s.close()
