@@ -194,7 +194,7 @@ async def test_forced_acquire_debits_past_the_limits_and_reports_the_figures(
     assert first.denied is None and first.over == ""
     assert not lim.room_ahead(t1, 10)  # 0 requests left: no room for two
     assert (await lim.acquire(t1, "b", 10, 60)).denied is not None
-    forced = await lim.acquire_forced(t1, "c", 10, 60)
+    forced = await lim.acquire(t1, "c", 10, 60, force=True)
     assert forced.denied is None and forced.over == "requests_per_s"
     assert int(await redis.zcard(keys.tenant_keys("t1", "x")[3])) == 2  # both running
     level = int(await redis.hget(keys.tenant_keys("t1", "x")[0], "l"))

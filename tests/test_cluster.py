@@ -15,7 +15,7 @@ import pytest
 from admission.errors import Throttled
 from admission.limits import Limiter
 from admission.metrics import Metrics
-from admission.scheduling import leases
+from admission.scheduling import leases, trip
 from admission.store import Store, connect
 from devstack.procs import RedisServer, free_port
 from tests.test_limiter import take, tenant_policy
@@ -121,13 +121,14 @@ async def test_acquire_with_lease_and_settle_with_release_on_cluster(cluster: st
         node1 = dataclasses.replace(p.nodes["n1"], max_inflight=1)
         T1 = f"{'1' * 16}:n1:t1"
         lease = leases.take(node1, T1, 60, leases.Ask(10, 100))
-        mode, res, *_ = await lim.acquire(p.tenants["t1"], "a", 100, 60, also=lease)
-        assert mode == "redis" and int(res[0]) == 1
+        t1 = p.tenants["t1"]
+        acq, res = await trip.debit(lim, t1, "a", 100, 60, lease=lease, ticket=T1)
+        assert acq.mode == "redis" and int(res[0]) == 1
         lease2 = leases.take(node1, f"{'2' * 16}:n1:t1", 60, leases.Ask(10, 100))
-        _mode, res2, *_ = await lim.acquire(p.tenants["t1"], "b", 100, 60, also=lease2)
+        _acq, res2 = await trip.debit(lim, t1, "b", 100, 60, lease=lease2)
         assert int(res2[0]) == 0  # cap 1 across the cluster
         release = leases.give_back(T1)
-        assert await lim.settle(p.tenants["t1"], "a", 10, also=release) == 90
+        assert await trip.settle(lim, [(t1, "a", 10, False)], [release]) == [90]
         assert await client.zcard(keys.node_leases("n1")) == 0
     finally:
         await client.aclose()

@@ -48,3 +48,15 @@ def test_no_module_over_400_lines() -> None:
         if (n := len(Path(f).read_text().splitlines())) > 400
     ]
     assert big == []
+
+
+def test_the_limiter_knows_nothing_of_scheduling() -> None:
+    # Tenant limits are a layer below the dispatcher: it composes the limiter's calls with its
+    # own lease (scheduling/trip.py); the limiter neither imports scheduling nor takes a
+    # companion call to carry.
+    src = "\n".join(f.read_text() for f in (ROOT / "admission" / "limits").rglob("*.py"))
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            assert not node.module.startswith("admission.scheduling"), node.module
+        if isinstance(node, ast.arg):
+            assert node.arg not in ("also", "lease", "give_back", "ticket"), node.arg

@@ -19,6 +19,7 @@ from admission.lag import WINDOW_S
 from admission.limits import Acquired, Limiter
 from admission.metrics import Metrics
 from admission.policy import Policy, Tenant
+from admission.scheduling import trip
 from admission.store import Call, Store, connect, keys
 from devstack.procs import RedisServer
 from tests.conftest import ROOT, make_policy
@@ -308,8 +309,8 @@ async def test_noscript_retry_runs_only_the_calls_that_failed(
     lim, client = await make_limiter(p)
     await redis.script_flush()
     await redis.script_load(lim.store.scripts.source["acquire"])
-    mode, leased, *_ = await take(lim, p.tenants["t1"], "a", 1, 60, also=lease("n1", "a:n1:t1"))
-    assert mode == "redis" and int(leased[0]) == 1
+    acq, leased = await trip.debit(lim, p.tenants["t1"], "a", 1, 60, lease=lease("n1", "a:n1:t1"))
+    assert acq.mode == "redis" and acq.denied is None and int(leased[0]) == 1
     level = int(await redis.hget(keys.tenant_keys("t1", "x")[0], "l"))
     assert level == 4 * U  # one request of the burst of 5, not two
     await client.aclose()
@@ -417,11 +418,11 @@ async def test_release_while_redis_is_away_is_replayed(
     )
     lim, client = await make_limiter(p)
     t = p.tenants["t1"]
-    mode, leased, *_ = await take(lim, t, "a", 50, 600, also=lease("n1", "a:n1:t1"))
-    assert mode == "redis" and int(leased[0]) == 1
+    acq, leased = await trip.debit(lim, t, "a", 50, 600, lease=lease("n1", "a:n1:t1"))
+    assert acq.mode == "redis" and acq.denied is None and int(leased[0]) == 1
     lim._down_until = lim.clock() + 60  # Redis just failed: degraded for a while
     release = Call(None, [], ["ZREM", keys.node_leases("n1"), "a:n1:t1"])
-    assert await lim.settle(t, "a", 20, also=release) == 0
+    assert await trip.settle(lim, [(t, "a", 20, False)], [release]) == [0]
     assert len(lim.backlog) == 1
     assert await redis.zcard(keys.node_leases("n1")) == 1  # not yet given back
     lim._down_until = 0.0
@@ -452,9 +453,9 @@ async def test_timed_out_acquire_that_ran_is_given_back(
         raise rex.TimeoutError("Timeout reading from socket")
 
     lim.store.scripts.run = ran_then_timed_out  # type: ignore[method-assign]
-    acq = await lim.acquire(t, "a", 50, 600, also=lease("n1", "a:n1:t1"))
+    acq, got = await trip.debit(lim, t, "a", 50, 600, lease=lease("n1", "a:n1:t1"))
     assert acq.mode == "local"
-    assert acq.also is None  # "may have run": the caller (the dispatcher) decides about it
+    assert got is None  # "may have run": the caller (the dispatcher) decides about it
     if mode == "open":
         assert acq.denied is None
     else:

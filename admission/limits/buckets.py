@@ -5,16 +5,19 @@ buckets, `limits.local`) or fail-closed (`BackendUnavailable`). After a failure 
 alone for `RETRY_AFTER_FAILURE_S`, then tried again: recovery needs no operator.
 
 The limiter is a small object with one verb pair, `acquire` / `settle`, in the manner of
-lua-resty-limit-traffic. It undoes only its own work (the reservation of a call that may have
-run); what rides along with it in the same round trip (`also`, e.g. a node lease) belongs to the
-caller, who gets its result back and decides.
+lua-resty-limit-traffic, each also in pieces — the call (`debit`, `settle_calls`), the round
+trip under the failure mode (`round_trip`, `owe`) and the reading of the reply (`answer`,
+`settled`) — so that the dispatcher can send its node lease in the same round trip
+(scheduling/trip.py). The limiter knows nothing of leases: it undoes only its own work (the
+reservation of a call that may have run); whatever else the round trip carried, its caller
+undoes.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -37,15 +40,18 @@ ROOM_FRESH_S = 1.0  # a tenant's figures from Redis older than this never let a 
 class Acquired(NamedTuple):
     """What `acquire` decided. `denied` is the error to answer with (None: admitted).
 
-    `mode` is "redis" or "local" (fail-open). `also` is the result of the companion call, or
-    None when it did not run *or may have run* (the round trip failed): the caller undoes it.
+    `mode` is "redis" or "local" (fail-open: the round trip failed, and may have run).
     `over`: the limit a forced debit went past ("" when none did).
     """
 
     mode: str
-    also: Any = None
     denied: AdmissionError | None = None
     over: str = ""
+
+
+# What settle_many takes per reservation: tenant (None: unknown), request id, actual tokens,
+# and whether it is the release of a request answered ahead.
+Settling = tuple[Tenant | None, str, int, bool]
 
 
 @dataclass(slots=True)
@@ -92,7 +98,7 @@ class Limiter:
     def room_ahead(self, tenant: Tenant, tokens: int) -> bool:
         """Whether the tenant's last figures from Redis (at most ROOM_FRESH_S old) leave room
         for twice what this sidecar would then have let through ahead and not seen booked
-        (this request included), on every limit: then `acquire_forced` may follow the answer.
+        (this request included), on every limit: then a forced debit may follow the answer.
         Refill since then is not counted. The other half is left to what other sidecars take
         meanwhile: a limit is passed only if they take more than that within the figures'
         age (counted: `admission_ahead_total{result="over_limits"}`), and the debt is paid."""
@@ -131,99 +137,95 @@ class Limiter:
             out[f"{kind}_reset_s"] = round(wait_s, 3)
         return out
 
+    def debit(
+        self,
+        tenant: Tenant,
+        rid: str,
+        tokens: int,
+        hold_s: float,
+        scale: float = 1.0,
+        force: bool = False,
+    ) -> Call:
+        """acquire.lua's call: debit one request and `tokens` LLM tokens, all-or-nothing, and
+        hold the reservation and a concurrency slot for `hold_s`. `scale` multiplies the refill
+        rates (memory-aware limits); `force`: debit past any limit (a request let through
+        already, `room_ahead`). Sent by `round_trip`, read by `answer`."""
+        head, tail = acquire_args(tenant.limits, scale, int(hold_s * U))
+        args = [*head, b"%d" % (tokens * U), *tail, rid, b"%d" % tokens, b"1" if force else b"0"]
+        return Call("acquire", keys.tenant_keys(tenant.id, rid), args)
+
+    def refund(self, tenant: Tenant, rid: str) -> Call:
+        """The undo of `debit`: the whole reservation back, the slot freed (idempotent)."""
+        return self.settle_call(tenant, rid, 0)
+
     async def acquire(
         self,
         tenant: Tenant,
         rid: str,
         tokens: int,
-        lease_ttl_s: float,
-        also: Call | None = None,
+        hold_s: float,
         scale: float = 1.0,
-        give_back: Callable[[], Call] | None = None,
         force: bool = False,
     ) -> Acquired:
-        """Debit one request and `tokens` LLM tokens, all-or-nothing, with `also` in the same
-        round trip. Denials (Throttled, RequestTooLarge, BackendUnavailable under fail-closed)
-        come back in `Acquired.denied`, so that the caller can undo `also` first. `scale`
-        multiplies the refill rates (memory-aware limits). `give_back`: the undo of `also`,
-        sent with the refund if the caller is cancelled while the round trip is out. `force`:
-        see `acquire_forced`, the way to call it."""
-        lim = tenant.limits
-        if not self.degraded:
-            head, tail = acquire_args(lim, scale, int(lease_ttl_s * U))
-            args = [
-                *head,
-                b"%d" % (tokens * U),
-                *tail,
-                rid,
-                b"%d" % tokens,
-                b"1" if force else b"0",
-            ]
+        """`debit` alone in its round trip, read. Denials (Throttled, RequestTooLarge,
+        BackendUnavailable under fail-closed) come back in `Acquired.denied`."""
+        if self.degraded:
+            return self.fallback(tenant, rid, tokens, hold_s)
+        call = self.debit(tenant, rid, tokens, hold_s, scale, force)
+        out = await self.round_trip([call], tenant, rid, lambda: (self.refund(tenant, rid),))
+        return self.answer(tenant, rid, tokens, hold_s, out)
 
-            calls = [Call("acquire", keys.tenant_keys(tenant.id, rid), args)]
-            if also is not None:
-                calls.append(also)
-
-            # If the caller leaves (cancelled) while this is out, it ran anyway: give it back.
-            def orphan() -> tuple[Call, ...]:
-                undo = (give_back(),) if give_back is not None else ()
-                return (self.settle_call(tenant, rid, 0), *undo)
-
-            out = await self._run_waiting(calls, tenant, rid, orphan)
-            if isinstance(out, AdmissionError):
-                return Acquired("redis", None, out)
-            if out is not None:
-                self._recovered()
-                res = out[0]
-                if isinstance(res, Exception):
-                    raise res
-                extra = out[1] if also is not None else None
-                if int(res[0]) == 1:
-                    if len(res) < 6:  # a request asked again, charged already: no figures
-                        return Acquired("redis", extra)
-                    self._room[tenant.id] = _Room(
-                        self.clock(), int(res[1]), int(res[2]), int(res[3]), int(res[4])
-                    )
-                    return Acquired("redis", extra, over=_s(res[5]))
-                self._room.pop(tenant.id, None)
-                return Acquired("redis", extra, _denial(_s(res[1]), res, tokens))
-        return self._acquire_local(tenant, rid, tokens, lease_ttl_s)
-
-    def acquire_forced(
+    def answer(
         self,
         tenant: Tenant,
         rid: str,
         tokens: int,
-        lease_ttl_s: float,
-        also: Call | None = None,
-        scale: float = 1.0,
-        give_back: Callable[[], Call] | None = None,
-    ) -> Awaitable[Acquired]:
-        """`acquire` for a request let through already (`room_ahead`): debit it past any limit
-        (`Acquired.over` names the first it went past). The tenant counts as having a request
-        ahead from this call on (not from when the round trip starts)."""
+        hold_s: float,
+        out: list[Any] | AdmissionError | None,
+    ) -> Acquired:
+        """What `round_trip` gave for a round trip whose first call is this `debit`: the
+        debit's answer, or the failure mode's when Redis could not be used (`out` None)."""
+        if isinstance(out, AdmissionError):
+            return Acquired("redis", out)
+        if out is None:
+            return self.fallback(tenant, rid, tokens, hold_s)
+        self._recovered()
+        res = out[0]
+        if isinstance(res, Exception):
+            raise res
+        if int(res[0]) == 1:
+            if len(res) < 6:  # a request asked again, charged already: no figures
+                return Acquired("redis")
+            self._room[tenant.id] = _Room(
+                self.clock(), int(res[1]), int(res[2]), int(res[3]), int(res[4])
+            )
+            return Acquired("redis", over=_s(res[5]))
+        self._room.pop(tenant.id, None)
+        return Acquired("redis", _denial(_s(res[1]), res, tokens))
+
+    def count_ahead(self, tenant: Tenant, tokens: int) -> Callable[[], None]:
+        """Count a request let through ahead of its forced debit (`room_ahead` sees it) until
+        the returned function is called, when its round trip is over."""
         n, tok = self._ahead.get(tenant.id, (0, 0))
         self._ahead[tenant.id] = (n + 1, tok + tokens)
 
-        async def forced() -> Acquired:
-            try:
-                return await self.acquire(
-                    tenant, rid, tokens, lease_ttl_s, also, scale, give_back, force=True
-                )
-            finally:
-                n, tok = self._ahead.pop(tenant.id, (1, tokens))
-                if n > 1:
-                    self._ahead[tenant.id] = (n - 1, tok - tokens)
+        def done() -> None:
+            n, tok = self._ahead.pop(tenant.id, (1, tokens))
+            if n > 1:
+                self._ahead[tenant.id] = (n - 1, tok - tokens)
 
-        return forced()
+        return done
 
-    async def _run_waiting(
+    async def round_trip(
         self, calls: list[Call], tenant: Tenant, rid: str, orphan: store.Orphan = None
     ) -> list[Any] | AdmissionError | None:
-        """Run the acquire round trip. Every pooled connection in use is this process's
-        overload, not an outage: nothing was sent, so nothing to give back; wait in line for a
-        connection again (each try waits `pool_wait_ms`) for up to `busy_wait_s`, then refuse
-        (503 admission_busy). None: Redis is unavailable (the failure mode applies)."""
+        """Send a round trip that debits `rid` (with whatever its caller adds; `orphan`: what to
+        send back if the caller is cancelled while it is out). Every pooled connection in use is
+        this process's overload, not an outage: nothing was sent, so nothing to give back; wait
+        in line for a connection again (each try waits `pool_wait_ms`) for up to `busy_wait_s`,
+        then refuse (503 admission_busy); so is a late event loop. None: Redis is unavailable
+        (the failure mode applies; the debit, which may have run, is refunded — the caller's
+        other calls are the caller's to undo)."""
         busy_until = self.clock() + self.busy_wait_s
         while True:
             try:
@@ -248,54 +250,61 @@ class Limiter:
                 self._failed("acquire", exc)
                 return None
 
-    async def settle(
-        self, tenant: Tenant | None, rid: str, actual_tokens: int, also: Call | None = None
-    ) -> int:
+    async def settle(self, tenant: Tenant | None, rid: str, actual_tokens: int) -> int:
         """Refund (positive) or charge (negative) the difference to the reservation; idempotent.
+        With Redis unreachable the call goes to the backlog (0 is returned)."""
+        return (await self.settle_many([(tenant, rid, actual_tokens, False)]))[0]
 
-        `also` (the node lease release) rides in the same round trip. With Redis unreachable
-        both go to the backlog (0 is returned)."""
-        return (await self.settle_many([(tenant, rid, actual_tokens, also, False)]))[0]
+    async def settle_many(self, items: Sequence[Settling]) -> list[int]:
+        """`settle` for many reservations in one round trip."""
+        own = self.settle_calls(items)
+        calls = [c for c in own if c is not None]
+        out = iter(await self.owe(calls) or [None] * len(calls))
+        return self.settled(items, [next(out) if c is not None else None for c in own])
 
-    async def settle_many(
-        self, items: list[tuple[Tenant | None, str, int, Call | None, bool]]
-    ) -> list[int]:
-        """`settle` for many reservations (an edge's batch of releases) in one round trip.
-        Each item: tenant, request id, actual tokens, what rides along, and whether it is the
+    def settle_calls(self, items: Sequence[Settling]) -> list[Call | None]:
+        """settle.lua's call per item (None for an unknown tenant); frees the local buckets'
+        slots at once. Each item: tenant, request id, actual tokens, and whether it is the
         release of a request answered ahead (settle.lua then marks a reservation not yet
         booked)."""
-        calls: list[Call] = []
-        slots: list[int] = []  # per item: index of its settle result, or -1
-        for tenant, rid, actual, also, released in items:
+        calls: list[Call | None] = []
+        for tenant, rid, actual, released in items:
             self._local.release(rid)
-            slots.append(len(calls) if tenant is not None else -1)
-            if tenant is not None:
-                calls.append(self.settle_call(tenant, rid, actual, released))
-            if also is not None:
-                calls.append(also)
+            calls.append(
+                None if tenant is None else self.settle_call(tenant, rid, actual, released)
+            )
+        return calls
+
+    async def owe(self, calls: list[Call]) -> list[Any] | None:
+        """Send calls that must reach Redis (settlements, and what their caller adds): their
+        replies, or None when they went to the backlog instead (Redis failed or is left alone,
+        or the pool is busy), which delivers them later."""
         if not calls:
-            return [0] * len(items)
+            return []
         if self.degraded:
             self.backlog.add(*calls)
-            return [0] * len(items)
+            return None
         try:
-            out = await self.store.scripts.run(*calls)
+            return list(await self.store.scripts.run(*calls))
         except PoolBusy:
             self.backlog.add(*calls)  # owed, delivered by the backlog; Redis is not down
-            return [0] * len(items)
         except REDIS_DOWN as exc:
             if not self.lag.overloaded():
                 self._failed("settle", exc)
             self.backlog.add(*calls)
-            return [0] * len(items)
+        return None
+
+    def settled(self, items: Sequence[Settling], replies: Sequence[Any]) -> list[int]:
+        """The tokens refunded (positive) or charged (negative) per item, from settle.lua's
+        replies (None: not sent, or owed: 0)."""
         deltas = []
-        for (tenant, *_rest), slot in zip(items, slots, strict=True):
-            if tenant is None:
+        for (tenant, *_rest), res in zip(items, replies, strict=True):
+            if tenant is None or res is None:
                 deltas.append(0)
                 continue
-            if isinstance(out[slot], Exception):
-                raise out[slot]
-            delta = int(out[slot][1])
+            if isinstance(res, Exception):
+                raise res
+            delta = int(res[1])
             if delta > 0:
                 self.metrics.settled_tokens.labels(tenant.id, "refund").inc(delta)
             elif delta < 0:
@@ -333,12 +342,13 @@ class Limiter:
             self._local.active = False
         self.metrics.redis_fallback.set(0)
 
-    def _acquire_local(self, tenant: Tenant, rid: str, tokens: int, ttl_s: float) -> Acquired:
+    def fallback(self, tenant: Tenant, rid: str, tokens: int, ttl_s: float) -> Acquired:
+        """The failure mode's answer for a debit Redis could not take."""
         settings = self.policy().redis
         if settings.failure_mode == FailureMode.CLOSED:
             return Acquired(
                 "local",
-                denied=BackendUnavailable(
+                BackendUnavailable(
                     "rate-limit store unavailable", code="limiter_unavailable", retry_after=1
                 ),
             )
@@ -347,7 +357,7 @@ class Limiter:
                 tenant.id, tenant.limits, tokens, settings.fail_open_fraction, rid, ttl_s
             )
         except (Throttled, RequestTooLarge) as exc:
-            return Acquired("local", denied=exc)
+            return Acquired("local", exc)
         return Acquired("local")
 
 

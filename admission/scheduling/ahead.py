@@ -32,6 +32,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
 
 from admission.limits import Acquired, Limiter
 from admission.metrics import Metrics
@@ -99,9 +100,9 @@ class Ahead:
             and room_for_twice(v, ask, policy, cls, now, self._on_node.get(v.node.id, 0))
         )
 
-    def book(self, ticket: str, v: NodeView, acquired: Awaitable[Acquired]) -> None:
-        """Run the forced round trip of a request answered ahead onto `v` (`acquired`: the
-        limiter's `acquire_forced` with the forced lease riding along)."""
+    def book(self, ticket: str, v: NodeView, booking: Awaitable[tuple[Acquired, Any]]) -> None:
+        """Run the forced round trip of a request answered ahead onto `v` (`booking`:
+        `trip.forced`, the tenant's debit with the forced lease)."""
         node = v.node.id
         self._on_node[node] = self._on_node.get(node, 0) + 1
 
@@ -110,7 +111,7 @@ class Ahead:
             if (left := self._on_node.pop(node, 1) - 1) > 0:
                 self._on_node[node] = left
 
-        task = asyncio.ensure_future(self._booked(ticket, v, acquired))
+        task = asyncio.ensure_future(self._booked(ticket, v, booking))
         self._out[ticket] = task
         task.add_done_callback(done)
 
@@ -125,24 +126,26 @@ class Ahead:
         if self._out:
             await asyncio.wait(list(self._out.values()), timeout=timeout_s)
 
-    async def _booked(self, ticket: str, v: NodeView, acquired: Awaitable[Acquired]) -> None:
+    async def _booked(
+        self, ticket: str, v: NodeView, booking: Awaitable[tuple[Acquired, Any]]
+    ) -> None:
         try:
-            acq = await acquired
+            acq, got = await booking
         except Exception:  # a script error: the request runs; free what may have been booked
             log.exception("booking of a request answered ahead failed")
-            acq = Acquired("redis", None, None)
-        if acq.mode != "redis" or acq.denied is not None or acq.also is None:
+            acq, got = Acquired("redis"), None
+        if acq.mode != "redis" or acq.denied is not None or got is None:
             # Redis failed (fail-open then charged the local buckets) or the pool was busy:
             # the request runs without a booking; the lease, which may have run, goes back.
             result = "unconfirmed"
-            if acq.also is None:
+            if got is None:
                 self.backlog.add(leases.give_back(ticket))
         elif acq.over:
             result = "over_limits"
-        elif leases.over(acq.also) not in ("", "released"):  # released: ended before booked
+        elif leases.over(got) not in ("", "released"):  # released: ended before booked
             result = "over_node"
         else:
             result = "confirmed"
         if result != "unconfirmed":
-            v.seen(leases.figures(acq.also), self.clock())
+            v.seen(leases.figures(got), self.clock())
         self.metrics.ahead_by[result].inc()

@@ -18,7 +18,6 @@ first token soonest, prefix cache counted); the next nodes are the edge's fallba
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections.abc import Callable
@@ -28,7 +27,7 @@ from admission.errors import AdmissionError, BackendUnavailable, QueueTimeout, S
 from admission.limits import Limiter, shadow
 from admission.metrics import Metrics
 from admission.policy import Policy, Tenant
-from admission.scheduling import leases
+from admission.scheduling import leases, trip
 from admission.scheduling.ahead import Ahead
 from admission.scheduling.late import late_heads
 from admission.scheduling.leases import Ask
@@ -109,7 +108,7 @@ class Dispatcher:
         await self.nodes.fresh(2 * REFRESH_S)  # after a quiet spell; busy, the loop polls
         item = self._item(tenant, cls, cost, model, waited_s, rid, prompt_tokens, prefix)
         nodes = self._fast_path(item)
-        lease = ticket = undo = None
+        lease = ticket = None
         # The reservation and the concurrency slot must outlive the wait in the queue as well
         # as the run: they expire after the class deadline plus the longest run.
         hold_s = ttl_s + policy.classes[cls].deadline_s
@@ -118,21 +117,19 @@ class Dispatcher:
             (view, ask), now = nodes[0], self.clock()
             ahead = self.ahead.may(policy, tenant, cls, cost, view, ask, now)
             ticket = leases.make_ticket(rid, view.node.id, tenant.id, ahead)
-            undo = functools.partial(leases.give_back, ticket)
             if ahead:
                 forced = leases.take(view.node, ticket, ttl_s, ask, force=True)
-                self.ahead.book(
-                    ticket,
-                    view,
-                    self.limiter.acquire_forced(tenant, rid, cost, hold_s, forced, scale, undo),
+                booking = trip.forced(
+                    self.limiter, tenant, rid, cost, hold_s, scale, forced, ticket
                 )
+                self.ahead.book(ticket, view, booking)
                 return self.place.record(item, nodes, ticket)
             lease = leases.take(view.node, ticket, ttl_s, ask)
-        acq = await self.limiter.acquire(tenant, rid, cost, hold_s, lease, scale, undo)
-        held = lease is not None and leases.granted(acq.also)
+        acq, got = await trip.debit(self.limiter, tenant, rid, cost, hold_s, scale, lease, ticket)
+        held = lease is not None and leases.granted(got)
         # The round trip that carried the lease failed but may have run: unless this request
         # ends up holding that very lease, it is given back.
-        maybe = ticket if ticket is not None and acq.also is None else None
+        maybe = ticket if ticket is not None and got is None else None
         adm: Admission | None = None
         try:
             if not shadow.let_through(tenant, acq.denied, self.metrics):
@@ -141,10 +138,10 @@ class Dispatcher:
                 assert acq.denied is not None  # let_through says no only with a reason
                 raise acq.denied
             if held and nodes and ticket is not None:
-                adm = self.place.record(item, nodes, ticket, acq.also)
+                adm = self.place.record(item, nodes, ticket, got)
                 return adm
-            if nodes and acq.also is not None:
-                self.place.refused(nodes[0][0], acq.also)
+            if nodes and got is not None:
+                self.place.refused(nodes[0][0], got)
             try:
                 adm = await self.submit(item)
                 return adm

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from admission.policy import Tenant
-from admission.scheduling import leases
+from admission.limits.buckets import Settling
+from admission.scheduling import leases, trip
 from admission.store import Call
 
 if TYPE_CHECKING:
@@ -24,7 +24,8 @@ Released = tuple[str, int, bool, int, int]
 
 async def release_many(d: Dispatcher, entries: list[Released]) -> list[int]:
     """Settle a batch of releases in one round trip; the tokens refunded to each."""
-    items: list[tuple[Tenant | None, str, int, Call | None, bool]] = []
+    items: list[Settling] = []
+    backs: list[Call] = []
     nodes, tenants = [], d.policy().tenants
     await d.ahead.settled(ticket for ticket, *_rest in entries)  # booked before released
     for ticket, actual, failed, out, cached in entries:
@@ -33,10 +34,11 @@ async def release_many(d: Dispatcher, entries: list[Released]) -> list[int]:
         rid, node, tid = leases.parse_ticket(ticket)
         await d.nodes.proxied(node, failed, ticket)
         first = leases.answered_ahead(ticket)  # its release may come before its booking
-        items.append((tenants.get(tid), rid, actual, leases.give_back(ticket, first), first))
+        items.append((tenants.get(tid), rid, actual, first))
+        backs.append(leases.give_back(ticket, first))
         nodes.append(node)
     try:
-        return await d.limiter.settle_many(items)
+        return await trip.settle(d.limiter, items, backs)
     finally:
         for node in nodes:  # only now are the leases gone in Redis (waking earlier requeued)
             d.place.freed(node)
