@@ -55,7 +55,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         stack.start()
         policy = load_policy(stack.runtime_policy)
         print(f"\nadmission edge ready: {stack.url}/v1  (health: {stack.url}/healthz)")
-        print(f"sidecar admin: {stack.sidecar_url}/nodes   logs: {run_dir}")
+        print(f"status page:   {stack.sidecar_url}/status   logs: {run_dir}")
         print(
             f"node admin:    admission node drain NODE --sidecar {stack.sidecar_url} "
             f"--token-file {stack.admin_token_file}"
