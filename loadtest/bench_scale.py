@@ -8,7 +8,11 @@ every 0.2 s; states that do not move, as on a steady cluster). Then, per size:
 1. idle for `--seconds`: the sidecar's CPU (cores) and its Redis commands per second;
 2. closed loop, `--concurrency` clients, each admission followed by its release: admissions/s
    and the sidecar's CPU per admission + release;
-3. open loop at `--rate` admissions/s: /admit p50 / p99;
+3. open loop at `--rate` admissions/s: /admit p50 / p99 as the load generator sees it, and the
+   sidecar's own time from arrival to answer (`admission_decision_seconds`: the share within
+   1 and 2 ms, its p99 bucket); `--pin` gives the sidecar a CPU of its own (the generator, the
+   agents — at a lower priority: real ones run on the GPU hosts — and Redis share the others),
+   so that the generator's lateness is not the sidecar's;
 4. overload: open loop at twice what the closed loop carried, 16 tenants with a limit of
    `--tenant-rps` requests/s each: answers by kind, whether any came from fail-open (the
    sidecar's log), and whether any tenant got more than its limit admitted.
@@ -56,11 +60,12 @@ def cpu_s(pid: int) -> float:
 
 class Agents(multiprocessing.Process):
     """Publishes every node's state each PERIOD_S as agents do (a process of its own, so that
-    the load generator is not slowed); counts the commands it sends."""
+    the load generator is not slowed); counts the commands it sends. `nice`: its scheduling
+    niceness (real agents run on the GPU hosts, not beside the load generator)."""
 
-    def __init__(self, url: str, n: int, cluster: bool = False) -> None:
+    def __init__(self, url: str, n: int, cluster: bool = False, nice: int = 0) -> None:
         super().__init__(daemon=True)
-        self.url, self.n, self.cluster = url, n, cluster
+        self.url, self.n, self.cluster, self.nice = url, n, cluster, nice
         self.count = multiprocessing.Value("q", 0)
         self.stop = multiprocessing.Event()
         self.drain = multiprocessing.Event()  # set: node n{drain_node} is published drained
@@ -72,6 +77,8 @@ class Agents(multiprocessing.Process):
         return int(self.count.value)
 
     def run(self) -> None:
+        if self.nice:
+            os.nice(self.nice)
         r = (
             redis.RedisCluster.from_url(self.url)
             if self.cluster
@@ -151,6 +158,43 @@ async def open_loop(
     return lat, kinds, late
 
 
+async def decision_buckets(sock: str) -> dict[float, float]:
+    """The sidecar's `admission_decision_seconds` so far: cumulative count per bucket bound
+    (summed over classes)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    conn = aiohttp.UnixConnector(path=sock)
+    async with aiohttp.ClientSession(connector=conn) as s, s.get("http://sidecar/metrics") as r:
+        text = await r.text()
+    out: dict[float, float] = {}
+    for fam in text_string_to_metric_families(text):
+        if fam.name == "admission_decision_seconds":
+            for smp in fam.samples:
+                if smp.name.endswith("_bucket"):
+                    le = float(smp.labels["le"])
+                    out[le] = out.get(le, 0.0) + smp.value
+    return out
+
+
+def inside_shares(h0: dict[float, float], h1: dict[float, float]) -> str:
+    """Between two reads: the share of decisions within 1 and 2 ms, and the bucket bound the
+    99th percentile falls under."""
+    n = h1.get(float("inf"), 0.0) - h0.get(float("inf"), 0.0)
+    if n <= 0:
+        return "–"
+    share = {le: (c - h0.get(le, 0.0)) / n for le, c in sorted(h1.items())}
+    p99 = next(le for le, f in share.items() if f >= 0.99)
+    return f"≤ 1 ms {share[0.001]:.1%}, ≤ 2 ms {share[0.002]:.1%}, p99 ≤ {p99 * 1000:g} ms"
+
+
+def pin_rest(cpu: int) -> None:
+    """This process (the load generator) and what it starts from now on (Redis, the agents)
+    on every CPU but the sidecar's."""
+    rest = set(range(os.cpu_count() or 1)) - {cpu}
+    if rest:
+        os.sched_setaffinity(0, rest)
+
+
 def run_size(n: int, a: argparse.Namespace, work: Path) -> dict[str, float | str]:
     rs = RedisServer(work / f"redis-{n}")
     rs.start()
@@ -163,10 +207,12 @@ def run_size(n: int, a: argparse.Namespace, work: Path) -> dict[str, float | str
     policy.write_text(POLICY.format(url=rs.url, tenants=tenants, nodes=nodes))
     sock = str(work / f"sidecar-{n}.sock")
     log = (work / f"sidecar-{n}.log").open("w")
-    agents = Agents(rs.url, n)
+    agents = Agents(rs.url, n, nice=10 if a.pin else 0)
     agents.start()
     cmd = sidecar_command(str(policy), sock, "info")
     cmd[1:1] = os.environ.get("BENCH_PY_ARGS", "").split()  # e.g. "-m cProfile -o FILE"
+    if a.pin:
+        cmd[:0] = ["taskset", "-c", str(a.pin_cpu)]
     proc = subprocess.Popen(
         cmd,
         start_new_session=True,
@@ -199,9 +245,12 @@ def run_size(n: int, a: argparse.Namespace, work: Path) -> dict[str, float | str
         out["redis_us_per_admission"] = busy / max(1, ok) * 1e6
         out["redis_cmds_per_admission"] = (c1 - c0 - (agents.commands - a0) - 1) / max(1, ok)
         out["redis_bytes_per_admission"] = (n1 - n0) / max(1, ok)
+        h0 = asyncio.run(decision_buckets(sock))
         lat, _kinds, late = asyncio.run(open_loop(sock, a.seconds, a.rate))
+        h1 = asyncio.run(decision_buckets(sock))
         ms = [x * 1000 for x in lat]
         out["p50_ms"], out["p99_ms"], out["late_ms"] = pct(ms, 50), pct(ms, 99), late * 1000
+        out["inside"] = inside_shares(h0, h1)
         if a.overload:
             # Tenant limits low enough to bind: each tenant gets at most its rate (+ burst).
             tenants = "\n".join(
@@ -247,22 +296,32 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--overload", action="store_true", help="also run the overload phase")
     ap.add_argument("--tenant-rps", type=float, default=20)
+    ap.add_argument(
+        "--pin",
+        action="store_true",
+        help="the sidecar on the last CPU alone; the generator, agents and Redis on the others",
+    )
     add_flag(ap)
     a = ap.parse_args()
+    a.pin_cpu = (os.cpu_count() or 1) - 1
+    if a.pin:
+        pin_rest(a.pin_cpu)
     work = scratch("bench-scale-", a.keep_work)
     rows = [run_size(int(n), a, work) for n in a.nodes.split(",")]
     base = rows[0]
     print(
         "| nodes | sidecar CPU per admission + release | admissions + releases / s |"
-        f" /admit p50 / p99 at {a.rate:.0f}/s | idle sidecar CPU | idle Redis commands/s |"
+        f" /admit p50 / p99 at {a.rate:.0f}/s | the same inside the sidecar | idle sidecar CPU |"
+        " idle Redis commands/s |"
     )
-    print("|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
     for row in rows:
         ratio = float(row["cpu_us_per_admission"]) / float(base["cpu_us_per_admission"])
         print(
             f"| {row['nodes']:,} | {row['cpu_us_per_admission']:,.0f} µs ({ratio:.2f}×) |"
             f" {row['closed_per_s']:,.0f} | {row['p50_ms']:.2f} / {row['p99_ms']:.2f} ms"
-            f" (send lateness ≤ {row['late_ms']:.1f} ms) | {row['idle_cores']:.3f} cores |"
+            f" (send lateness ≤ {row['late_ms']:.1f} ms) | {row['inside']} |"
+            f" {row['idle_cores']:.3f} cores |"
             f" {row['idle_redis_cmds_s']:,.0f} |"
         )
     print(
