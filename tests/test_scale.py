@@ -191,3 +191,37 @@ async def test_routing_on_eight_nodes_examines_every_node(
         assert [v.node.id for v, _a in found][:1] == ["n7"] and len(found) == 8
     finally:
         await client.aclose()
+
+
+def test_the_decode_guard_and_urgent_share_are_the_whole_models_when_candidates_are_few() -> None:
+    """Routing judges the few candidates examined; whether the urgent class is present (the
+    decode guard) and over how many nodes its waiting KV spreads are the whole model's. A
+    candidate without urgent KV must still hold batch off while realtime runs elsewhere."""
+    p = big_policy("redis://127.0.0.1:1/0", 16)
+    p = type(p)(
+        **{
+            **p.__dict__,
+            "classes": {
+                n: (type(c)(**{**c.__dict__, "slo_tpot_ms": 50}) if n == "realtime" else c)
+                for n, c in p.classes.items()
+            },
+        }
+    )
+    now = 50.0
+    v = NodeView(p.nodes["n0"])
+    v.observe(
+        NodeState(
+            node="n0",
+            seq=1,
+            state=Status.OPEN,
+            source="kv",
+            healthy=True,
+            memory=0.2,
+            prefill_rate=10_000,
+            tpot_s=0.08,
+        ),
+        False,
+    )
+    v.ledger(0.0, 0, 0, now)  # no urgent KV on this candidate
+    assert eligible([v], p, "m", "batch", 100, 200, now)  # alone, nothing to protect
+    assert eligible([v], p, "m", "batch", 100, 200, now, present=True) == []  # held: decode

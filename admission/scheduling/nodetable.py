@@ -115,7 +115,7 @@ class NodeTable:
         present = urgent_kv > 0 or any(
             model in self.views[n].node.models for n in self._urgent_nodes if n in self.views
         )
-        live = self._live.get(model, 0)
+        live = self._live.get(model)  # None: not counted yet (routing counts what it sees)
 
         def judge(views: list[NodeView]) -> list[tuple[NodeView, Ask]]:
             return eligible(

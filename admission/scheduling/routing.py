@@ -229,13 +229,19 @@ def eligible(
     expects there (prefixes.PrefixIndex.matches): a node's wait counts less the prefill its
     cache saves, so a request goes where its first token comes soonest — to its prefix while
     that node's backlog is shorter than the recompute it saves, elsewhere (spreading a hot
-    prefix) once it is not; the load limits above bound both."""
+    prefix) once it is not; the load limits above bound both. `present`, `live`: whether the
+    urgent class is present on the model's nodes and how many of them are live, when `views`
+    are not all of them."""
     ok = []
-    present = urgent_present(views, model, urgent_waiting)
+    # `views` may be the few candidates examined (candidates.py): whether the urgent class is
+    # present and how many nodes share its waiting KV are the whole model's, when given.
+    if present is None:
+        present = urgent_present(views, model, urgent_waiting)
     decode_s = decode_limit_s(policy, output_tokens) if present else None
     share = 0  # waiting urgent KV, spread over the live nodes serving the model
     if urgent_waiting:
-        live = sum(1 for v in views if model in v.node.models and v.state in _LIVE)
+        if live is None:
+            live = sum(1 for v in views if model in v.node.models and v.state in _LIVE)
         share = urgent_waiting // max(1, live)
     for v in views:
         if model not in v.node.models:
