@@ -9,8 +9,10 @@ import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import redis.exceptions as rex
 
 from admission.errors import Throttled
 from admission.limits import Limiter
@@ -148,3 +150,37 @@ async def test_batch_storage_on_cluster(cluster: str) -> None:
         await check_store(client)
     finally:
         await client.aclose()
+
+
+async def test_a_connection_closed_under_the_client_is_overload_not_an_outage() -> None:
+    # redis-py's Cluster client keeps connections whose socket its own timeouts closed: writing
+    # to one fails before anything is sent. Made again after dropping them; one still closed
+    # after every retry is this process's overload (wait in line), never the failure mode. A
+    # Redis really gone refuses the new connection: that stays a ConnectionError (an outage).
+    from admission.store.connection import CLUSTER_RETRIES, PoolBusy, on_cluster
+
+    class Client:
+        def get_nodes(self) -> list[Any]:
+            return []
+
+    tries = 0
+
+    async def closed() -> None:
+        nonlocal tries
+        tries += 1
+        raise RuntimeError("unable to perform operation on <TCPTransport closed=True>")
+
+    with pytest.raises(PoolBusy):
+        await on_cluster(Client(), closed)
+    assert tries == CLUSTER_RETRIES + 1
+
+    async def refused() -> None:
+        raise rex.ConnectionError("Error 111 connecting to 127.0.0.1:7000. Connection refused.")
+
+    with pytest.raises(rex.ConnectionError) as ei:
+        await on_cluster(Client(), refused)
+    assert not isinstance(ei.value, PoolBusy)
+
+    with pytest.raises(rex.ConnectionError) as ei:  # a pipeline (no retry) may have sent part
+        await on_cluster(Client(), closed, 0)
+    assert not isinstance(ei.value, PoolBusy)

@@ -79,7 +79,12 @@ async def on_cluster(
     it (a timeout): writing to one fails before anything is sent ("unable to perform
     operation on <TCPTransport closed=True>", "'NoneType' object has no attribute
     'writelines'"); those are closed for good and the call made again (`retries` times: only
-    a call that sends once — not a pipeline), then it counts as a lost connection."""
+    a call that sends once — not a pipeline). A call that still finds its connection closed
+    after that is this process's trouble too (its own timeouts close them faster than it gets
+    them back, under CPU starvation), not an outage: nothing was sent, and a Redis that is
+    really gone refuses the new connection each retry opens (a ConnectionError, raised as
+    such). So: PoolBusy — the caller waits in line, never the failure mode for it. Without
+    retries (a pipeline, which may have sent part), the connection counts as lost."""
     for attempt in range(retries + 1):
         try:
             return await call()
@@ -90,6 +95,8 @@ async def on_cluster(
             await _drop_closed(client)
             await asyncio.sleep(CLUSTER_BUSY_PAUSE_S * attempt)  # the closing may be in flight
             if attempt == retries:
+                if retries:
+                    raise PoolBusy(f"connections keep closing under this process: {exc}") from exc
                 raise rex.ConnectionError(f"connection lost: {exc}") from exc
     raise AssertionError("unreachable")
 
