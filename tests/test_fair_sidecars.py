@@ -18,11 +18,12 @@ from loadtest.bench_scale import Agents
 WEIGHTS = {"t5": 5, "t3": 3, "t1": 1}
 NODES, CAP, HOLD_S = 4, 4, 0.4  # 16 slots, ~40 admissions/s
 OFFER = 40  # asks per second per tenant: every one of them stays backlogged
-SECONDS, WARMUP_S = 14.0, 4.0  # shares counted after the warm-up, while all are backlogged
-# Served shares within this many points of the weights. The target is 3: met in quiet runs
-# (55.3 / 33.5 / 11.2, 55.5 / 33.3 / 11.2 against 55.6 / 33.3 / 11.1), missed once by 0.3 under
-# the whole suite's load on 2 cores (52.3 / 35.8 / 11.9); without shares.py it is 18 off.
-POINTS = 5.0
+SECONDS, WARMUP_S = 24.0, 4.0  # shares counted after the warm-up, while all are backlogged
+# Served shares within this many points of the weights (the issue's target). Over a 10 s window
+# (~330 admissions) quiet runs gave 53.6–55.5 / 33.3–35.0 / 11.2–11.5 against 55.6 / 33.3 /
+# 11.1, and once, under the whole suite's load, 52.3 / 35.8 / 11.9 (3.3 off); the 20 s window
+# halves what chance adds; without shares.py it is 18 off.
+POINTS = 3.0
 
 POLICY = """
 redis: {{url: "{url}"}}
