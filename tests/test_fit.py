@@ -266,3 +266,27 @@ async def test_on_a_cpu_engine_each_requests_path_delays_the_engines_steps(devic
         assert took < 0.5, took  # 40 steps of 10 ms
     else:
         assert took > 0.52, took  # + 10 × 20 ms of the engine's CPU
+
+
+def test_a_fit_made_elsewhere_replaces_the_shipped_profile_in_started_nodes(
+    tmp_path: Path,
+) -> None:
+    # fidelity --refit-each fits the node before each mix into its run directory; the emulated
+    # nodes it starts (other processes) must step by that fit, not the shipped one.
+    import os
+    import subprocess
+    import sys
+
+    from engine.profiles import FITTED_ENV
+
+    doc = json.loads((FITTED / "vllm-cpu-tiny.json").read_text())
+    doc["profile"]["fitted_step_s"] = [0.001, 0, 0, 0, 0, 0]
+    path = tmp_path / "fit.json"
+    path.write_text(json.dumps(doc))
+    code = "from engine.profiles import PROFILES; print(PROFILES['vllm-cpu-tiny'].fitted_step_s)"
+    env = {**os.environ, FITTED_ENV: str(path)}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert out.strip() == "(0.001, 0, 0, 0, 0, 0)"
+    assert PROFILES["vllm-cpu-tiny"].fitted_step_s != (0.001, 0, 0, 0, 0, 0)  # here: shipped
