@@ -19,7 +19,7 @@ The offered rate is --load times one node's capacity for the mix, calibrated on 
 emulator in virtual time (prompts counted by the node's tokenizer), unless --capacity is given.
 The nodes, real and emulated, run on the last CPU and everything else on the others (as the fit
 measured the node), unless --no-pin. `--refit-each`: before each mix, fit the node again
-(loadtest.fit_engine, into the run's directory; the shipped profile is left alone) and run that
+(loadtest.fit_engine, into `--out` as `<mix>-fitted.json`; the shipped profile is left alone) and run that
 mix's emulated side and its calibration on that fit: this machine's speed drifts by more than
 the throughput target between runs an hour apart.
 """
@@ -261,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     docs, verdicts = [], {}
     for mix in a.mixes.split(","):
         if a.refit_each:
-            refit(a, work / mix / "fitted.json", everything)
+            refit(a, out / f"{mix}-fitted.json", everything)  # kept beside the figures
         kinds = kinds_of(mix)
         ratio = token_ratio(kinds, tokens)
         cap = a.capacity or node_capacity(a.profile, kinds, ratio, a.num_gpu_blocks)

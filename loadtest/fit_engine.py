@@ -205,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         context_bytes=0,
         fitted_step_s=tuple(round(c, 12) for c in coef[:6]),
         request_overhead_s=round(coef[6], 6),
+        fitted_waiting_max=max((sm.waiting for sm in samples), default=0),
         num_blocks_override=48,  # engine.vllm_node's default --num-gpu-blocks-override
         max_model_len=2048,
         tokenizer=TINY_MODEL,

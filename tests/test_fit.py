@@ -290,3 +290,13 @@ def test_a_fit_made_elsewhere_replaces_the_shipped_profile_in_started_nodes(
     ).stdout
     assert out.strip() == "(0.001, 0, 0, 0, 0, 0)"
     assert PROFILES["vllm-cpu-tiny"].fitted_step_s != (0.001, 0, 0, 0, 0, 0)  # here: shipped
+
+
+def test_the_waiting_term_is_not_extrapolated_past_what_the_fit_probed() -> None:
+    p = PROFILES["vllm-cpu-tiny"]
+    assert p.fitted_waiting_max == max(
+        r[5] for r in json.loads((FITTED / "vllm-cpu-tiny.json").read_text())["fit"]["raw"]
+    )
+    at_max = p.step_s(0, 1000, 64, p.fitted_waiting_max)
+    assert p.step_s(0, 1000, 64, 4 * p.fitted_waiting_max) == at_max
+    assert p.step_s(0, 1000, 64, 0) <= at_max
