@@ -213,7 +213,7 @@ def refit(a: argparse.Namespace, path: Path, cpus: set[int]) -> None:
     if fitted.name != a.profile:
         raise SystemExit(f"{path}: a fit of {fitted.name}, not of {a.profile}")
     PROFILES[fitted.name] = fitted
-    os.environ[FITTED_ENV] = str(path)
+    os.environ[FITTED_ENV] = str(path.resolve())  # the nodes run elsewhere
     print(f"  fitted: step {fitted.fitted_step_s}, first token +{fitted.request_overhead_s}s")
 
 
