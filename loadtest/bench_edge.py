@@ -67,10 +67,14 @@ async def load(
 
 def histograms(sidecar_url: str) -> dict[str, tuple[float, float, dict[float, float]]]:
     """The sidecar's histograms so far, by name: count, sum, cumulative buckets."""
+    with urllib.request.urlopen(f"{sidecar_url}/metrics", timeout=5) as r:
+        return histograms_in(r.read().decode())
+
+
+def histograms_in(text: str) -> dict[str, tuple[float, float, dict[float, float]]]:
+    """`histograms` of a metrics page's text."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(f"{sidecar_url}/metrics", timeout=5) as r:
-        text = r.read().decode()
     out: dict[str, tuple[float, float, dict[float, float]]] = {}
     for fam in text_string_to_metric_families(text):
         if fam.type != "histogram":

@@ -39,6 +39,7 @@ from admission.nodes.state import NodeState, Status
 from devstack.procs import RedisServer, sidecar_command, stop_process, wait_for
 from loadtest import bench_admit
 from loadtest.bench_admit import closed_loop, pct
+from loadtest.bench_edge import histograms_in, inside
 from loadtest.scratch import add_flag, scratch
 
 POLICY = bench_admit.POLICY.split("nodes:")[0] + "nodes:\n{nodes}\n"  # any number of nodes
@@ -50,6 +51,8 @@ NODE = (
     '  n{i}: {{url: "http://127.0.0.1:{port}", models: [m], memory_source: kv, max_inflight: 256}}'
 )
 PERIOD_S = 0.2  # the agent's default period
+DECISIONS = "admission_decision_seconds"
+Hist = tuple[float, float, dict[float, float]]  # count, sum, cumulative buckets
 
 
 def cpu_s(pid: int) -> float:
@@ -158,33 +161,21 @@ async def open_loop(
     return lat, kinds, late
 
 
-async def decision_buckets(sock: str) -> dict[float, float]:
-    """The sidecar's `admission_decision_seconds` so far: cumulative count per bucket bound
-    (summed over classes)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
+async def decision_times(sock: str) -> tuple[float, float, dict[float, float]]:
+    """The sidecar's `admission_decision_seconds` so far: count, sum, cumulative buckets."""
     conn = aiohttp.UnixConnector(path=sock)
     async with aiohttp.ClientSession(connector=conn) as s, s.get("http://sidecar/metrics") as r:
-        text = await r.text()
-    out: dict[float, float] = {}
-    for fam in text_string_to_metric_families(text):
-        if fam.name == "admission_decision_seconds":
-            for smp in fam.samples:
-                if smp.name.endswith("_bucket"):
-                    le = float(smp.labels["le"])
-                    out[le] = out.get(le, 0.0) + smp.value
-    return out
+        return histograms_in(await r.text())[DECISIONS]
 
 
-def inside_shares(h0: dict[float, float], h1: dict[float, float]) -> str:
-    """Between two reads: the share of decisions within 1 and 2 ms, and the bucket bound the
-    99th percentile falls under."""
-    n = h1.get(float("inf"), 0.0) - h0.get(float("inf"), 0.0)
-    if n <= 0:
+def inside_shares(h0: Hist, h1: Hist) -> str:
+    """Between two reads: bench_edge's mean and shares within 0.5 / 1 / 2 ms, and the bucket
+    bound the 99th percentile falls under."""
+    (c0, _s0, b0), (c1, _s1, b1) = h0, h1
+    if c1 <= c0:
         return "–"
-    share = {le: (c - h0.get(le, 0.0)) / n for le, c in sorted(h1.items())}
-    p99 = next(le for le, f in share.items() if f >= 0.99)
-    return f"≤ 1 ms {share[0.001]:.1%}, ≤ 2 ms {share[0.002]:.1%}, p99 ≤ {p99 * 1000:g} ms"
+    p99 = next(le for le, c in sorted(b1.items()) if (c - b0.get(le, 0.0)) / (c1 - c0) >= 0.99)
+    return f"{inside({DECISIONS: h0}, {DECISIONS: h1}, DECISIONS)}, p99 ≤ {p99 * 1000:g} ms"
 
 
 def pin_rest(cpu: int) -> None:
@@ -245,9 +236,9 @@ def run_size(n: int, a: argparse.Namespace, work: Path) -> dict[str, float | str
         out["redis_us_per_admission"] = busy / max(1, ok) * 1e6
         out["redis_cmds_per_admission"] = (c1 - c0 - (agents.commands - a0) - 1) / max(1, ok)
         out["redis_bytes_per_admission"] = (n1 - n0) / max(1, ok)
-        h0 = asyncio.run(decision_buckets(sock))
+        h0 = asyncio.run(decision_times(sock))
         lat, _kinds, late = asyncio.run(open_loop(sock, a.seconds, a.rate))
-        h1 = asyncio.run(decision_buckets(sock))
+        h1 = asyncio.run(decision_times(sock))
         ms = [x * 1000 for x in lat]
         out["p50_ms"], out["p99_ms"], out["late_ms"] = pct(ms, 50), pct(ms, 99), late * 1000
         out["inside"] = inside_shares(h0, h1)

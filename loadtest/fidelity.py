@@ -19,9 +19,9 @@ The offered rate is --load times one node's capacity for the mix, calibrated on 
 emulator in virtual time (prompts counted by the node's tokenizer), unless --capacity is given.
 The nodes, real and emulated, run on the last CPU and everything else on the others (as the fit
 measured the node), unless --no-pin. `--refit-each`: before each mix, fit the node again
-(loadtest.fit_engine, into `--out` as `<mix>-fitted.json`; the shipped profile is left alone) and run that
-mix's emulated side and its calibration on that fit: this machine's speed drifts by more than
-the throughput target between runs an hour apart.
+(loadtest.fit_engine, into `--out` as `<mix>-fitted.json`; the shipped profile is left alone)
+and run that mix's emulated side and its calibration on that fit: this machine's speed drifts
+by more than the throughput target between runs an hour apart.
 """
 
 from __future__ import annotations

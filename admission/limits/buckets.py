@@ -49,7 +49,7 @@ class Acquired(NamedTuple):
     over: str = ""
 
 
-# What settle_many takes per reservation: tenant (None: unknown), request id, actual tokens,
+# What settling takes per reservation: tenant (None: unknown), request id, actual tokens,
 # and whether it is the release of a request answered ahead.
 Settling = tuple[Tenant | None, str, int, bool]
 
@@ -252,15 +252,12 @@ class Limiter:
 
     async def settle(self, tenant: Tenant | None, rid: str, actual_tokens: int) -> int:
         """Refund (positive) or charge (negative) the difference to the reservation; idempotent.
-        With Redis unreachable the call goes to the backlog (0 is returned)."""
-        return (await self.settle_many([(tenant, rid, actual_tokens, False)]))[0]
-
-    async def settle_many(self, items: Sequence[Settling]) -> list[int]:
-        """`settle` for many reservations in one round trip."""
-        own = self.settle_calls(items)
-        calls = [c for c in own if c is not None]
-        out = iter(await self.owe(calls) or [None] * len(calls))
-        return self.settled(items, [next(out) if c is not None else None for c in own])
+        With Redis unreachable the call goes to the backlog (0 is returned). Many at once, with
+        the node leases' releases: scheduling/trip.py's `settle`."""
+        item = (tenant, rid, actual_tokens, False)
+        (call,) = self.settle_calls([item])
+        out = await self.owe([call]) if call is not None else None
+        return self.settled([item], [out[0] if out else None])[0]
 
     def settle_calls(self, items: Sequence[Settling]) -> list[Call | None]:
         """settle.lua's call per item (None for an unknown tenant); frees the local buckets'
