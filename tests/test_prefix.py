@@ -265,3 +265,38 @@ def test_routing_goes_to_the_prefix_until_its_backlog_outweighs_the_recompute(
     assert first() == cached.node.id
     cached.pending = 1500.0  # 0.15 s of backlog > what the cache saves
     assert first() == idle.node.id
+
+
+def test_a_crowded_node_loses_its_prefix_preference(policy: Any) -> None:
+    """Bounded load: a node holding the prompt's head keeps it only while it runs at most
+    LOAD_FACTOR × the fewest requests in flight among the nodes that would take it, plus
+    LOAD_SLACK; past that it ranks as if it held nothing, and the least loaded node gets the
+    request (support mix, before: a tenant's chat piled onto the nodes holding its system
+    prompt — 130 in flight, TPOT 200 ms — beside nodes with 30)."""
+    from dataclasses import replace
+
+    from admission.nodes.state import Status
+
+    model = next(iter(policy.models()))
+    n1 = next(n for n in policy.nodes.values() if model in n.models)
+    nodes = [replace(n1, id="holder", max_inflight=256), replace(n1, id="other", max_inflight=256)]
+    views = [NodeView(n, state=Status.OPEN, prefill_rate=10_000.0) for n in nodes]
+    holder, other = views
+    prefix = Prefix(SHARED, SIZE)
+    hits = {holder.node.id: 6}
+    for cls in policy.classes:
+
+        def first(cls: str = cls) -> str:
+            ok = routing.eligible(
+                views, policy, model, cls, 1000, 1100, 0.0, prefix=prefix, hits=hits
+            )
+            return ok[0][0].node.id
+
+        other.inflight = 40
+        holder.inflight = int(routing.LOAD_FACTOR * 40 + routing.LOAD_SLACK)  # at the bound
+        assert first() == holder.node.id, cls
+        holder.inflight += 1  # past it
+        assert first() == other.node.id, cls
+        other.inflight = 0
+        holder.inflight = routing.LOAD_SLACK  # a quiet cluster: the cache wins
+        assert first() == holder.node.id, cls

@@ -43,6 +43,12 @@ MAX_FALLBACKS = 2
 _LIVE = (Status.OPEN, Status.HOLD)
 _URGENT_LIVE = (Status.OPEN, Status.HOLD, Status.DRAIN)
 DEFAULT_TARGET_TTFT_S = 1.0  # when no class sets slo.ttft_ms
+# Bounded load (as consistent hashing with bounded loads, Mirrokni et al. 2018): a node with more
+# than LOAD_FACTOR × the fewest requests in flight of the nodes that would take a request, plus
+# LOAD_SLACK, loses its cache preference: prefill saved once does not pay for a crowded node's
+# decode, which every request running there sees on every token.
+LOAD_FACTOR = 1.25
+LOAD_SLACK = 8
 
 
 def urgent(policy: Policy, cls: str | None) -> bool:
@@ -271,14 +277,20 @@ def eligible(
             gate[(v.node.id, cls or "", reason)] += 1
     # Lower classes go first where the urgent class has no KV booked: there they take the whole
     # prefill budget and slow no urgent decode, and the nodes where it runs keep their idle
-    # prefill for it. The urgent class goes where its prefill starts soonest.
+    # prefill for it. The urgent class goes where its prefill starts soonest. A node past the
+    # load bound is ranked as if it held none of the prompt (`kept`).
     apart = not urgent(policy, cls)
+    bound = LOAD_FACTOR * min((v.inflight for _r, v, _a in ok), default=0) + LOAD_SLACK
+
+    def kept(v: NodeView) -> bool:
+        return v.inflight <= bound
+
     ok.sort(
         key=lambda rva: (
             rva[0],
             apart and rva[1].kv_urgent > 0,
-            rva[1].wait_s(now) - saved_s(rva[1], rva[2]),
-            -rva[2].hit_tokens,
+            rva[1].wait_s(now) - (saved_s(rva[1], rva[2]) if kept(rva[1]) else 0.0),
+            -rva[2].hit_tokens if kept(rva[1]) else 0,
             rva[1].projected(),
             home_rank(prefix, rva[1].node.id),
             rva[1].node.id,
