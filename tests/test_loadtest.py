@@ -41,6 +41,7 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
             str(ROOT / "loadtest/workloads/support.yaml"),
             "--out",
             str(out),
+            "--trace",
         ],
         cwd=ROOT,
         capture_output=True,
@@ -68,6 +69,10 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
         assert s["good_tokens"] == pytest.approx(s["goodput_tokens_per_s"] * s["seconds"])
     for name in ("ttft_cdf.png", "shares.png", "timeline.png"):
         assert (out / name).stat().st_size > 1000
+    # --trace: the admission sidecar's status twice a second, its node views in each line.
+    lines = [json.loads(ln) for ln in (out / "status-round-0.jsonl").read_text().splitlines()]
+    assert len(lines) >= 6 and all(len(ln["status"]["nodes"]) == 2 for ln in lines)
+    assert max(ln["t"] for ln in lines) >= 5
 
 
 def bench(module: str, *args: str) -> subprocess.CompletedProcess[str]:
