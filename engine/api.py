@@ -23,6 +23,7 @@ from engine.profiles import PROFILES
 from engine.scheduler import Seq, block_hashes
 
 ENGINE = web.AppKey("engine", Engine)
+TOKEN_ID0 = 100  # the id of every generated token, where a request asks for ids
 LP_MARK = "\x00logprobs"  # where a chunk's logprobs JSON goes (built apart: logprobs_json)
 LP_TEXT = json.dumps(LP_MARK)
 TOKENS = web.AppKey("tokens", Tokens)
@@ -134,6 +135,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         )
         await resp.prepare(request)
         obj = "chat.completion.chunk" if chat else "text_completion"
+        ids = bool(body.get("return_token_ids"))
 
         def chunk(i: int, tokens: list[str], finish: str | None, first: bool = False) -> bytes:
             delta = "".join(tokens)
@@ -144,6 +146,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
                 )
             else:
                 c["text"] = delta
+            if ids:  # vLLM's `return_token_ids`: a chunk's ids (what the fit's probes count)
+                c["token_ids"] = [TOKEN_ID0] * len(tokens)
             d = {
                 "id": rid,
                 "object": obj,

