@@ -327,8 +327,10 @@ async def test_the_queued_probe_measures_steps_once_the_waiters_are_in(tmp_path:
     path.write_text(json.dumps(doc))
     port = free_port()
     node = subprocess.Popen(
-        [sys.executable, "-m", "engine", "--port", str(port), "--profile", "vllm-cpu-tiny"]
-        + ["--num-gpu-blocks-override", "256", "--served-model-name", "tiny-llama"],
+        [
+            *(sys.executable, "-m", "engine", "--port", str(port), "--profile", "vllm-cpu-tiny"),
+            *("--num-gpu-blocks-override", "256", "--served-model-name", "tiny-llama"),
+        ],
         env={**os.environ, FITTED_ENV: str(path)},
         cwd=Path(__file__).resolve().parents[1],
         start_new_session=True,
