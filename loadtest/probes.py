@@ -91,9 +91,12 @@ async def probe(url: str, repeats: int, seed: int, tokens: Tokens) -> list[Sampl
     rng = random.Random(seed)
     out: list[Sample] = []
     # No connection limit: aiohttp's default (100) held the `queued` probe's 64 + 400 streams
-    # to 100 at once, so "400 waiting" had been 36 (found by tests/test_fit.py).
+    # to 100 at once, so "400 waiting" had been 36 (found by tests/test_fit.py). Idle
+    # connections closed before the node's server closes them (uvicorn: 5 s; aiohttp keeps
+    # them 15 s and wrote a probe into one the node had just closed).
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2)
     async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=300)
+        connector=connector, timeout=aiohttp.ClientTimeout(total=300)
     ) as s:
         for _ in range(3):  # warm up: first requests compile and allocate
             await stream(s, url, prompt(rng, 512), 8)
