@@ -292,11 +292,12 @@ def test_a_crowded_node_loses_its_prefix_preference(policy: Any) -> None:
             )
             return ok[0][0].node.id
 
-        other.inflight = 40
+        other.inflight, other.memory = 40, 0.5
+        holder.memory = 0.6  # the crowded node holds more KV
         holder.inflight = int(routing.LOAD_FACTOR * 40 + routing.LOAD_SLACK)  # at the bound
         assert first() == holder.node.id, cls
         holder.inflight += 1  # past it
         assert first() == other.node.id, cls
-        other.inflight = 0
+        other.inflight, other.memory = 0, 0.45
         holder.inflight = routing.LOAD_SLACK  # a quiet cluster: the cache wins
         assert first() == holder.node.id, cls
