@@ -255,6 +255,40 @@ def test_a_shared_system_prompt_is_fingerprinted_booked_once_and_found_cached(
     assert wait_unbooked(stack.redis_url) == {}
 
 
+def test_the_engines_cached_tokens_reach_the_sidecar_through_the_edge(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """The release the edge sends carries the engine's cached prompt tokens in the engine's
+    shape (`usage.prompt_tokens_details.cached_tokens`): the sidecar prices them at the
+    tenant's `cached_token_price` and shows them beside what it booked as cached. Before, the
+    edge renamed them and no release through the edge carried them (0 found here). One sidecar:
+    the predicted-vs-found line compares a release only on the sidecar that booked it."""
+    s = Stack(DEFAULT_POLICY, tmp_path_factory.mktemp("cached"), nodes=1, sidecars=1)
+    try:
+        s.start()
+        system = "You are the billing assistant of a large company. " * 90
+        for i in range(2):
+            body = chat(
+                messages=[
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": f"question {i}"},
+                ]
+            )
+            status, _h, _b = raw(s, body)
+            assert status == 200
+        deadline = time.monotonic() + 10
+        while True:
+            with urllib.request.urlopen(f"{s.sidecar_url}/status.json", timeout=5) as r:
+                prefix = json.loads(r.read())["prefix"]
+            if (prefix["engine_cached_tokens"] or 0) >= 1000 or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
+        assert (prefix["engine_cached_tokens"] or 0) >= 1000, prefix  # the 2nd found ~1,100
+        assert (prefix["booked_cached_tokens"] or 0) >= 1000, prefix
+    finally:
+        s.stop()
+
+
 def test_pending_prefill_follows_the_engine_when_it_finds_more_cached_than_booked(
     stack: Stack,
 ) -> None:

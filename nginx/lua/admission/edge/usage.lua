@@ -127,11 +127,14 @@ function _M.extract(ctx)
       or type(u.completion_tokens) ~= "number" then
     return nil
   end
+  -- The engine's cached prompt tokens go on in the engine's own shape: the sidecar reads
+  -- usage.prompt_tokens_details.cached_tokens (admission/usage.py), the charge at the
+  -- tenant's cached_token_price and the status page's predicted-vs-found line with it.
   local details = u.prompt_tokens_details
   local cached = type(details) == "table" and type(details.cached_tokens) == "number"
     and details.cached_tokens or nil
   return { prompt_tokens = u.prompt_tokens, completion_tokens = u.completion_tokens,
-           cached_tokens = cached }
+           prompt_tokens_details = cached and { cached_tokens = cached } or nil }
 end
 
 return _M
