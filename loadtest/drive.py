@@ -76,15 +76,15 @@ async def sample_nodes(
                 waiting += vals.get("vllm:num_requests_waiting", 0.0)
             if queue_url:
                 try:
-                    async with s.get(queue_url) as r:
-                        waiting = float((await r.json())["queued"])
-                    if trace is not None:
+                    if trace is None:
+                        async with s.get(queue_url) as r:
+                            waiting = float((await r.json())["queued"])
+                    else:  # the whole status, its queue's depth among it: one request
                         async with s.get(queue_url.replace("/healthz", "/status.json")) as r:
-                            line = json.dumps(
-                                {"t": time.monotonic() - t0, "status": await r.json()}
-                            )
+                            st = await r.json()
+                        waiting = float(st["queue"]["total"])
                         with trace.open("a") as f:
-                            f.write(line + "\n")
+                            f.write(json.dumps({"t": time.monotonic() - t0, "status": st}) + "\n")
                 except aiohttp.ClientError:
                     pass
             series.setdefault("queued", []).append((time.monotonic() - t0, waiting))

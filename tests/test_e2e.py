@@ -219,6 +219,18 @@ def node_priorities(stack: Stack) -> dict[str, float]:
     return out
 
 
+def ask_after(stack: Stack, system: str, n: int, pause_s: float = 0.0) -> None:
+    """`n` chats through the edge, each a new question after the same system prompt."""
+    for i in range(n):
+        messages = [
+            {"role": "system", "content": system},
+            {"role": "user", "content": f"question {i}"},
+        ]
+        status, _h, _b = raw(stack, chat(messages=messages))
+        assert status == 200
+        time.sleep(pause_s)
+
+
 def test_a_shared_system_prompt_is_fingerprinted_booked_once_and_found_cached(
     stack: Stack,
 ) -> None:
@@ -232,18 +244,9 @@ def test_a_shared_system_prompt_is_fingerprinted_booked_once_and_found_cached(
 
     system = "You are the support assistant of a large company. " * 90  # ~4,500 characters
     before = sum(node_counter(stack, p, "vllm:prefix_cache_hits_total") for p in stack.node_ports)
-    for i in range(3):
-        body = chat(
-            messages=[
-                {"role": "system", "content": system},
-                {"role": "user", "content": f"question {i}"},
-            ]
-        )
-        status, _h, _b = raw(stack, body)
-        assert status == 200
-        # The two sidecars learn each other's placements with their node refresh (the prefix
-        # feed: 0.1 s busy, 0.5 s idle); the next request may reach the other one.
-        time.sleep(0.7)
+    # The two sidecars learn each other's placements with their node refresh (the prefix
+    # feed: 0.1 s busy, 0.5 s idle); the next request may reach the other one.
+    ask_after(stack, system, 3, pause_s=0.7)
     r = sync_redis.Redis.from_url(stack.redis_url)
     try:
         resident = [r.zcard(keys.node_prefixes(n)) for n in ("node-0", "node-1")]
@@ -267,15 +270,7 @@ def test_the_engines_cached_tokens_reach_the_sidecar_through_the_edge(
     try:
         s.start()
         system = "You are the billing assistant of a large company. " * 90
-        for i in range(2):
-            body = chat(
-                messages=[
-                    {"role": "system", "content": system},
-                    {"role": "user", "content": f"question {i}"},
-                ]
-            )
-            status, _h, _b = raw(s, body)
-            assert status == 200
+        ask_after(s, system, 2)
         deadline = time.monotonic() + 10
         while True:
             with urllib.request.urlopen(f"{s.sidecar_url}/status.json", timeout=5) as r:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from typing import Any
 
 from admission.nodes.state import Status
 from admission.policy import AdmitUntil, Node, Policy
@@ -278,24 +279,24 @@ def eligible(
     # Lower classes go first where the urgent class has no KV booked: there they take the whole
     # prefill budget and slow no urgent decode, and the nodes where it runs keep their idle
     # prefill for it. The urgent class goes where its prefill starts soonest. A node past the
-    # load bound is ranked as if it held none of the prompt (`kept`).
+    # load bound is ranked as if it held none of the prompt (not `kept`).
     apart = not urgent(policy, cls)
     bound = LOAD_FACTOR * min((v.inflight for _r, v, _a in ok), default=0) + LOAD_SLACK
 
-    def kept(v: NodeView) -> bool:
-        return v.inflight <= bound
-
-    ok.sort(
-        key=lambda rva: (
-            rva[0],
-            apart and rva[1].kv_urgent > 0,
-            rva[1].wait_s(now) - (saved_s(rva[1], rva[2]) if kept(rva[1]) else 0.0),
-            -rva[2].hit_tokens if kept(rva[1]) else 0,
-            rva[1].projected(),
-            home_rank(prefix, rva[1].node.id),
-            rva[1].node.id,
+    def order(rva: tuple[int, NodeView, Ask]) -> tuple[Any, ...]:
+        rank, v, ask = rva
+        kept = v.inflight <= bound
+        return (
+            rank,
+            apart and v.kv_urgent > 0,
+            v.wait_s(now) - (saved_s(v, ask) if kept else 0.0),
+            -ask.hit_tokens if kept else 0,
+            v.projected(),
+            home_rank(prefix, v.node.id),
+            v.node.id,
         )
-    )
+
+    ok.sort(key=order)
     return [(v, ask) for _rank, v, ask in ok]
 
 
