@@ -47,6 +47,13 @@ class Recent:
         elif outcome != "cancelled":
             self.refusals.append(Refusal(now, tenant, cls, outcome, reason, rid))
 
+    def late_refused(self, now: float) -> Counter[str]:
+        """Per class, how many were refused `slo_unreachable` (on_late: refuse) in the window:
+        overload past what any order serves, answered early with Retry-After."""
+        return Counter(
+            r.cls for r in self.refusals if r.reason == "slo_unreachable" and now - r.at <= WINDOW_S
+        )
+
     def wait_percentiles(self, now: float) -> dict[str, dict[str, float]]:
         by_cls: dict[str, list[float]] = {}
         for at, cls, w in self.waits:
@@ -74,7 +81,9 @@ def snapshot(
     for item in dispatcher.queue.items():
         depth[(item.cls, item.tenant)] += 1
         oldest[item.cls] = max(oldest.get(item.cls, 0.0), mono - item.enqueued_at)
-    classes = list(dispatcher.policy().classes)
+    policy = dispatcher.policy()
+    classes = list(policy.classes)
+    late = recent.late_refused(now)
     return {
         "now": now,
         "policy": {"version": version, "loaded_at": loaded_at},
@@ -86,6 +95,8 @@ def snapshot(
                     "class": c,
                     "depth": dispatcher.queue.depth(c),
                     "oldest_wait_s": round(oldest.get(c, 0.0), 2),
+                    "on_late": policy.classes[c].on_late.value,
+                    "late_refused_60s": late[c],
                 }
                 for c in classes
             ],

@@ -54,7 +54,8 @@ LOAD_SLACK = 8
 
 def urgent(policy: Policy, cls: str | None) -> bool:
     """A class admitted until drain: not held back by memory lower classes hold, nor by the
-    prefill budget (vLLM's priority scheduling runs it first inside the engine)."""
+    idle-prefill rule (vLLM's priority scheduling runs it first inside the engine); its own
+    prefill budget applies."""
     c = policy.classes.get(cls) if cls else None
     return c is not None and c.admit_until == AdmitUntil.DRAIN
 
@@ -93,7 +94,10 @@ def ask_for(
         return max(0, int((fraction - v.base_memory) / v.per_token)) if v.per_token > 0 else -1
 
     hurry = urgent(policy, cls) and not lent
-    budget = 0 if hurry or v.prefill_rate <= 0 else int(v.prefill_rate * target_ttft_s(policy))
+    # Every class, the urgent one too, goes to a node only while its booked prefill clears
+    # within the target TTFT: past that no order serves it in time there, and it waits in the
+    # sidecar (where `on_late` refuses it early) instead of inside the engine.
+    budget = 0 if v.prefill_rate <= 0 else int(v.prefill_rate * target_ttft_s(policy))
     return Ask(
         prompt,
         kv,
@@ -160,9 +164,9 @@ def why_not(
 
 
 def prefill_room(v: NodeView, ask: Ask) -> int:
-    """Pending prefill a lower-class ask may bring a busy node to: its budget, or none while the
-    urgent class has KV booked there (only idle prefill; lease.lua decides the same)."""
-    return 0 if v.kv_urgent > 0 else ask.prefill_budget
+    """Pending prefill an ask may bring a busy node to: its budget; for a lower class none while
+    the urgent class has KV booked there (only idle prefill; lease.lua decides the same)."""
+    return 0 if v.kv_urgent > 0 and not ask.urgent else ask.prefill_budget
 
 
 def pool_rank(

@@ -9,9 +9,9 @@
 --       4 prompt tokens (pending prefill this request adds)
 --       5 KV tokens reserved (prompt estimate + output cap)
 --       6 prefill rate, tokens/s (0: unknown; pending prefill is then not drained by time)
---       7 prefill budget, tokens (0: this class is not gated by pending prefill); while the
---         urgent class has KV booked on the node (u > 0) the room is 0 instead: a lower class
---         gets only idle prefill there (pending cleared)
+--       7 prefill budget, tokens (0: not gated by pending prefill); while the urgent class
+--         has KV booked on the node (u > 0) a lower class's room is 0 instead: it gets only
+--         idle prefill there (pending cleared)
 --       8 KV limit, tokens (-1: not gated by memory): reserved KV after this one must stay below
 --         (for an urgent ask, the urgent class's own KV after this one)
 --       9 urgent: 1 for the class admitted until drain (its KV counts toward the reserve)
@@ -112,7 +112,8 @@ end
 local reason = nil
 if n >= tonumber(ARGV[1]) then
   reason = 'inflight'
-elseif budget > 0 and pending > 0 and pending + prompt > (u_others > 0 and 0 or budget) then
+elseif budget > 0 and pending > 0
+    and pending + prompt > ((u_others > 0 and not urgent) and 0 or budget) then
   -- While the urgent class has KV booked here, lower classes get only idle prefill.
   reason = 'prefill'
 elseif kv_limit >= 0 and (urgent and u_others + shared or kv_others) + need + fresh > kv_limit then

@@ -1,0 +1,87 @@
+"""`on_late: refuse` through the sidecar's HTTP API, against a real redis-server: a queued request
+that can no longer meet its class's TTFT target is answered 429 `slo_unreachable` with
+Retry-After at once (its tokens refunded), one that still can waits and runs, and the status page
+counts the early refusals per class. The shipped policy sets it for realtime and batch."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from admission.metrics import Metrics
+from admission.policy import OnLate, load_policy
+from admission.reload import PolicyHolder
+from admission.server import build_app
+from admission.store import keys
+from devstack.procs import RedisServer
+from devstack.stack import DEFAULT_POLICY
+from tests.conftest import BASE_POLICY
+from tests.test_server import admit_body, set_node
+
+pytestmark = pytest.mark.timeout(60)
+
+# Realtime: a 1 s first-token target, refused once waiting cannot meet it.
+LATE_POLICY = BASE_POLICY.replace(
+    "realtime: {weight: 8, min_share: 0.1, priority: 0, deadline_s: 5}",
+    "realtime: {weight: 8, min_share: 0.1, priority: 0, deadline_s: 5,"
+    " slo: {ttft_ms: 1000}, on_late: refuse}",
+)
+
+
+@pytest.fixture
+async def sidecar(
+    redis: Any, redis_server: RedisServer, tmp_path: Path
+) -> AsyncIterator[TestClient[Any, Any]]:
+    assert LATE_POLICY != BASE_POLICY
+    path = tmp_path / "policies.yaml"
+    path.write_text(LATE_POLICY.replace("REDIS_URL", redis_server.url))
+    holder = PolicyHolder(path, load_policy(path), Metrics())
+    await set_node(redis, "n1", prefill_rate=10_000.0)
+    client = TestClient(TestServer(build_app(holder, edge_table=tmp_path / "edge.json")))
+    await client.start_server()
+    yield client
+    await client.close()
+
+
+async def test_a_request_that_can_no_longer_be_in_time_is_refused_early(
+    sidecar: Any, redis: Any
+) -> None:
+    client = sidecar
+    # n1 takes 4 in flight: the fifth waits in the queue, for a slot that does not free.
+    leases = [await client.post("/admit", json=admit_body()) for _ in range(4)]
+    assert [r.status for r in leases] == [200] * 4
+    started = asyncio.get_running_loop().time()
+    r = await client.post("/admit", json=admit_body(max_tokens=1000))
+    waited = asyncio.get_running_loop().time() - started
+    assert r.status == 429 and int(r.headers["Retry-After"]) >= 1
+    assert (await r.json())["error"]["code"] == "slo_unreachable"
+    # Refused once waiting + the soonest prefill passes the target less its margin (0.75 s),
+    # well before the class's 5 s queue deadline.
+    assert 0.5 <= waited < 2.5, waited
+    level = int(await redis.hget(keys.tenant_keys("acme", "x")[1], "l") or 0)
+    assert level == 0 or level >= 5000 * 10**6 - 4 * 10**8  # the 1,010 tokens refunded
+
+    data = await (await client.get("/status.json")).json()
+    rows = {c["class"]: c for c in data["queue"]["classes"]}
+    assert rows["realtime"]["on_late"] == "refuse" and rows["realtime"]["late_refused_60s"] == 1
+    assert rows["batch"]["on_late"] == "serve" and rows["batch"]["late_refused_60s"] == 0
+    assert any(g["reason"] == "slo_unreachable" for g in data["refusals"])
+
+    # A slot frees in time: the next request waits for it and runs.
+    waiter = asyncio.ensure_future(client.post("/admit", json=admit_body()))
+    await asyncio.sleep(0.2)
+    ticket = (await leases[0].json())["ticket"]
+    assert (await client.post("/release", json={"ticket": ticket})).status == 200
+    assert (await asyncio.wait_for(waiter, 5)).status == 200
+
+
+def test_the_shipped_policy_refuses_late_realtime_and_batch() -> None:
+    policy = load_policy(DEFAULT_POLICY)
+    assert policy.classes["realtime"].on_late == OnLate.REFUSE
+    assert policy.classes["batch"].on_late == OnLate.REFUSE
+    assert policy.classes["offline"].on_late == OnLate.SERVE  # no target: nothing to be late for
