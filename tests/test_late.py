@@ -1,7 +1,8 @@
 """`on_late: refuse` through the sidecar's HTTP API, against a real redis-server: a queued request
 that can no longer meet its class's TTFT target is answered 429 `slo_unreachable` with
 Retry-After at once (its tokens refunded), one that still can waits and runs, and the status page
-counts the early refusals per class. The shipped policy sets it for realtime and batch."""
+counts the early refusals per class. The shipped policy sets it for batch; for realtime it is
+one line to enable (which also gates realtime by its own prefill budget)."""
 
 from __future__ import annotations
 
@@ -14,13 +15,15 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from admission.metrics import Metrics
-from admission.policy import OnLate, load_policy
+from admission.policy import Node, OnLate, load_policy
 from admission.reload import PolicyHolder
+from admission.scheduling.routing import ask_for
+from admission.scheduling.views import NodeView
 from admission.server import build_app
 from admission.store import keys
 from devstack.procs import RedisServer
 from devstack.stack import DEFAULT_POLICY
-from tests.conftest import BASE_POLICY
+from tests.conftest import BASE_POLICY, make_policy
 from tests.test_server import admit_body, set_node
 
 pytestmark = pytest.mark.timeout(60)
@@ -80,8 +83,17 @@ async def test_a_request_that_can_no_longer_be_in_time_is_refused_early(
     assert (await asyncio.wait_for(waiter, 5)).status == 200
 
 
-def test_the_shipped_policy_refuses_late_realtime_and_batch() -> None:
-    policy = load_policy(DEFAULT_POLICY)
-    assert policy.classes["realtime"].on_late == OnLate.REFUSE
-    assert policy.classes["batch"].on_late == OnLate.REFUSE
-    assert policy.classes["offline"].on_late == OnLate.SERVE  # no target: nothing to be late for
+def test_the_urgent_class_is_gated_by_its_prefill_budget_only_when_it_refuses_late() -> None:
+    node = Node(id="n1", url="http://127.0.0.1:1", models=("m",), max_inflight=4)
+    v = NodeView(node)
+    v.prefill_rate = 10_000.0
+    for text, budget in ((BASE_POLICY, 0), (LATE_POLICY, 10_000)):
+        urgent = text.replace("priority: 0,", "priority: 0, admit_until: drain,")
+        policy = make_policy("redis://127.0.0.1:1/0", urgent)
+        ask = ask_for(v, policy, "realtime", 100, 200, decode_s=None)
+        assert ask.urgent and ask.prefill_budget == budget
+        assert ask_for(v, policy, "batch", 100, 200, decode_s=None).prefill_budget == 10_000
+    # The shipped policy: batch refuses late; realtime serves late (opt-in, see the policy).
+    shipped = load_policy(DEFAULT_POLICY)
+    assert shipped.classes["batch"].on_late == OnLate.REFUSE
+    assert shipped.classes["realtime"].on_late == OnLate.SERVE
