@@ -49,7 +49,8 @@ class Recent:
 
     def late_refused(self, now: float) -> Counter[str]:
         """Per class, how many were refused `slo_unreachable` (on_late: refuse) in the window:
-        overload past what any order serves, answered early with Retry-After."""
+        overload past what any order serves, answered early with Retry-After. Among the refusals
+        kept (the last 500): under a flood the window holds fewer than 60 s of them."""
         return Counter(
             r.cls for r in self.refusals if r.reason == "slo_unreachable" and now - r.at <= WINDOW_S
         )

@@ -52,9 +52,9 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         s.stop()
 
 
-async def _saturate(url: str, seconds: float, warmup_s: float, model: str = "tiny") -> Counter[str]:
+async def _saturate(url: str, seconds: float, warmup_s: float) -> Counter[str]:
     body = json.dumps(
-        {"model": model, "messages": [{"role": "user", "content": "x" * 200}], "max_tokens": 16}
+        {"model": "tiny", "messages": [{"role": "user", "content": "x" * 200}], "max_tokens": 16}
     ).encode()
     served: Counter[str] = Counter()
     start = time.monotonic()

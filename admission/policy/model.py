@@ -112,6 +112,11 @@ class ClassPolicy:
     admit_until: AdmitUntil = AdmitUntil.HOLD
     on_late: OnLate = OnLate.SERVE
 
+    @property
+    def refuses_late(self) -> bool:
+        """`on_late: refuse` with a TTFT target: refused early once it cannot be in time."""
+        return self.on_late == OnLate.REFUSE and bool(self.slo_ttft_ms)
+
 
 @dataclass(frozen=True)
 class Limits:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
-from admission.policy import OnLate, Policy
+from admission.policy import Policy
 from admission.scheduling.prefixes import Prefix
 from admission.scheduling.queue import FairQueue, Item
 from admission.scheduling.routing import eta_s
@@ -29,9 +29,9 @@ def late_heads(
     `near(model, prefix)`: the nodes it would come soonest from (NodeTable.near: bounded);
     `cached(prefix)`: node → prompt tokens of an item's head its prefix cache should hold."""
     for c in policy.classes.values():
-        if c.on_late != OnLate.REFUSE or not c.slo_ttft_ms:
+        if not c.refuses_late:
             continue
-        target = c.slo_ttft_ms / 1000 * (1 - LATE_MARGIN)
+        target = (c.slo_ttft_ms or 0.0) / 1000 * (1 - LATE_MARGIN)
 
         def late(it: Item, t: float = target, n: str = c.name) -> bool:
             return (it.requested_cls or it.cls) == n and (

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 from admission.nodes.state import Status
-from admission.policy import AdmitUntil, Node, OnLate, Policy
+from admission.policy import AdmitUntil, Node, Policy
 from admission.scheduling.leases import Ask
 from admission.scheduling.outputs import decode_limit_s
 from admission.scheduling.prefixes import NO_PREFIX, Prefix, home_rank, pool_blocks
@@ -55,15 +55,9 @@ LOAD_SLACK = 8
 def urgent(policy: Policy, cls: str | None) -> bool:
     """A class admitted until drain: not held back by memory lower classes hold, nor by the
     idle-prefill rule (vLLM's priority scheduling runs it first inside the engine); its own
-    prefill budget applies when it refuses late (`refuses_late`)."""
+    prefill budget applies when it refuses late (`ClassPolicy.refuses_late`)."""
     c = policy.classes.get(cls) if cls else None
     return c is not None and c.admit_until == AdmitUntil.DRAIN
-
-
-def refuses_late(policy: Policy, cls: str | None) -> bool:
-    """A class with `on_late: refuse` and a TTFT target: refused early once it cannot be in time."""
-    c = policy.classes.get(cls) if cls else None
-    return c is not None and c.on_late == OnLate.REFUSE and bool(c.slo_ttft_ms)
 
 
 def target_ttft_s(policy: Policy) -> float:
@@ -104,7 +98,7 @@ def ask_for(
     # past that no order serves it in time there. The urgent class too when it refuses late
     # (`on_late: refuse`): it then waits in the sidecar, where it is refused early, instead of
     # inside the engine; when it serves late, vLLM's priority runs it first there.
-    gated = not hurry or refuses_late(policy, cls)
+    gated = not hurry or (cls is not None and policy.classes[cls].refuses_late)
     budget = 0 if not gated or v.prefill_rate <= 0 else int(v.prefill_rate * target_ttft_s(policy))
     return Ask(
         prompt,
