@@ -343,9 +343,9 @@ def test_every_node_that_says_no_is_counted_with_its_reason(redis_server: RedisS
 
     assert no("batch", kv=850) == "booked"
     assert no("batch", kv=600, waiting=300) == "reserve"
-    v.ledger(900.0, 0, 0, 0.0)
+    v.ledger(900.0, 0, 2, 0.0)  # two in flight: their prefill pending
     assert no("batch", prompt=200) == "prefill"  # 900 + 200 > 1,000 tokens/s x 1 s
-    v.ledger(50.0, 0, 0, 0.0)
+    v.ledger(50.0, 0, 2, 0.0)
     assert eligible([v], p, "m", "batch", 10, 10, 0.0)  # 50 + 10 within the budget
     v.kv_urgent = v.kv_reserved = 20  # realtime runs there: lower classes get idle prefill only
     assert no("batch") == "prefill"

@@ -53,7 +53,8 @@ def raw(
         with urllib.request.urlopen(req, timeout=30) as r:
             return r.status, dict(r.headers), r.read()
     except urllib.error.HTTPError as e:
-        return e.code, dict(e.headers), e.read()
+        with e:  # closed: its socket's ResourceWarning would fail a later test at random
+            return e.code, dict(e.headers), e.read()
 
 
 def chat(**kw: Any) -> dict[str, Any]:
@@ -70,46 +71,54 @@ def admin(stack: Stack) -> dict[str, str]:
 
 
 def client(stack: Stack, key: str = "sk-demo-acme") -> openai.OpenAI:
+    """Use it in `with`: an open client's socket, collected later, warns in another test."""
     return openai.OpenAI(base_url=f"{stack.url}/v1", api_key=key, max_retries=0)
 
 
 def test_openai_sdk_chat_and_completion(stack: Stack) -> None:
-    c = client(stack)
-    r = c.chat.completions.create(
-        model="llama-3-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=6
-    )
-    assert r.choices[0].message.content and r.usage is not None and r.usage.completion_tokens == 6
-    r2 = c.completions.create(model="llama-3-8b", prompt="hello there", max_tokens=4)
-    assert r2.usage is not None and r2.usage.completion_tokens == 4
-    models = c.models.list()
-    assert [m.id for m in models.data] == ["llama-3-8b"]
+    with client(stack) as c:
+        r = c.chat.completions.create(
+            model="llama-3-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=6
+        )
+        assert (
+            r.choices[0].message.content and r.usage is not None and r.usage.completion_tokens == 6
+        )
+        r2 = c.completions.create(model="llama-3-8b", prompt="hello there", max_tokens=4)
+        assert r2.usage is not None and r2.usage.completion_tokens == 4
+        models = c.models.list()
+        assert [m.id for m in models.data] == ["llama-3-8b"]
 
 
 def test_streaming_is_incremental_and_usage_released(stack: Stack) -> None:
-    c = client(stack, "sk-demo-globex")
-    stream = c.chat.completions.create(
-        model="llama-3-8b", messages=[{"role": "user", "content": "hi"}], max_tokens=64, stream=True
-    )
-    arrivals = []
-    for chunk in stream:
-        if chunk.choices and chunk.choices[0].delta.content:
-            arrivals.append(time.monotonic())
-    assert len(arrivals) >= 10  # token by token, not one buffered blob
-    assert arrivals[-1] - arrivals[0] > 0.1
-    # The edge asked vLLM for the usage chunk and released the ticket with it: 256-token default
-    # reservation was not used (max_tokens 64), so tokens were refunded.
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:
-        m = urllib.request.urlopen(f"{stack.sidecar_url}/metrics").read().decode()
-        line = [
-            x
-            for x in m.splitlines()
-            if x.startswith('admission_settled_tokens_total{direction="refund",tenant="globex"}')
-        ]
-        if line:
-            break
-        time.sleep(0.2)
-    assert line, "no refund recorded for the streamed request"
+    with client(stack, "sk-demo-globex") as c:
+        stream = c.chat.completions.create(
+            model="llama-3-8b",
+            messages=[{"role": "user", "content": "hi"}],
+            max_tokens=64,
+            stream=True,
+        )
+        arrivals = []
+        for chunk in stream:
+            if chunk.choices and chunk.choices[0].delta.content:
+                arrivals.append(time.monotonic())
+        assert len(arrivals) >= 10  # token by token, not one buffered blob
+        assert arrivals[-1] - arrivals[0] > 0.1
+        # The edge asked vLLM for the usage chunk and released the ticket with it: 256-token default
+        # reservation was not used (max_tokens 64), so tokens were refunded.
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            m = urllib.request.urlopen(f"{stack.sidecar_url}/metrics").read().decode()
+            line = [
+                x
+                for x in m.splitlines()
+                if x.startswith(
+                    'admission_settled_tokens_total{direction="refund",tenant="globex"}'
+                )
+            ]
+            if line:
+                break
+            time.sleep(0.2)
+        assert line, "no refund recorded for the streamed request"
 
 
 def test_public_healthz_shows_status_only(stack: Stack) -> None:
@@ -343,7 +352,7 @@ def test_queued_client_disconnect_frees_its_slot(stack: Stack) -> None:
                 data=b"",
                 headers=admin(stack),
             )
-        )
+        ).close()  # unclosed, its socket's ResourceWarning fails a later test at random
     try:
         body = json.dumps(chat()).encode()
         req = (
@@ -378,7 +387,7 @@ def test_queued_client_disconnect_frees_its_slot(stack: Stack) -> None:
                     data=b"",
                     headers=admin(stack),
                 )
-            )
+            ).close()
         # The other sidecar sees the flags at its next refresh (every 0.1 s); until then it
         # may know node-0 open and node-1 still in maintenance (no fallback for the next test).
         time.sleep(0.5)
@@ -460,7 +469,8 @@ def test_edge_without_its_tenant_table_answers_503_not_401(stack: Stack, tmp_pat
                 urllib.request.urlopen(req, timeout=10)
             assert e.value.code == 503, path
             assert e.value.headers["Retry-After"] == "1"
-            assert json.loads(e.value.read())["error"]["code"] == "admission_unavailable"
+            with e.value:
+                assert json.loads(e.value.read())["error"]["code"] == "admission_unavailable"
     finally:
         stop_process(proc)
 
@@ -514,35 +524,37 @@ def test_only_allowed_headers_reach_the_engines(stack: Stack) -> None:
 def test_rate_limit_headers_and_request_id_as_openai_sends_them(stack: Stack) -> None:
     """The openai SDK sees OpenAI's x-ratelimit-* headers (the tenant's buckets as the admission
     saw them) and an x-request-id on a 200 and on a 429."""
-    c = client(stack, "sk-demo-hobbyist")
-    raw_answer = c.chat.completions.with_raw_response.create(
-        model="llama-3-8b", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
-    )
-    h = raw_answer.headers
-    assert h["x-ratelimit-limit-requests"] == "5" and h["x-ratelimit-limit-tokens"] == "8000"
-    assert 0 <= int(h["x-ratelimit-remaining-requests"]) < 5
-    assert 0 < int(h["x-ratelimit-remaining-tokens"]) < 8000
-    assert h["x-ratelimit-reset-requests"].endswith("s")
-    assert len(h["x-request-id"]) == 32
-    refused = None
-    for _ in range(12):  # burst 5 at 2 requests/s
-        try:
-            c.chat.completions.create(
-                model="llama-3-8b", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
-            )
-        except openai.RateLimitError as exc:
-            refused = exc.response.headers
-            break
-    assert refused is not None
-    assert refused["x-ratelimit-remaining-requests"] == "0"
-    assert refused["x-ratelimit-limit-requests"] == "5"
-    assert refused["x-ratelimit-reset-requests"].endswith("s")
-    assert len(refused["x-request-id"]) == 32
-    # The operator finds that id on the status page of the sidecar that refused it.
-    ids = [
-        g["last_request_id"] for doc in sidecar_docs(stack, "/status.json") for g in doc["refusals"]
-    ]
-    assert refused["x-request-id"] in ids, ids
+    with client(stack, "sk-demo-hobbyist") as c:
+        raw_answer = c.chat.completions.with_raw_response.create(
+            model="llama-3-8b", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+        )
+        h = raw_answer.headers
+        assert h["x-ratelimit-limit-requests"] == "5" and h["x-ratelimit-limit-tokens"] == "8000"
+        assert 0 <= int(h["x-ratelimit-remaining-requests"]) < 5
+        assert 0 < int(h["x-ratelimit-remaining-tokens"]) < 8000
+        assert h["x-ratelimit-reset-requests"].endswith("s")
+        assert len(h["x-request-id"]) == 32
+        refused = None
+        for _ in range(12):  # burst 5 at 2 requests/s
+            try:
+                c.chat.completions.create(
+                    model="llama-3-8b", max_tokens=4, messages=[{"role": "user", "content": "hi"}]
+                )
+            except openai.RateLimitError as exc:
+                refused = exc.response.headers
+                break
+        assert refused is not None
+        assert refused["x-ratelimit-remaining-requests"] == "0"
+        assert refused["x-ratelimit-limit-requests"] == "5"
+        assert refused["x-ratelimit-reset-requests"].endswith("s")
+        assert len(refused["x-request-id"]) == 32
+        # The operator finds that id on the status page of the sidecar that refused it.
+        ids = [
+            g["last_request_id"]
+            for doc in sidecar_docs(stack, "/status.json")
+            for g in doc["refusals"]
+        ]
+        assert refused["x-request-id"] in ids, ids
 
 
 def sidecar_docs(stack: Stack, path: str) -> list[Any]:

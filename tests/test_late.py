@@ -1,8 +1,8 @@
 """`on_late: refuse` through the sidecar's HTTP API, against a real redis-server: a queued request
 that can no longer meet its class's TTFT target is answered 429 `slo_unreachable` with
 Retry-After at once (its tokens refunded), one that still can waits and runs, and the status page
-counts the early refusals per class. The shipped policy sets it for batch; for realtime it is
-one line to enable (which also gates realtime by its own prefill budget)."""
+counts the early refusals per class. The shipped policy sets it for realtime (which also gates
+realtime by its own prefill budget) and batch."""
 
 from __future__ import annotations
 
@@ -83,6 +83,25 @@ async def test_a_request_that_can_no_longer_be_in_time_is_refused_early(
     assert (await asyncio.wait_for(waiter, 5)).status == 200
 
 
+async def test_a_prompt_too_long_for_the_target_at_the_measured_rate_waits_its_turn(
+    sidecar: Any, redis: Any
+) -> None:
+    """Its own prefill alone passes the target at the node's measured rate (900 tokens at
+    1,000/s against 0.75 s): not refused on arrival, as a rate measured from short prompts
+    only would have it — it waits for a slot, past the point a short one is refused, and runs."""
+    client = sidecar
+    await set_node(redis, "n1", prefill_rate=1_000.0)
+    await asyncio.sleep(0.3)  # the sidecar's node refresh sees the new rate
+    leases = [await client.post("/admit", json=admit_body()) for _ in range(4)]
+    assert [r.status for r in leases] == [200] * 4
+    waiter = asyncio.ensure_future(client.post("/admit", json=admit_body(prompt_tokens=900)))
+    await asyncio.sleep(1.5)  # a 10-token request would have been refused at ~0.75 s
+    assert not waiter.done()
+    ticket = (await leases[0].json())["ticket"]
+    assert (await client.post("/release", json={"ticket": ticket})).status == 200
+    assert (await asyncio.wait_for(waiter, 5)).status == 200
+
+
 def test_the_urgent_class_is_gated_by_its_prefill_budget_only_when_it_refuses_late() -> None:
     node = Node(id="n1", url="http://127.0.0.1:1", models=("m",), max_inflight=4)
     v = NodeView(node)
@@ -93,7 +112,8 @@ def test_the_urgent_class_is_gated_by_its_prefill_budget_only_when_it_refuses_la
         ask = ask_for(v, policy, "realtime", 100, 200, decode_s=None)
         assert ask.urgent and ask.prefill_budget == budget
         assert ask_for(v, policy, "batch", 100, 200, decode_s=None).prefill_budget == 10_000
-    # The shipped policy: batch refuses late; realtime serves late (opt-in, see the policy).
+    # The shipped policy: realtime and batch refuse late, offline serves late.
     shipped = load_policy(DEFAULT_POLICY)
     assert shipped.classes["batch"].on_late == OnLate.REFUSE
-    assert shipped.classes["realtime"].on_late == OnLate.SERVE
+    assert shipped.classes["realtime"].on_late == OnLate.REFUSE
+    assert shipped.classes["offline"].on_late == OnLate.SERVE

@@ -138,6 +138,22 @@ async def test_prefill_budget_and_drain_by_rate(redis: Any) -> None:
     assert 1400 < pending < 1900  # ~1,850, less whatever drained while a busy machine was slow
 
 
+async def test_a_node_with_no_lease_left_has_nothing_pending_whatever_its_rate(
+    redis: Any,
+) -> None:
+    """Pending prefill is that of requests in flight: with none left the node takes the next at
+    once, even where its measured rate (the peak it was given: ~20 tokens/s after short chats one
+    at a time) has not drained what it booked. Before, such an idle node stayed "busy" and a
+    realtime chat was answered 429 slo_unreachable (tests/test_supervision.py under load)."""
+    s = Scripts(redis)
+    ask = leases.Ask(900, 1000, prefill_rate=20.0, prefill_budget=20)
+    assert leases.granted((await s.run(leases.take(NODE, ticket(1), 60, ask)))[0])  # idle: yes
+    res = (await s.run(leases.take(NODE, ticket(2), 60, ask)))[0]
+    assert leases.refusal(res)[0] == "prefill"  # type: ignore[index]  # 900 pending at 20/s
+    await s.run(leases.give_back(ticket(1)))
+    assert leases.granted((await s.run(leases.take(NODE, ticket(3), 60, ask)))[0])
+
+
 async def test_lower_classes_get_only_idle_prefill_where_the_urgent_class_runs(
     redis: Any,
 ) -> None:

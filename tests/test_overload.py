@@ -38,6 +38,7 @@ POLICY_REASONS = {
     "concurrency",
     "queue_full",
     "queue_timeout",
+    "slo_unreachable",  # on_late: refuse — waiting could no longer meet the class's TTFT target
 }
 
 

@@ -261,6 +261,7 @@ def test_routing_goes_to_the_prefix_until_its_backlog_outweighs_the_recompute(
         ok = routing.eligible(views, policy, model, cls, 1000, 1100, 0.0, prefix=prefix, hits=hits)
         return ok[0][0].node.id
 
+    cached.inflight = 3  # pending prefill is that of requests in flight
     cached.pending, cached.pending_at = 500.0, 0.0  # 0.05 s of backlog < 768 tokens = 0.077 s
     assert first() == cached.node.id
     cached.pending = 1500.0  # 0.15 s of backlog > what the cache saves

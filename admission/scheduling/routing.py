@@ -317,13 +317,14 @@ def eta_s(
     prompt: int,
     now: float,
     cached: dict[str, int] | None = None,
+    queue: bool = True,
 ) -> float:
     """Soonest any live node serving `model` could have a `prompt`-token request prefilled:
-    its booked prefill cleared, then this one (less what `cached[node]` tokens its prefix cache
-    holds), at its measured rate (0 when none is known)."""
+    its booked prefill cleared (unless not `queue`: an idle node), then this one (less what
+    `cached[node]` tokens its prefix cache holds), at its measured rate (0 when none is known)."""
     cached = cached or {}
     etas = [
-        v.wait_s(now)
+        (v.wait_s(now) if queue else 0.0)
         + (
             max(0, prompt - cached.get(v.node.id, 0)) / v.prefill_rate
             if v.prefill_rate > 0

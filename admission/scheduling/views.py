@@ -85,6 +85,8 @@ class NodeView:
         return float(self.reserve * 0.5 ** (max(0.0, now - self.pending_at) / RESERVE_HALF_S))
 
     def pending_now(self, now: float) -> float:
+        if self.inflight <= 0:  # nothing in flight: nothing pending (lease.lua says the same)
+            return 0.0
         if self.prefill_rate <= 0:
             return self.pending
         return max(0.0, self.pending - self.prefill_rate * (now - self.pending_at))
