@@ -186,7 +186,7 @@ async def test_routing_on_eight_nodes_examines_every_node(
     try:
         await d.nodes.refresh()
         for i, v in enumerate(d.views):
-            v.ledger(1000.0 * (8 - i), 0, 0, d.clock())  # n7 the least loaded
+            v.ledger(1000.0 * (8 - i), 0, 1, d.clock())  # n7 the least loaded
         found = d.nodes.eligible("m", "batch", 100, 200)
         assert [v.node.id for v, _a in found][:1] == ["n7"] and len(found) == 8
     finally:
