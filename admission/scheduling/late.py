@@ -41,10 +41,11 @@ def late_heads(
         def late(it: Item, t: float = target, n: str = c.name) -> bool:
             if (it.requested_cls or it.cls) != n:
                 return False
-            views, hits = near(it.model, it.prefix), cached(it.prefix)
-            if eta_s(views, it.model, it.prompt, now, hits, queue=False) > t:
-                return False  # too long for the target even on an idle node: see above
-            return now - it.enqueued_at + eta_s(views, it.model, it.prompt, now, hits) > t
+            soonest, alone = eta_s(
+                near(it.model, it.prefix), it.model, it.prompt, now, cached(it.prefix)
+            )
+            # `alone` past the target: too long for it even on an idle node (see above).
+            return alone <= t < now - it.enqueued_at + soonest
 
         for item in queue.drop_heads(c.name, late):
             yield c.name, item

@@ -29,6 +29,7 @@ Two limits, both from the node's own figures (no per-engine constant):
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -317,23 +318,20 @@ def eta_s(
     prompt: int,
     now: float,
     cached: dict[str, int] | None = None,
-    queue: bool = True,
-) -> float:
+) -> tuple[float, float]:
     """Soonest any live node serving `model` could have a `prompt`-token request prefilled:
-    its booked prefill cleared (unless not `queue`: an idle node), then this one (less what
-    `cached[node]` tokens its prefix cache holds), at its measured rate (0 when none is known)."""
+    its booked prefill cleared, then this one (less what `cached[node]` tokens its prefix cache
+    holds), at its measured rate (0 when none is known); and the same on an idle node (this
+    one's prefill alone). (0, 0) when no node serves it."""
     cached = cached or {}
-    etas = [
-        (v.wait_s(now) if queue else 0.0)
-        + (
-            max(0, prompt - cached.get(v.node.id, 0)) / v.prefill_rate
-            if v.prefill_rate > 0
-            else 0.0
-        )
-        for v in views
-        if model in v.node.models and v.state in _LIVE
-    ]
-    return min(etas, default=0.0)
+    soonest = alone = math.inf
+    for v in views:
+        if model not in v.node.models or v.state not in _LIVE:
+            continue
+        rate = v.prefill_rate
+        own = max(0, prompt - cached.get(v.node.id, 0)) / rate if rate > 0 else 0.0
+        soonest, alone = min(soonest, v.wait_s(now) + own), min(alone, own)
+    return (0.0, 0.0) if alone == math.inf else (soonest, alone)
 
 
 def fallbacks(
