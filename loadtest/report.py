@@ -42,6 +42,7 @@ class Record:
     e2e_s: float | None = None
     completion_tokens: int = 0
     late_s: float = 0.0  # how late the generator sent it
+    asked_tokens: int = 0  # the request's max_tokens: what it would have produced if served
 
     @property
     def ok(self) -> bool:
@@ -77,6 +78,23 @@ def attainment(records: list[Record], ttft_target_s: float) -> float:
     return sum(
         1 for r in records if r.ok and r.ttft_s is not None and r.ttft_s <= ttft_target_s
     ) / len(records)
+
+
+def fair_shares(
+    served: float, demand: dict[str, float], weights: dict[str, float]
+) -> dict[str, float]:
+    """Weighted max-min fair shares of `served` tokens: each tenant gets what it asked for
+    (`demand`) or its weight's part of what is left, whichever is less (water-filling). A tenant
+    that asked for less than its weight's share is owed only what it asked: its weight is not a
+    claim on work it never sent, and the rest goes to the others by their weights."""
+    out = {t: 0.0 for t in weights}
+    left, wleft = served, sum(w for t, w in weights.items() if demand.get(t, 0.0) > 0)
+    for t in sorted(
+        (t for t in weights if demand.get(t, 0.0) > 0), key=lambda t: demand[t] / weights[t]
+    ):
+        take = min(demand[t], left * weights[t] / wleft) if wleft > 0 else 0.0
+        out[t], left, wleft = take, left - take, wleft - weights[t]
+    return {t: (v / served if served else math.nan) for t, v in out.items()}
 
 
 def shares(served: dict[str, float], weights: dict[str, float]) -> dict[str, tuple[float, float]]:
@@ -157,13 +175,17 @@ def summarise(
             "lost": sum(1 for r in rs if r.lost),
         }
     served: dict[str, float] = defaultdict(float)
+    demand: dict[str, float] = defaultdict(float)  # output tokens asked for, answered or not
     unserved: Counter[str] = Counter()  # realtime requests not answered, per tenant
     for r in res.records:
         if r.cls == "realtime":
             if r.ok:
                 served[r.tenant] += r.completion_tokens
+                demand[r.tenant] += r.completion_tokens
             else:
                 unserved[r.tenant] += 1
+                demand[r.tenant] += r.asked_tokens
+    fair = fair_shares(sum(served.get(t, 0.0) for t in tenant_weights), demand, tenant_weights)
     good = sum(r.completion_tokens for r in res.records if met(r, slo_ttft_s, slo_e2e_s))
     return {
         "system": res.system,
@@ -183,8 +205,10 @@ def summarise(
         "classes": classes,
         # A tenant that got every realtime request answered was not backlogged: it took what it
         # asked for, and its share says nothing about fairness (only backlogged tenants' do).
+        # `fair`: its weighted max-min fair share of what was served, given what each asked for
+        # (a tenant asking less than its weight's share is owed only that): the share to meet.
         "realtime_shares": {
-            t: {"served": s, "weight": w, "backlogged": unserved[t] > 0}
+            t: {"served": s, "weight": w, "fair": fair[t], "backlogged": unserved[t] > 0}
             for t, (s, w) in shares(served, tenant_weights).items()
         },
         "nodes": res.nodes,
@@ -225,7 +249,7 @@ def markdown(summaries: list[dict[str, Any]]) -> str:
             )
     lines += [
         "",
-        "| system | goodput tok/s | good tokens | makespan s | throughput tok/s | completed/s | lost | realtime token shares (served vs weight, backlogged tenants) | peak effective memory | preemptions | prefix hits |",
+        "| system | goodput tok/s | good tokens | makespan s | throughput tok/s | completed/s | lost | realtime token shares (served vs weighted max-min fair; weight), backlogged tenants | peak effective memory | preemptions | prefix hits |",
         "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|",
     ]
     for s in summaries:
@@ -234,7 +258,7 @@ def markdown(summaries: list[dict[str, Any]]) -> str:
             sh = "no tenant backlogged: every realtime request answered"
         else:
             sh = ", ".join(
-                f"{t} {_f(v['served'], '{:.0%}')} vs {v['weight']:.0%}"
+                f"{t} {_f(v['served'], '{:.0%}')} vs {_f(v.get('fair'), '{:.0%}')} ({v['weight']:.0%})"
                 if v.get("backlogged", True)
                 else f"{t} all answered"
                 for t, v in rs.items()
@@ -292,11 +316,17 @@ def plots(
     tenants = list(summaries[0]["realtime_shares"]) if summaries else []
     width = 0.8 / (len(summaries) + 1)
     for i, s in enumerate(summaries):
-        ax.bar(
-            [j + i * width for j in range(len(tenants))],
-            [s["realtime_shares"][t]["served"] for t in tenants],
-            width,
-            label=s["system"],
+        xs = [j + i * width for j in range(len(tenants))]
+        rs = s["realtime_shares"]
+        ax.bar(xs, [rs[t]["served"] for t in tenants], width, label=s["system"])
+        # This system's weighted max-min fair share (it depends on what it served): a tick.
+        ax.scatter(
+            xs,
+            [rs[t].get("fair", math.nan) for t in tenants],
+            marker="_",
+            s=400,
+            color="black",
+            label="fair share (weighted max-min)" if i == 0 else None,
         )
     if summaries:
         ax.bar(
@@ -304,10 +334,10 @@ def plots(
             [summaries[0]["realtime_shares"][t]["weight"] for t in tenants],
             width,
             label="weight",
-            color="black",
+            color="grey",
         )
     ax.set_xticks([j + 0.4 for j in range(len(tenants))], tenants)
-    ax.set_title("realtime: share of served tokens vs weight")
+    ax.set_title("realtime: share of served tokens vs fair share and weight")
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(out_dir / "shares.png")

@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from loadtest import repeat, report
 from loadtest.report import Record, SystemResult
@@ -58,6 +60,43 @@ def test_shares_against_weights() -> None:
     got = report.shares({"a": 500, "b": 300, "c": 200, "x": 999}, {"a": 5, "b": 3, "c": 1})
     assert got["a"] == (0.5, pytest.approx(5 / 9))
     assert got["c"][0] == pytest.approx(0.2)
+
+
+def test_fair_shares_give_a_tenant_what_it_asked_for_or_its_weight_of_the_rest() -> None:
+    """Weighted max-min: tenants asking less than their weight's share are owed only that."""
+    got = report.fair_shares(60, {"a": 10, "b": 10, "c": 100}, {"a": 5, "b": 3, "c": 1})
+    assert got == {"a": pytest.approx(1 / 6), "b": pytest.approx(1 / 6), "c": pytest.approx(2 / 3)}
+    # Every tenant asking for more than it can get: the weights themselves.
+    got = report.fair_shares(90, {"a": 100, "b": 100, "c": 100}, {"a": 5, "b": 3, "c": 1})
+    assert got == {"a": pytest.approx(5 / 9), "b": pytest.approx(3 / 9), "c": pytest.approx(1 / 9)}
+    # A tenant that sent nothing is owed nothing; the others split by their weights.
+    got = report.fair_shares(40, {"a": 100, "c": 100}, {"a": 5, "b": 3, "c": 1})
+    assert got == {"a": pytest.approx(5 / 6), "b": 0.0, "c": pytest.approx(1 / 6)}
+
+
+@given(
+    st.dictionaries(
+        st.sampled_from("abcde"), st.tuples(st.floats(0, 1e6), st.integers(1, 10)), min_size=1
+    ),
+    st.floats(0.01, 1.0),
+)
+def test_fair_shares_sum_to_one_and_never_pass_what_was_asked(
+    tenants: dict[str, tuple[float, int]], part: float
+) -> None:
+    demand = {t: d for t, (d, _w) in tenants.items()}
+    weights = {t: float(w) for t, (_d, w) in tenants.items()}
+    served = part * sum(demand.values())
+    if served < 1e-3:
+        return  # nothing served: no shares
+    got = report.fair_shares(served, demand, weights)
+    assert sum(got.values()) == pytest.approx(1.0)
+    for t, share in got.items():
+        assert share * served <= demand[t] * (1 + 1e-9) + 1e-6
+        # Short of what it asked, a tenant has at least its weight's share among the others
+        # short of theirs (no one short is below another short tenant's share per weight).
+        if share * served < demand[t] * (1 - 1e-9) - 1e-6:
+            for u, other in got.items():
+                assert share / weights[t] >= other / weights[u] - 1e-9
 
 
 def test_lost_requests_are_only_unexplained_failures() -> None:
@@ -151,7 +190,21 @@ def test_shares_are_compared_with_weights_only_for_backlogged_tenants() -> None:
         SystemResult("fifo", 10.0, refused_b, {}), {"realtime": 1.0}, {"a": 5, "b": 1}
     )
     table = report.markdown([s])
-    assert "a all answered" in table and "b 17% vs 17%" in table
+    # b asked for more (its refused request's tokens) than it got: backlogged, its fair share is
+    # what is left after a's 50 tokens (a asked for no more than it got).
+    assert "a all answered" in table and "b 17% vs 17% (17%)" in table
+
+
+def test_a_refused_request_counts_what_it_asked_for_in_its_tenants_fair_share() -> None:
+    """The 5-weight tenant asked for 10 tokens and got them; the 1-weight one asked for 150 and
+    got 50: the weights (83 / 17 %) are not what is owed — a's 10 tokens are, b the rest."""
+    refused = rec(tenant="b", status=429, ttft=None, code="slo_unreachable", tokens=0)
+    refused.asked_tokens = 100
+    rs = [rec(tenant="a", tokens=10), rec(tenant="b", tokens=50), refused]
+    s = report.summarise(SystemResult("x", 10.0, rs, {}), {"realtime": 1.0}, {"a": 5, "b": 1})
+    assert s["realtime_shares"]["b"]["fair"] == pytest.approx(50 / 60)
+    assert s["realtime_shares"]["b"]["weight"] == pytest.approx(1 / 6)
+    assert "b 83% vs 83% (17%)" in report.markdown([s])
 
 
 def _summary(system: str, goodput: float, realtime: float, hits: float | None) -> dict[str, Any]:
