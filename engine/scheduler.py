@@ -80,6 +80,10 @@ class StepResult:
     preempted: int
     cached: int = 0  # prompt tokens of sequences started this step found in the prefix cache
     queried: int = 0  # prompt tokens of those sequences looked up in it
+    # Sequences whose prefill completed this step (their first token), as vLLM counts them in
+    # vllm:prompt_tokens and vllm:iteration_tokens_total: only then, whole prompts at once.
+    first_prompts: int = 0  # their whole prompts, cached part included
+    first_computed: int = 0  # the part not found cached (vLLM's prompt_token_stats.computed)
 
 
 class Scheduler:
@@ -216,10 +220,12 @@ class Scheduler:
         )
         finished: list[Seq] = []
         end = now + duration
+        firsts: list[Seq] = []
         for seq in decoded:
             seq.generated += 1
             if seq.first_token_at is None:
                 seq.first_token_at = end
+                firsts.append(seq)
             if seq.generated >= seq.max_tokens:
                 seq.finish_reason = "length"
                 seq.finished_at = end
@@ -229,6 +235,7 @@ class Scheduler:
             if not seq.in_prefill and seq.generated == 0 and seq not in decoded:
                 seq.generated = 1
                 seq.first_token_at = end
+                firsts.append(seq)
                 decoded.append(seq)
                 if seq.generated >= seq.max_tokens:
                     seq.finish_reason = "length"
@@ -238,7 +245,15 @@ class Scheduler:
             self.running.remove(seq)
             self._free(seq)
         return StepResult(
-            duration, prefill, decoded, finished, preempted, self._hits, self._queries
+            duration,
+            prefill,
+            decoded,
+            finished,
+            preempted,
+            self._hits,
+            self._queries,
+            sum(s.prompt_tokens for s in firsts),
+            sum(s.prompt_tokens - max(0, s.cached_tokens) for s in firsts),
         )
 
     # -- internals --------------------------------------------------------------------------

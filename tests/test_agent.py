@@ -257,6 +257,10 @@ def test_prefill_rate_counts_the_tokens_computed_not_those_found_cached() -> Non
 
     assert computed(EngineSample(prompt_tokens=10_000.0, prefix_hits=6_000.0)) == 4_000.0
     assert computed(EngineSample(prompt_tokens=10_000.0)) == 10_000.0  # no prefix counters
+    # vllm:prompt_tokens_cached counts with prompt_tokens (at a prefill's end), the prefix
+    # cache's hits at its start: the former when the engine has it.
+    both = EngineSample(prompt_tokens=10_000.0, prompt_cached=5_000.0, prefix_hits=6_000.0)
+    assert computed(both) == 5_000.0
     assert computed(EngineSample()) is None
 
 

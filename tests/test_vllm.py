@@ -196,6 +196,7 @@ def test_emulator_exports_the_metric_names_admission_reads(vstack: Stack, emulat
         "vllm:kv_cache_usage_perc",
         "vllm:num_preemptions_total",
         "vllm:prompt_tokens_total",
+        "vllm:prompt_tokens_cached_total",  # the agent's computed prefill (nodes/agent.computed)
         "vllm:generation_tokens_total",
         "vllm:request_success_total",
         "vllm:time_to_first_token_seconds_bucket",

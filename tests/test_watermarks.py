@@ -116,14 +116,47 @@ def test_nvml_reader_against_pynvml() -> None:
         reader.close()
 
 
-def test_prefill_rate_is_the_decaying_peak() -> None:
+def _completions(prompt: float, rate: float, seconds: float, gap_s: float = 0.0):
+    """(time, counter) samples every 0.2 s of a node clearing `rate` tokens/s that counts each
+    prompt when its prefill completes, whole — as vLLM does — with `gap_s` idle between them."""
+    t, done, nxt = 0.0, 0.0, prompt / rate
+    while t < seconds:
+        t = round(t + 0.2, 6)
+        while nxt <= t:
+            done, nxt = done + prompt, nxt + prompt / rate + gap_s
+        yield t, done
+
+
+@pytest.mark.parametrize("prompt", [50, 300, 2_000, 7_000])
+def test_prefill_rate_is_the_node_speed_whatever_the_prompt_length(prompt: int) -> None:
+    """A 7,000-token prompt counted whole at its end put 35,000 tokens/s into one 0.2 s sample
+    of a node that clears 9,000 (the peak of such samples drained the ledger 2-4× too fast on
+    long-prompt mixes); spans between completions read the speed itself."""
     from admission.nodes.rates import PrefillRate
 
     r = PrefillRate()
-    assert r.update(0.0, 0.0) == 0.0  # unknown until two samples
-    assert r.update(0.2, 2000.0) == pytest.approx(10_000)  # a busy sample: 2,000 tokens in 0.2 s
-    assert r.update(0.4, 2100.0) == pytest.approx(10_000 * PrefillRate.DECAY)  # idle: keeps peak
-    assert r.update(0.45, 9e9) == pytest.approx(10_000 * PrefillRate.DECAY)  # too short: ignored
+    seen = [r.update(t, c) for t, c in _completions(prompt, 9_000.0, 20.0)]
+    assert max(seen) <= 9_000.0 * 1.001  # never above the node's speed
+    assert seen[-1] == pytest.approx(9_000.0, rel=0.05)
+    assert seen[int(4.0 / 0.2)] > 0  # known within a few seconds of work
+
+
+def test_prefill_rate_keeps_its_decaying_peak_while_idle() -> None:
+    from admission.nodes.rates import PrefillRate
+
+    r = PrefillRate()
+    assert r.update(0.0, 0.0) == 0.0  # unknown until spans between completions were seen
+    for t, c in _completions(1_000, 10_000.0, 10.0):
+        peak = r.update(t, c)
+    assert peak == pytest.approx(10_000.0, rel=0.1)  # low by the sampling's slack at most
+    assert r.update(10.2, c) == pytest.approx(peak * PrefillRate.DECAY)  # idle: keeps the peak
+    peak *= PrefillRate.DECAY
+    assert r.update(10.25, c + 9e6) == pytest.approx(peak)  # too short a sample: ignored
+    # Sparse work (1 s idle after each prompt) reads lower, never higher: the peak stays.
+    for t, d in _completions(7_000, 10_000.0, 10.0, gap_s=1.0):
+        assert r.update(10.4 + t, c + d) <= peak
+    assert r.update(21.0, 0.0) <= peak  # a restarted engine's counter: no bogus span
+    assert r.update(21.4, 5_000.0) <= peak  # nor right after it
 
 
 def test_tpot_is_running_over_output_rate() -> None:

@@ -39,6 +39,7 @@ class EngineSample:
     kv_pool_bytes: int | None = None
     kv_tokens: int | None = None  # KV pool capacity in tokens (blocks × block size)
     prompt_tokens: float | None = None  # vllm:prompt_tokens_total (prefill tokens processed)
+    prompt_cached: float | None = None  # vllm:prompt_tokens_cached_total (of those, cached)
     generation_tokens: float | None = None  # vllm:generation_tokens_total
     prefix_queries: float | None = None  # vllm:prefix_cache_queries_total (prompt tokens)
     prefix_hits: float | None = None  # vllm:prefix_cache_hits_total (of those, found cached)
@@ -59,6 +60,8 @@ def parse_vllm_metrics(text: str) -> EngineSample:
                 s.generation_tokens = (s.generation_tokens or 0.0) + sm.value
             elif sm.name == "vllm:prompt_tokens_total":
                 s.prompt_tokens = (s.prompt_tokens or 0.0) + sm.value
+            elif sm.name == "vllm:prompt_tokens_cached_total":
+                s.prompt_cached = (s.prompt_cached or 0.0) + sm.value
             elif sm.name == "vllm:prefix_cache_queries_total":
                 s.prefix_queries = (s.prefix_queries or 0.0) + sm.value
             elif sm.name == "vllm:prefix_cache_hits_total":
@@ -84,7 +87,11 @@ def computed(engine: EngineSample) -> float | None:
     realtime TTFT p50 5 s with every node inside its prefill budget)."""
     if engine.prompt_tokens is None:
         return None
-    return engine.prompt_tokens - (engine.prefix_hits or 0.0)
+    # vllm:prompt_tokens_cached counts with prompt_tokens (when a prefill completes); the prefix
+    # cache's hits count when a request is scheduled, so the difference of those two dips
+    # while long prompts run. The latter only for an engine without the former (older vLLM releases).
+    cached = engine.prompt_cached if engine.prompt_cached is not None else engine.prefix_hits
+    return engine.prompt_tokens - (cached or 0.0)
 
 
 class NodeProbe:

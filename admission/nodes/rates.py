@@ -4,34 +4,63 @@ ledger books compares with what the engine really computes. Pure: fed counter to
 
 from __future__ import annotations
 
+from collections import deque
+
 
 class PrefillRate:
     """The prompt tokens per second a node clears at full load, from vllm:prompt_tokens_total.
 
-    A sample only shows what the node was *given*, so the estimate is the peak seen, decaying
-    by `DECAY` per sample so that it follows a node that got slower. It is self-probing: the
+    vLLM counts a prompt when its prefill completes, whole: a 7,000-token prompt adds nothing
+    for the ~0.8 s an A100 takes over it, then 7,000 at once. A rate read over one sample
+    (0.2 s) then saw 35,000 tokens/s on a node that clears ~9,000. So a rate is read only
+    between two completions: from the sample before one in which the counter grew to a later
+    one in which it grew again, at least `WINDOW_S` apart. With prefills run one after the other
+    (vLLM gives a running prefill's next chunk the step's budget first), every token counted in
+    that span was computed inside it: the figure can be low (idle time in the span), not high.
+
+    A span only shows what the node was *given*, so the estimate is the peak seen, decaying by
+    `DECAY` per sample so that it follows a node that got slower. It is self-probing: the
     dispatcher always lets a request onto a node whose pending prefill has drained, so a node
-    gets a full-speed sample as soon as it has work. Samples shorter than `MIN_DT_S` are noise.
+    gets a full-speed span as soon as it has work. Samples closer than `MIN_DT_S` are noise.
     """
 
     DECAY = 0.998  # per sample (0.2 s): halves in ~70 s without a new peak
     MIN_DT_S = 0.15
+    WINDOW_S = 2.0  # shortest span read: the sampling's slack is then under a tenth of it
+    SPAN_S = 10.0  # longest: completions further apart say little about the node's speed
 
     def __init__(self) -> None:
         self.rate = 0.0
         self._last: tuple[float, float] | None = None  # (time, prompt tokens total)
+        # (time of the sample before a completion, the total then): where spans may start
+        self._marks: deque[tuple[float, float]] = deque()
 
     def update(self, now: float, total: float | None) -> float:
         if total is None:
             return self.rate
-        if self._last is not None:
-            t0, c0 = self._last
-            dt = now - t0
-            if dt < self.MIN_DT_S:
-                return self.rate
-            seen = max(0.0, total - c0) / dt
-            self.rate = max(seen, self.rate * self.DECAY)
+        if self._last is None:
+            self._last = (now, total)
+            return self.rate
+        t0, c0 = self._last
+        if now - t0 < self.MIN_DT_S:
+            return self.rate
         self._last = (now, total)
+        if total < c0:  # the engine restarted: its counters with it
+            self._marks.clear()
+            return self.rate
+        self.rate *= self.DECAY
+        if total == c0:
+            return self.rate
+        # A prefill completed in (t0, now]: read every span from an earlier completion's mark
+        # (within SPAN_S, at least WINDOW_S long) — the tokens of completions after the mark's
+        # over the time since the sample before it — and keep the best.
+        while self._marks and now - self._marks[0][0] > self.SPAN_S:
+            self._marks.popleft()
+        for tm, cm in self._marks:
+            if now - tm < self.WINDOW_S:
+                break
+            self.rate = max(self.rate, (total - cm) / (now - tm))
+        self._marks.append((t0, total))
         return self.rate
 
 
