@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from engine.profiles import PROFILES, Profile
-from engine.scheduler import Scheduler, Seq
+from engine.scheduler import Scheduler, Seq, StepResult
 
 TINY = replace(PROFILES["tiny"], block_size=16, max_num_seqs=8, max_num_batched_tokens=64)
 
@@ -243,3 +243,27 @@ def test_fcfs_preempts_the_last_of_the_running_list_as_vllm_does() -> None:
         if r.preempted:
             break
     assert old.preemptions == 1 and new.preemptions == 0
+
+
+def test_a_prompt_counts_whole_when_its_prefill_completes_as_vllm_counts_it() -> None:
+    """vLLM counts vllm:prompt_tokens (and the computed part in vllm:iteration_tokens_total)
+    when a request's prefill completes, its first token out — not per chunk. Counted per chunk,
+    the emulator's counter was smooth where vLLM's jumps by whole prompts, and a rate read from
+    it (the agent's prefill rate) could not show how vLLM's misleads it."""
+    from engine.scheduler import block_hashes
+
+    s = Scheduler(TINY, num_blocks=40)
+    text = "p" * 200 * 4
+    first = Seq(200, 2, hashes=block_hashes(text, 16))  # 200 tokens: 4 chunks of 64 at most
+    s.add(first)
+    counted = [(r.prefill_tokens, r.first_prompts, r.first_computed) for r in _steps(s, 4)]
+    assert counted == [(64, 0, 0), (64, 0, 0), (64, 0, 0), (8, 200, 200)]
+    run(s)
+    again = Seq(200, 2, hashes=block_hashes(text, 16))  # 12 blocks cached: 192 tokens
+    s.add(again)
+    r = s.step(0.0)
+    assert (r.prefill_tokens, r.first_prompts, r.first_computed) == (8, 200, 8)
+
+
+def _steps(s: Scheduler, n: int) -> list[StepResult]:
+    return [s.step(0.0) for _ in range(n)]
