@@ -171,7 +171,7 @@ class NodeProbe:
         """The rate at which the node clears the prefill its ledger books (rates.Booking)."""
         now, done = time.monotonic(), computed(engine)
         factor = self.booking.update(now, booked, done, engine.waiting)
-        return self.prefill.update(now, done) * factor
+        return self.prefill.update(now, done, engine.waiting) * factor
 
     def _warn_once(self, msg: str) -> None:
         if msg not in self._warned:

@@ -19,23 +19,32 @@ class PrefillRate:
     that span was computed inside it: the figure can be low (idle time in the span), not high.
 
     A span only shows what the node was *given*, so the estimate is the peak seen, decaying by
-    `DECAY` per sample so that it follows a node that got slower. It is self-probing: the
-    dispatcher always lets a request onto a node whose pending prefill has drained, so a node
-    gets a full-speed span as soon as it has work. Samples closer than `MIN_DT_S` are noise.
+    `DECAY` per sample so that it follows a node that got slower. A node given work at the
+    estimated rate only (the prefill budget admits about that much) would read that rate back
+    in every span and never show more: so while nothing waits in the engine (it has room) a
+    single sample's reading may lift the estimate, by at most `GROWTH` × the best span seen —
+    a node held back by a low estimate climbs by half each span, and one with a backlog
+    (requests waiting: its spans show its speed) is read from its spans alone. Before any span,
+    single samples give the estimate (a first figure for an idle node's first work). Samples
+    closer than `MIN_DT_S` are noise.
     """
 
     DECAY = 0.998  # per sample (0.2 s): halves in ~70 s without a new peak
     MIN_DT_S = 0.15
     WINDOW_S = 2.0  # shortest span read: the sampling's slack is then under a tenth of it
     SPAN_S = 10.0  # longest: completions further apart say little about the node's speed
+    GROWTH = 1.5  # a sample's reading lifts the estimate to at most this × the best span
 
     def __init__(self) -> None:
         self.rate = 0.0
+        self.span = 0.0  # the best span read, decaying as the estimate does
         self._last: tuple[float, float] | None = None  # (time, prompt tokens total)
         # (time of the sample before a completion, the total then): where spans may start
         self._marks: deque[tuple[float, float]] = deque()
 
-    def update(self, now: float, total: float | None) -> float:
+    def update(self, now: float, total: float | None, waiting: int = 1) -> float:
+        """`total`: vllm:prompt_tokens computed so far; `waiting`: requests waiting in the
+        engine now (0: it has room, a sample's reading may lift the estimate)."""
         if total is None:
             return self.rate
         if self._last is None:
@@ -49,6 +58,8 @@ class PrefillRate:
             self._marks.clear()
             return self.rate
         self.rate *= self.DECAY
+        self.span *= self.DECAY
+        had_span = self.span > 0
         if total == c0:
             return self.rate
         # A prefill completed in (t0, now]: read every span from an earlier completion's mark
@@ -59,8 +70,16 @@ class PrefillRate:
         for tm, cm in self._marks:
             if now - tm < self.WINDOW_S:
                 break
-            self.rate = max(self.rate, (total - cm) / (now - tm))
+            self.span = max(self.span, (total - cm) / (now - tm))
         self._marks.append((t0, total))
+        sample = (total - c0) / (now - t0)
+        if self.span <= 0:
+            self.rate = max(self.rate, sample)
+        else:
+            if not had_span:  # the first span replaces what single samples said
+                self.rate = self.span
+            lift = min(sample, self.GROWTH * self.span) if waiting <= 0 else 0.0
+            self.rate = max(self.rate, self.span, lift)
         return self.rate
 
 
