@@ -84,6 +84,7 @@ class Engine:
             "itl": ("vllm:inter_token_latency_seconds", "Inter-token latency (mean per request)."),
             "e2e": ("vllm:e2e_request_latency_seconds", "End-to-end request latency."),
             "queue": ("vllm:request_queue_time_seconds", "Time waiting before first scheduled."),
+            "prefill": ("vllm:request_prefill_time_seconds", "First scheduled to first token."),
         }
         # Not a vLLM metric: lets tests see the priority field the edge delivered.
         # Not a vLLM metric: lets edge tests prove that client-sent internal headers never
@@ -105,6 +106,13 @@ class Engine:
             k: Histogram(n, d, names, buckets=LAT, registry=r).labels(**lab)
             for k, (n, d) in hist.items()
         }
+        self.h_computed = Histogram(
+            "vllm:request_prefill_kv_computed_tokens",
+            "Prompt tokens computed (not found cached) per finished request.",
+            names,
+            buckets=(16, 64, 256, 1024, 4096, 16384, 65536),
+            registry=r,
+        ).labels(**lab)
         self.h_step = Histogram(
             "vllm:iteration_tokens_total",
             "Histogram of number of tokens per engine_step.",
@@ -185,6 +193,9 @@ class Engine:
             self.h["queue"].observe(seq.scheduled_at - seq.arrival)
         if seq.first_token_at is not None:
             self.h["ttft"].observe(seq.first_token_at - seq.arrival)
+            if seq.scheduled_at is not None:  # as vLLM: observed together, when it finishes
+                self.h["prefill"].observe(seq.first_token_at - seq.scheduled_at)
+                self.h_computed.observe(seq.prompt_tokens - max(0, seq.cached_tokens))
             if seq.generated > 1:
                 self.h["itl"].observe((end - seq.first_token_at) / (seq.generated - 1))
 

@@ -197,6 +197,8 @@ def test_emulator_exports_the_metric_names_admission_reads(vstack: Stack, emulat
         "vllm:num_preemptions_total",
         "vllm:prompt_tokens_total",
         "vllm:prompt_tokens_cached_total",  # the agent's computed prefill (nodes/agent.computed)
+        "vllm:request_prefill_time_seconds_sum",  # the agent's prefill speed (rates.PrefillSpeed)
+        "vllm:request_prefill_kv_computed_tokens_sum",
         "vllm:generation_tokens_total",
         "vllm:request_success_total",
         "vllm:time_to_first_token_seconds_bucket",

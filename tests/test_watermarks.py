@@ -159,26 +159,37 @@ def test_prefill_rate_keeps_its_decaying_peak_while_idle() -> None:
     assert r.update(21.4, 5_000.0) <= peak  # nor right after it
 
 
-def test_prefill_rate_climbs_past_what_it_was_given_only_while_the_engine_has_room() -> None:
-    """Given work at its estimated rate only (the prefill budget admits about that much), a
-    node reads that rate back in every span: a single sample that shows more lifts it, by at
-    most half the best span, and only while nothing waits in the engine. Before any span a
-    sample's figure stands; the first span replaces it."""
+def test_prefill_rate_from_spans_reads_what_the_node_was_given_and_replaces_samples() -> None:
+    """Before any span a single sample's figure stands; the first span replaces it. Given
+    1,500 tokens/s, a node reads 1,500 in its spans whatever its speed: below saturation the
+    spans say how busy a node was (PrefillSpeed says how fast it is)."""
     from admission.nodes.rates import PrefillRate
 
     r = PrefillRate()
-    r.update(0.0, 0.0, 0)
-    assert r.update(0.2, 7_000.0, 0) == pytest.approx(35_000.0)  # no span yet: the sample
+    r.update(0.0, 0.0)
+    assert r.update(0.2, 7_000.0) == pytest.approx(35_000.0)  # no span yet: the sample
     t, c = 0.2, 7_000.0
-    for _ in range(12):  # 300 tokens every 0.2 s: 1,500 tokens/s, with a backlog in the engine
+    for _ in range(12):  # 300 tokens every 0.2 s
         t, c = round(t + 0.2, 6), c + 300.0
-        got = r.update(t, c, 1)
+        got = r.update(t, c)
     assert got == pytest.approx(1_500.0, rel=0.1)  # the first span replaced the 35,000
-    t, c = round(t + 0.2, 6), c + 3_000.0  # a burst the engine cleared in one sample
-    assert r.update(t, c, 1) == pytest.approx(r.span)  # requests waiting: spans alone speak
-    t, c = round(t + 0.2, 6), c + 3_000.0  # again, with room in the engine
-    lifted = r.update(t, c, 0)  # lifted past the spans, by half the best span at most
-    assert r.span * 1.2 < lifted <= PrefillRate.GROWTH * r.span * 1.001
+
+
+def test_prefill_speed_is_tokens_over_time_in_prefill_of_finished_requests() -> None:
+    """A lone 100-token prefill in 20 ms reads 5,000 tokens/s at any load; the sums decay so
+    that a node that got slower is followed; a restarted engine starts over; no histograms
+    (an older engine), no figure."""
+    from admission.nodes.rates import PrefillSpeed
+
+    p = PrefillSpeed()
+    assert p.update(0.0, 0.0, 0.0) == 0.0
+    assert p.update(1.0, 100.0, 0.02) == 0.0  # under MIN_S of evidence: no figure yet
+    assert p.update(2.0, 300.0, 0.06) == pytest.approx(5_000.0)
+    for i in range(3, 60):  # slower since: 100 tokens in 50 ms per second
+        got = p.update(float(i), 300.0 + 100 * (i - 2), 0.06 + 0.05 * (i - 2))
+    assert got == pytest.approx(2_000.0, rel=0.05)
+    assert p.update(61.0, 10.0, 0.001) == pytest.approx(got)  # restarted: the last figure
+    assert p.update(62.0, None, None) == pytest.approx(got)
 
 
 def test_tpot_is_running_over_output_rate() -> None:

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from admission.nodes import memory
 from admission.nodes.feed import Publisher
 from admission.nodes.gpu import GpuReader, NvmlReader, SimulatedGpuReader
-from admission.nodes.rates import Booking, PrefillRate, PrefixHits, Tpot
+from admission.nodes.rates import Booking, PrefillRate, PrefillSpeed, PrefixHits, Tpot
 from admission.nodes.state import NodeState
 from admission.nodes.watermarks import DOWN, OPEN, next_state
 from admission.policy import Node, Policy
@@ -40,6 +40,8 @@ class EngineSample:
     kv_tokens: int | None = None  # KV pool capacity in tokens (blocks × block size)
     prompt_tokens: float | None = None  # vllm:prompt_tokens_total (prefill tokens processed)
     prompt_cached: float | None = None  # vllm:prompt_tokens_cached_total (of those, cached)
+    prefill_s: float | None = None  # vllm:request_prefill_time_seconds_sum (finished requests)
+    prefill_computed: float | None = None  # vllm:request_prefill_kv_computed_tokens_sum (same)
     generation_tokens: float | None = None  # vllm:generation_tokens_total
     prefix_queries: float | None = None  # vllm:prefix_cache_queries_total (prompt tokens)
     prefix_hits: float | None = None  # vllm:prefix_cache_hits_total (of those, found cached)
@@ -60,6 +62,10 @@ def parse_vllm_metrics(text: str) -> EngineSample:
                 s.generation_tokens = (s.generation_tokens or 0.0) + sm.value
             elif sm.name == "vllm:prompt_tokens_total":
                 s.prompt_tokens = (s.prompt_tokens or 0.0) + sm.value
+            elif sm.name == "vllm:request_prefill_time_seconds_sum":
+                s.prefill_s = (s.prefill_s or 0.0) + sm.value
+            elif sm.name == "vllm:request_prefill_kv_computed_tokens_sum":
+                s.prefill_computed = (s.prefill_computed or 0.0) + sm.value
             elif sm.name == "vllm:prompt_tokens_cached_total":
                 s.prompt_cached = (s.prompt_cached or 0.0) + sm.value
             elif sm.name == "vllm:prefix_cache_queries_total":
@@ -107,6 +113,7 @@ class NodeProbe:
         self.state = DOWN
         self.seq = 0
         self.prefill = PrefillRate()
+        self.speed = PrefillSpeed()
         self.tpot = Tpot()
         self.prefix = PrefixHits()
         self.booking = Booking()
@@ -168,10 +175,13 @@ class NodeProbe:
         )
 
     def _prefill_rate(self, engine: EngineSample, booked: float | None) -> float:
-        """The rate at which the node clears the prefill its ledger books (rates.Booking)."""
+        """The rate at which the node clears the prefill its ledger books (rates.Booking): the
+        better of its throughput between completions and its requests' own prefill speed."""
         now, done = time.monotonic(), computed(engine)
         factor = self.booking.update(now, booked, done, engine.waiting)
-        return self.prefill.update(now, done, engine.waiting) * factor
+        rate = self.prefill.update(now, done)
+        speed = self.speed.update(now, engine.prefill_computed, engine.prefill_s)
+        return max(rate, speed) * factor
 
     def _warn_once(self, msg: str) -> None:
         if msg not in self._warned:

@@ -20,20 +20,17 @@ class PrefillRate:
 
     A span only shows what the node was *given*, so the estimate is the peak seen, decaying by
     `DECAY` per sample so that it follows a node that got slower. A node given work at the
-    estimated rate only (the prefill budget admits about that much) would read that rate back
-    in every span and never show more: so while nothing waits in the engine (it has room) a
-    single sample's reading may lift the estimate, by at most `GROWTH` × the best span seen —
-    a node held back by a low estimate climbs by half each span, and one with a backlog
-    (requests waiting: its spans show its speed) is read from its spans alone. Before any span,
-    single samples give the estimate (a first figure for an idle node's first work). Samples
-    closer than `MIN_DT_S` are noise.
+    estimated rate only (the prefill budget admits about that much) reads that rate back in
+    every span: below saturation the spans say how busy it was, not how fast it is —
+    `PrefillSpeed` says that, and the agent publishes the better of the two. Before any span,
+    single samples give the estimate (a first figure for an idle node's first work); the first
+    span replaces it. Samples closer than `MIN_DT_S` are noise.
     """
 
     DECAY = 0.998  # per sample (0.2 s): halves in ~70 s without a new peak
     MIN_DT_S = 0.15
     WINDOW_S = 2.0  # shortest span read: the sampling's slack is then under a tenth of it
     SPAN_S = 10.0  # longest: completions further apart say little about the node's speed
-    GROWTH = 1.5  # a sample's reading lifts the estimate to at most this × the best span
 
     def __init__(self) -> None:
         self.rate = 0.0
@@ -42,9 +39,8 @@ class PrefillRate:
         # (time of the sample before a completion, the total then): where spans may start
         self._marks: deque[tuple[float, float]] = deque()
 
-    def update(self, now: float, total: float | None, waiting: int = 1) -> float:
-        """`total`: vllm:prompt_tokens computed so far; `waiting`: requests waiting in the
-        engine now (0: it has room, a sample's reading may lift the estimate)."""
+    def update(self, now: float, total: float | None) -> float:
+        """`total`: prompt tokens the engine computed so far (counted at each prefill's end)."""
         if total is None:
             return self.rate
         if self._last is None:
@@ -78,9 +74,45 @@ class PrefillRate:
         else:
             if not had_span:  # the first span replaces what single samples said
                 self.rate = self.span
-            lift = min(sample, self.GROWTH * self.span) if waiting <= 0 else 0.0
-            self.rate = max(self.rate, self.span, lift)
+            self.rate = max(self.rate, self.span)
         return self.rate
+
+
+class PrefillSpeed:
+    """Prompt tokens per second of prefill as the node's requests saw it: tokens computed over
+    time in prefill (first scheduled to first token) of the requests that finished lately —
+    vLLM's request_prefill_kv_computed_tokens and request_prefill_time_seconds, observed
+    together when a request ends — as sums decaying with `HALF_S`. A lone prefill reads the
+    node's speed at any load, so a lightly loaded node is not taken for a slow one (spans
+    between completions read only what it was given); prefills that share steps each count the
+    steps' whole time, so under load it reads low, where the spans read the node at full speed.
+    0 until `MIN_S` of prefill time was seen; None inputs (an engine without these histograms)
+    leave it there."""
+
+    HALF_S = 10.0
+    MIN_S = 0.05
+
+    def __init__(self) -> None:
+        self.speed = 0.0
+        self._tokens = 0.0  # decayed sums since the first sample
+        self._seconds = 0.0
+        self._last: tuple[float, float, float] | None = None  # (time, tokens, seconds totals)
+
+    def update(self, now: float, tokens: float | None, seconds: float | None) -> float:
+        if tokens is None or seconds is None:
+            return self.speed
+        if self._last is not None:
+            t0, k0, s0 = self._last
+            if tokens < k0 or seconds < s0:  # the engine restarted: its histograms with it
+                self._tokens = self._seconds = 0.0
+            else:
+                decay = 0.5 ** (max(0.0, now - t0) / self.HALF_S)
+                self._tokens = self._tokens * decay + (tokens - k0)
+                self._seconds = self._seconds * decay + (seconds - s0)
+        self._last = (now, tokens, seconds)
+        if self._seconds >= self.MIN_S:
+            self.speed = self._tokens / self._seconds
+        return self.speed
 
 
 class Tpot:
