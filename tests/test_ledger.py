@@ -242,6 +242,29 @@ async def test_urgent_reserve_decays_once_realtime_is_gone(redis: Any) -> None:
     assert 190 < float((await fields(redis))["r"]) < 210
 
 
+async def test_a_lease_that_reaches_redis_after_its_release_books_nothing(redis: Any) -> None:
+    """A lease whose reply the sidecar timed out on (the request admitted without it, fail-open)
+    may still run in Redis, after the request ended and was released: it must book nothing (a
+    lease left until its TTL, tests/test_many_sidecars.py now and then). A lease released in the
+    usual order leaves no mark, and the same ticket's undo (not a release) none either."""
+    s = Scripts(redis)
+    late = leases.make_ticket("d" * 32, "n1", "t")
+    await s.run(leases.give_back(late, released=True))  # the release came first
+    res = (await s.run(leases.take(NODE, late, 60, leases.Ask(100, 200))))[0]
+    assert leases.over(res) == "released"
+    assert await redis.zcard(keys.node_leases("n1")) == 0
+    _pending, kv, entries = await ledger(redis)
+    assert kv == 0 and not entries
+    usual = leases.make_ticket("e" * 32, "n1", "t")
+    assert leases.granted((await s.run(leases.take(NODE, usual, 60, leases.Ask(100, 200))))[0])
+    await s.run(leases.give_back(usual, released=True))
+    assert not await redis.zscore(keys.node_gone("n1"), usual)  # found and removed: no mark
+    undone = leases.make_ticket("c" * 32, "n1", "t")
+    await s.run(leases.give_back(undone))  # an undo: the same ticket may still lease later
+    again = (await s.run(leases.take(NODE, undone, 60, leases.Ask(100, 200))))[0]
+    assert leases.granted(again) and leases.over(again) == ""
+
+
 async def test_a_forced_booking_asked_again_after_its_release_books_nothing(redis: Any) -> None:
     """A request answered ahead: its forced booking ran but the reply was lost to a late loop,
     the request ended and was released (on another sidecar), and the booking is asked again —

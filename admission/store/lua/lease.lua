@@ -2,8 +2,9 @@
 -- across sidecars: every sidecar sees one view of what each node will really hold.
 --
 -- KEYS: 1 node leases zset (ticket → expiry µs)  2 node ledger hash
---       3 released-first zset (unlease.lua): a forced booking of a ticket found there books
---         nothing (the request ended before its booking arrived)
+--       3 released-first zset (unlease.lua): a booking of a ticket found there books nothing
+--         (the request ended before its booking arrived: a forced one, or one whose reply the
+--         sidecar timed out on and admitted the request without, that Redis ran after all)
 --       4 node prefixes zset: prefix blocks resident on the node (hash → µs last used)
 -- ARGV: 1 max_inflight  2 lease_ttl_us  3 ticket
 --       4 prompt tokens (pending prefill this request adds)
@@ -129,16 +130,14 @@ elseif not urgent and reserve_limit >= 0
   reason = 'reserve'
 end
 local over = ''
-if ARGV[12] == '1' then
-  if redis.call('ZSCORE', KEYS[3], ticket) then
-    -- The mark stays until it expires (unlease.lua trims): the same booking asked again (its
-    -- reply timed out by a late loop) must find it too.
-    redis.call('HSET', ledger, 'kv', kv, 'u', u, 's', shared)  -- expired leases dropped above
-    return {1, n, tostring(pending), kv, 'released', 0}
-  end
-  if reason then
-    over, reason = reason, nil
-  end
+if redis.call('ZSCORE', KEYS[3], ticket) then
+  -- The mark stays until it expires (unlease.lua trims): the same booking asked again (its
+  -- reply timed out by a late loop) must find it too.
+  redis.call('HSET', ledger, 'kv', kv, 'u', u, 's', shared)  -- expired leases dropped above
+  return {1, n, tostring(pending), kv, 'released', 0}
+end
+if ARGV[12] == '1' and reason then
+  over, reason = reason, nil
 end
 if reason then
   -- Refused, the ticket's earlier urgent booking (a retry) stays: so does its share of r.
