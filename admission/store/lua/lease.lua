@@ -130,7 +130,7 @@ elseif not urgent and reserve_limit >= 0
   reason = 'reserve'
 end
 local over = ''
-if redis.call('ZSCORE', KEYS[3], ticket) then
+if KEYS[3] and redis.call('ZSCORE', KEYS[3], ticket) then
   -- The mark stays until it expires (unlease.lua trims): the same booking asked again (its
   -- reply timed out by a late loop) must find it too.
   redis.call('HSET', ledger, 'kv', kv, 'u', u, 's', shared)  -- expired leases dropped above
