@@ -71,10 +71,8 @@ class PrefillRate:
         sample = (total - c0) / (now - t0)
         if self.span <= 0:
             self.rate = max(self.rate, sample)
-        else:
-            if not had_span:  # the first span replaces what single samples said
-                self.rate = self.span
-            self.rate = max(self.rate, self.span)
+        else:  # the first span replaces what single samples said
+            self.rate = max(self.rate, self.span) if had_span else self.span
         return self.rate
 
 

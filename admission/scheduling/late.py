@@ -27,10 +27,10 @@ def late_heads(
     the margin the requests served were those dispatched with no slack left, and half of them
     arrived just past the target (measured: batch TTFT p50 9,986 ms against a 10 s target).
     Refused only when the wait made it late: a prompt whose own prefill alone passes the target
-    at the node's measured rate is held to its turn instead. That rate is the peak the node was
-    given (nodes/rates.py), far under its real one after a spell of short prompts (48 tokens/s
-    measured on an emulated A100 after a few chats): refused then, a long realtime prompt was
-    answered 429 at once on an idle cluster, and the node never got the work that measures it.
+    at the node's measured rate is held to its turn instead. That rate can read far under the
+    node's speed (nodes/rates.py; the peak it was given once read 48 tokens/s on an emulated
+    A100 after a few chats): refused then, a long realtime prompt was answered 429 at once on
+    an idle cluster, and the node never got the work that measures it.
     `near(model, prefix)`: the nodes it would come soonest from (NodeTable.near: bounded);
     `cached(prefix)`: node → prompt tokens of an item's head its prefix cache should hold."""
     for c in policy.classes.values():

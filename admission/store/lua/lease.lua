@@ -86,9 +86,9 @@ local pending = tonumber(v[1] or '0')
 if v[2] and rate > 0 then
   pending = math.max(0, pending - rate * (now - tonumber(v[2])) / 1000000)
 end
--- No lease left here: nothing is pending, whatever the measured rate says (the peak the node
--- was given: a few tokens per second after short chats one at a time, which kept an idle
--- node "busy" and answered realtime 429 slo_unreachable).
+-- No lease left here: nothing is pending, whatever the measured rate says (it can read far
+-- under the node's speed — once a few tokens per second after short chats one at a time —,
+-- which kept an idle node "busy" and answered realtime 429 slo_unreachable).
 if n == 0 then pending = 0 end
 local prompt, need = tonumber(ARGV[4]), tonumber(ARGV[5])
 local size, blocks = tonumber(ARGV[13] or '0'), {}
