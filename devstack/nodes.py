@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from functools import partial
@@ -11,7 +12,7 @@ from typing import Any
 
 from devstack.procs import Restarter, free_port, http_ok, kill_group, stop_process, wait_for
 from engine.profiles import PROFILES
-from engine.vllm_node import build_tiny_model, vllm_command
+from engine.vllm_node import build_tiny_model, ipc_dir, vllm_command
 
 
 def node_entry(
@@ -138,3 +139,6 @@ class NodeSet:
     def stop(self) -> None:
         for p in self.procs:
             stop_process(p)
+        if self.engine == "vllm":
+            for port in self.ports:
+                shutil.rmtree(ipc_dir(port), ignore_errors=True)

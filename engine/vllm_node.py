@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 TINY_MODEL = "tiny-llama"
@@ -122,6 +124,14 @@ def build_tiny_model(model_dir: Path) -> Path:
     return model_dir
 
 
+def ipc_dir(port: int) -> Path:
+    """Where the node on `port` keeps vLLM's ZMQ sockets (`VLLM_RPC_BASE_PATH`): vLLM names
+    them by uuid in the temp directory and a node that is killed leaves them there; here they
+    sit in one directory per port, cleared at each start and removed by `Nodes.stop`. Short
+    (a socket path must fit 108 bytes)."""
+    return Path(tempfile.gettempdir()) / f"admission-vllm-{port}"
+
+
 def vllm_command(
     port: int,
     model_dir: Path,
@@ -158,7 +168,11 @@ def vllm_command(
         # which the sidecar compares with what it booked as cached.
         "--enable-prompt-tokens-details",
     ]
+    ipc = ipc_dir(port)
+    shutil.rmtree(ipc, ignore_errors=True)  # a node killed on this port before left these
+    ipc.mkdir(parents=True)
     env = {
+        "VLLM_RPC_BASE_PATH": str(ipc),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",

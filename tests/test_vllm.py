@@ -19,6 +19,7 @@ import pytest
 
 from devstack.procs import free_port, stop_process, wait_for
 from devstack.stack import DEFAULT_POLICY, Stack
+from engine.vllm_node import ipc_dir
 from tests.conftest import ROOT
 
 pytestmark = [
@@ -38,11 +39,15 @@ def vstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         sidecars=1,
         policy_overrides={"tenants": _tenants_for("tiny-llama")},
     )
+    ports: list[int] = []
     try:
         s.start()
+        ports = s.node_ports
         yield s
     finally:
         s.stop()
+    # vLLM's ZMQ sockets went to the node's own directory, removed with it (not left in /tmp)
+    assert ports and not any(ipc_dir(p).exists() for p in ports)
 
 
 def _tenants_for(model: str) -> dict[str, Any]:
@@ -179,6 +184,13 @@ def test_emulator_answers_n_and_logprobs_as_vllm(vstack: Stack, emulator: int) -
         assert sum(len(c["logprobs"]["content"]) for c in with_lp) == 12, port
         assert all(c["finish_reason"] == "length" for c in chunks if c["finish_reason"])
         assert sum(1 for c in chunks if c["finish_reason"]) == 3
+
+
+def test_real_vllm_keeps_its_sockets_in_the_nodes_own_directory(vstack: Stack) -> None:
+    assert vstack.node_ports
+    for port in vstack.node_ports:
+        socks = [p for p in ipc_dir(port).iterdir() if p.is_socket()]
+        assert socks, f"no ZMQ socket under {ipc_dir(port)}"
 
 
 def test_real_vllm_reports_the_cached_tokens_of_a_repeated_prompt(vstack: Stack) -> None:
