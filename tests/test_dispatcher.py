@@ -87,6 +87,35 @@ async def test_fail_closed_round_trip_that_ran_leaves_no_lease(
     await client.aclose()
 
 
+async def test_fail_closed_round_trip_run_after_its_give_back_books_nothing(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    # The other order: the client timed out, the give-back went out on another connection and
+    # ran first, and then Redis ran the round trip. The give-back left the released mark, so the
+    # late lease books nothing (before, it stayed until lease_ttl_s; tests/test_many_sidecars.py
+    # now and then found one left).
+    p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000}", "closed")
+    d, client = make(p)
+    scripts = d.store.scripts
+    run = scripts.run
+    late: list[Call] = []
+
+    async def timed_out_before_it_ran(*calls: Call, **_kw: Any) -> list[Any]:
+        late.extend(calls)
+        raise rex.TimeoutError("Timeout reading from socket")
+
+    scripts.run = timed_out_before_it_ran  # type: ignore[method-assign]
+    with pytest.raises(BackendUnavailable):
+        await d.admit(p.tenants["t1"], "realtime", "m", 10, 50 - 10)
+    scripts.run = run  # type: ignore[method-assign]
+    assert await d.store.backlog.flush()  # the give-back first ...
+    assert any(c.script == "lease" for c in late)
+    await run(*late)  # ... then the round trip, late
+    assert await redis.zcard(keys.node_leases("n1")) == 0
+    assert int(await redis.hget(keys.node_ledger("n1"), "kv") or 0) == 0
+    await client.aclose()
+
+
 async def test_a_caller_gone_mid_round_trip_leaves_nothing_booked(
     redis: Any, redis_server: RedisServer
 ) -> None:

@@ -139,7 +139,7 @@ class Ahead:
             # the request runs without a booking; the lease, which may have run, goes back.
             result = "unconfirmed"
             if got is None:
-                self.backlog.add(leases.give_back(ticket))
+                self.backlog.add(leases.give_back(ticket, released=True))
         elif acq.over:
             result = "over_limits"
         elif leases.over(got) not in ("", "released"):  # released: ended before booked

@@ -151,7 +151,7 @@ class Dispatcher:
                 raise
         finally:
             if maybe is not None and (adm is None or adm.ticket != maybe):
-                self.store.backlog.add(leases.give_back(maybe))
+                self.store.backlog.add(leases.give_back(maybe, released=True))
 
     def _item(
         self,

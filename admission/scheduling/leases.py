@@ -109,7 +109,11 @@ def take(node: Node, ticket: str, ttl_s: float, ask: Ask, force: bool = False) -
 
 def give_back(ticket: str, released: bool = False) -> Call:
     """Give a ticket's lease and its KV reservation back (idempotent: harmless if never taken).
-    `released`: the request ended (not an undo): a booking still on its way must book nothing."""
+    `released`: no booking of this ticket may follow — the request ended, or the round trip
+    that carried its lease failed and the request will not run on this ticket's booking: a
+    booking still on its way (Redis may run a command after its client timed out, and after
+    this give-back sent on another connection) then books nothing. Not for the undo of a lease
+    whose reply came (nothing is on its way) while the request may still take that ticket."""
     _rid, node, _tenant = parse_ticket(ticket)
     return Call(
         "unlease",

@@ -80,10 +80,10 @@ class Placer:
                 if late == "again":  # our own lateness timed it out: not an outage
                     continue
                 if late == "refuse":
-                    self.store.backlog.add(leases.give_back(ticket))  # it may have run
+                    self.store.backlog.add(leases.give_back(ticket, released=True))  # may run late
                     raise self.lag.refusal() from exc
                 if self.policy().redis.failure_mode == FailureMode.CLOSED:
-                    self.store.backlog.add(leases.give_back(ticket))  # it may have run
+                    self.store.backlog.add(leases.give_back(ticket, released=True))  # may run late
                     raise BackendUnavailable(
                         "lease store unavailable", code="limiter_unavailable"
                     ) from exc

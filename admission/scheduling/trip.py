@@ -40,7 +40,11 @@ async def debit(
         calls.append(lease)
 
     def orphan() -> tuple[Call, ...]:
-        back = (leases.give_back(ticket),) if lease is not None and ticket is not None else ()
+        back = (
+            (leases.give_back(ticket, released=True),)
+            if lease is not None and ticket is not None
+            else ()
+        )
         return (limiter.refund(tenant, rid), *back)
 
     out = await limiter.round_trip(calls, tenant, rid, orphan)
