@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
-from admission.scheduling.outputs import decode_limit_s
-from admission.scheduling.routing import urgent_present
+from admission.scheduling.outputs import decode_limit_s, own_decode_limit_s
+from admission.scheduling.routing import urgent, urgent_present
 
 WINDOW_S = 60.0  # wait percentiles over this much recent history
 
@@ -116,12 +116,17 @@ def snapshot(
 
 def _decode_guard(dispatcher: Any) -> dict[str, Any]:
     """The urgent class's mean answer length as learned, the decode speed it asks of a node
-    before lower classes may go there (outputs.py; null: no tpot target), and whether the
-    guard acts now: the urgent class has KV booked on some node (as of this sidecar's last
-    read of the ledger) or waits here."""
+    before lower classes may go there (outputs.py; null: no tpot target), whether the
+    guard acts now (the urgent class has KV booked on some node, as of this sidecar's last
+    read of the ledger, or waits here), past what speed the urgent class itself waits
+    (`own_limit_ms`; null: it does not — it serves late, or its answers are not learned yet)
+    and whether that acts now (`own_active`: this sidecar refused it late lately)."""
     policy = dispatcher.policy()
     mean = dispatcher.nodes.outputs.mean
     limit = decode_limit_s(policy, mean)
+    cls = next((c for c in policy.classes if urgent(policy, c)), None)
+    own = own_decode_limit_s(policy, cls, mean) if cls else None
+    refusing = cls is not None and dispatcher.nodes.outputs.refusing(cls, dispatcher.clock())
     waiting = dispatcher.nodes.urgent_waiting(dispatcher.queue.waiting_kv)
     active = limit is not None and urgent_present(
         list(dispatcher.nodes.views.values()), None, waiting
@@ -130,6 +135,8 @@ def _decode_guard(dispatcher: Any) -> dict[str, Any]:
         "urgent_output_tokens": round(mean, 1),
         "limit_ms": None if limit is None else round(limit * 1000, 1),
         "active": active,
+        "own_limit_ms": None if own is None else round(own * 1000, 1),
+        "own_active": own is not None and refusing,
     }
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -15,7 +16,7 @@ from admission.metrics import Metrics
 from admission.nodes.state import Status
 from admission.policy import Policy
 from admission.scheduling import Dispatcher
-from admission.scheduling.routing import eligible, fallbacks
+from admission.scheduling.routing import ask_for, eligible, fallbacks
 from admission.scheduling.views import NodeView
 from admission.store import Call, Store, connect, keys
 from devstack.procs import RedisServer
@@ -299,6 +300,64 @@ def test_decode_guard_follows_what_the_urgent_class_answers_need(
     o.answered("t2", 100)
     o.answered("t3", 300)
     assert o.mean == pytest.approx(0.95 * 100 + 0.05 * 300)
+
+
+def test_the_urgent_class_that_refuses_late_waits_off_a_node_where_it_would_finish_late(
+    redis_server: RedisServer,
+) -> None:
+    # Realtime (until drain, e2e 10 s, TTFT 1 s, tpot 60 ms) that refuses late: a node whose
+    # running requests see more than the looser of tpot_ms and what e2e asks of answers as long
+    # as realtime's are (120 tokens: 75 ms) takes none of it; it waits, and is refused early.
+    from admission.scheduling.outputs import REFUSING_S, UrgentOutputs, own_decode_limit_s
+
+    slo = "slo: {ttft_ms: 1000, e2e_ms: 10000, tpot_ms: 60}"
+    serves_late = BASE_POLICY.replace(
+        "deadline_s: 5}", f"deadline_s: 5, admit_until: drain, {slo}}}"
+    )
+    refuses = serves_late.replace(f"{slo}}}", f"{slo}, on_late: refuse}}")
+    p, q = make_policy(redis_server.url, refuses), make_policy(redis_server.url, serves_late)
+    assert own_decode_limit_s(p, "realtime", 120) == pytest.approx(0.075)
+    assert own_decode_limit_s(p, "realtime", 300) == pytest.approx(0.060)  # tpot_ms the looser
+    assert own_decode_limit_s(p, "realtime", 0) is None  # answers' length not learned yet
+    assert own_decode_limit_s(q, "realtime", 120) is None  # serves late: vLLM runs it first
+    assert own_decode_limit_s(p, "batch", 120) is None  # lower classes: decode_limit_s
+    v = NodeView(p.nodes["n1"], state=Status.OPEN, per_token=0.0001, prefill_rate=1000.0)
+
+    def realtime(policy: Policy, tpot_s: float, out: float = 120, refusing: bool = True) -> bool:
+        v.tpot_s = tpot_s
+        return bool(
+            eligible(
+                [v], policy, "m", "realtime", 10, 20, 0.0, output_tokens=out, refusing=refusing
+            )
+        )
+
+    assert realtime(p, 0.070) and not realtime(p, 0.080)
+    assert realtime(p, 0.080, refusing=False)  # not refused late lately: within capacity
+    assert realtime(p, 0.080, out=0)  # nothing learned: no guard
+    assert realtime(q, 0.500)  # a class that serves late is never held by decode
+    gate: Counter[tuple[str, str, str]] = Counter()
+    eligible([v], p, "m", "realtime", 10, 20, 0.0, output_tokens=120, gate=gate, refusing=True)
+    assert gate == {("n1", "realtime", "decode"): 1}
+    # While refusing, its prefill budget is what is left of its 1 s target after its wait: a
+    # node whose booked prefill (600 tokens at 1,000/s) would put its first token past the
+    # target takes it no more; within capacity the whole target (the ledger's estimates err long).
+    v.tpot_s = 0.0
+    v.ledger(600.0, 0, 1, 0.0, urgent=0, reserve=0.0)
+
+    def budget(waited_s: float, refusing: bool = True) -> int | None:
+        got = eligible([v], p, "m", "realtime", 10, 20, 0.0, refusing=refusing, waited_s=waited_s)
+        return got[0][1].prefill_budget if got else None
+
+    assert budget(0.0) == 1000 and budget(0.2) == 800
+    assert budget(0.5) is None  # 600 booked + 10 > 500 left: it waits
+    assert budget(0.5, refusing=False) == 1000
+    # Past its target: a budget of 1 token (0 would mean "not gated" to lease.lua).
+    assert ask_for(v, p, "realtime", 10, 20, decode_s=None, waited_s=5.0).prefill_budget == 1
+    o = UrgentOutputs()
+    assert not o.refusing("realtime", 100.0)
+    o.refused_late("realtime", 100.0)
+    assert o.refusing("realtime", 100.0 + REFUSING_S - 0.1) and not o.refusing("batch", 100.0)
+    assert not o.refusing("realtime", 100.0 + REFUSING_S)
 
 
 def test_lower_classes_leave_the_urgent_reserve_free(redis_server: RedisServer) -> None:

@@ -587,7 +587,13 @@ async def test_releases_teach_the_decode_guard_how_long_urgent_answers_are(
         assert outputs.mean == pytest.approx(290)
         await app[DISPATCHER].nodes.refresh()  # the ledger as Redis has it: all released
         data = await (await client.get("/status.json")).json()  # what an operator sees
-        guard = {"urgent_output_tokens": 290.0, "limit_ms": 31.0, "active": False}
+        guard = {
+            "urgent_output_tokens": 290.0,
+            "limit_ms": 31.0,
+            "active": False,
+            "own_limit_ms": None,
+            "own_active": False,
+        }
         assert data["decode_guard"] == guard  # no realtime booked anywhere: lower classes free
         await client.post("/admit", json=admit_body())  # realtime runs on n1 again
         data = await (await client.get("/status.json")).json()

@@ -228,6 +228,7 @@ class Dispatcher:
             q.tenant_depth,
             q.waiting_kv,
             it.prefix,
+            self.clock() - it.enqueued_at,
         )
 
     async def submit(self, item: Item) -> Admission:
@@ -349,6 +350,7 @@ class Dispatcher:
                 waiter.future.set_exception(exc)
                 waiter.future.exception()  # retrieved by submit
                 self.metrics.late_refused.labels(name).inc()
+                self.nodes.outputs.refused_late(name, now)
 
     # -- admin and gauges --------------------------------------------------------------------
     async def set_maintenance(self, node: str, on: bool) -> None:

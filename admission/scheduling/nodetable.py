@@ -98,8 +98,9 @@ class NodeTable:
         waiting: Callable[[str], int] = lambda _t: 0,
         waiting_kv: Callable[[str], int] = lambda _c: 0,
         prefix: Prefix = NO_PREFIX,
+        waited_s: float = 0.0,
     ) -> list[tuple[NodeView, Ask]]:
-        """Nodes for this request, best first. `waiting(tenant)`: how many of a tenant's requests
+        """Nodes for this request (waited `waited_s` so far), best first. `waiting(tenant)`: how many of a tenant's requests
         wait in the queue; a pool whose owners wait is not lent (they take it back).
         `waiting_kv(class)`: KV tokens waiting in the queue that asked for a class (the urgent
         class's part is kept free on the nodes by the other classes)."""
@@ -135,6 +136,8 @@ class NodeTable:
                 hits,
                 present=present,
                 live=live,
+                refusing=self.outputs.refusing(cls, now),
+                waited_s=waited_s,
             )
 
         pools = self.index.pools(model)

@@ -18,6 +18,10 @@ from admission.policy import Policy
 
 MAX_OPEN = 10_000  # urgent tickets remembered until their release (a release may go elsewhere)
 ALPHA = 0.05  # EWMA weight of one answer (≈ the last 20–40 answers)
+# A class refused a request late (`on_late: refuse`) this recently is past what any order
+# serves: its own decode guard acts (own_decode_limit_s) — which of its requests go on is then
+# the choice, and those that would finish late anyway wait (and are refused early) instead.
+REFUSING_S = 5.0
 
 
 class UrgentOutputs:
@@ -28,6 +32,14 @@ class UrgentOutputs:
     def __init__(self) -> None:
         self._open: OrderedDict[str, None] = OrderedDict()
         self.mean = 0.0  # 0: nothing learned yet
+        self._late: dict[str, float] = {}  # class → when this sidecar last refused it late
+
+    def refused_late(self, cls: str, now: float) -> None:
+        self._late[cls] = now
+
+    def refusing(self, cls: str | None, now: float) -> bool:
+        """Whether `cls` was refused late within the last REFUSING_S seconds."""
+        return cls is not None and now - self._late.get(cls, -1e18) < REFUSING_S
 
     def admitted(self, ticket: str, urgent: bool) -> None:
         """A request sent to a node; only the urgent class's answers are learned."""
@@ -57,3 +69,18 @@ def decode_limit_s(policy: Policy, mean_output: float = 0.0) -> float | None:
             return max(tpot / 2, min(tpot, e2e))
         return tpot
     return None
+
+
+def own_decode_limit_s(policy: Policy, cls: str, mean_output: float) -> float | None:
+    """Seconds per output token above which the urgent class itself waits for a node (None: it
+    never does): only a class that refuses late (`on_late: refuse`: it would rather be answered
+    early than run past its target) with an end-to-end target, once its answers' length is
+    known; routing applies it while the class is being refused late (`UrgentOutputs.refusing`:
+    past what any order serves), not before. The looser of its tpot_ms and what its e2e_ms asks of answers of `mean_output`
+    tokens: past both, a request sent there finishes late whatever it does, and the decode it
+    joins slows every request already running — under overload it is refused early instead."""
+    c = policy.classes.get(cls)
+    if c is None or not c.refuses_late or not c.slo_e2e_ms or mean_output <= 0:
+        return None
+    e2e = (c.slo_e2e_ms - (c.slo_ttft_ms or 0)) / 1000 / mean_output
+    return max(e2e, (c.slo_tpot_ms or 0) / 1000)

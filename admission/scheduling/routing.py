@@ -37,7 +37,7 @@ from typing import Any
 from admission.nodes.state import Status
 from admission.policy import AdmitUntil, Node, Policy
 from admission.scheduling.leases import Ask
-from admission.scheduling.outputs import decode_limit_s
+from admission.scheduling.outputs import decode_limit_s, own_decode_limit_s
 from admission.scheduling.prefixes import NO_PREFIX, Prefix, home_rank, pool_blocks
 from admission.scheduling.views import NodeView
 
@@ -79,14 +79,20 @@ def ask_for(
     urgent_waiting: int = 0,
     *,
     decode_s: float | None,
+    own_decode_s: float | None = None,
     prefix: Prefix = NO_PREFIX,
     hit_blocks: int = 0,
+    waited_s: float = 0.0,
 ) -> Ask:
     """The lease request for a node: this request's ledger entry and its class's limits there.
     `lent`: the node is another tenant's pool's, on loan: never urgent there.
     `urgent_waiting`: urgent KV waiting in this sidecar's queue, this node's share.
     `decode_s`: the decode guard's limit for lower classes (outputs.decode_limit_s; None:
-    no guard) — required, so that no caller drops the guard by leaving it out.
+    no guard) — required, so that no caller drops the guard by leaving it out;
+    `own_decode_s`: the urgent class's own (outputs.own_decode_limit_s).
+    `waited_s`: how long the request has waited here: the urgent class's budget is what is left
+    of its target (sent with less, it would have its first token late: it waits, and is
+    refused early instead).
     `prefix`, `hit_blocks`: the prompt's head and how much of it this sidecar expects the node
     to hold; lease.lua books only the rest."""
     wm = policy.watermarks
@@ -100,7 +106,8 @@ def ask_for(
     # (`on_late: refuse`): it then waits in the sidecar, where it is refused early, instead of
     # inside the engine; when it serves late, vLLM's priority runs it first there.
     gated = not hurry or (cls is not None and policy.classes[cls].refuses_late)
-    budget = 0 if not gated or v.prefill_rate <= 0 else int(v.prefill_rate * target_ttft_s(policy))
+    ttft = target_ttft_s(policy) - (waited_s if hurry else 0.0)
+    budget = 0 if not gated or v.prefill_rate <= 0 else max(1, int(v.prefill_rate * ttft))
     return Ask(
         prompt,
         kv,
@@ -110,7 +117,7 @@ def ask_for(
         urgent=hurry,
         reserve_limit=-1 if hurry else tokens(wm.drain),
         urgent_waiting=0 if hurry else urgent_waiting,
-        decode_limit_s=0.0 if hurry or decode_s is None else decode_s,
+        decode_limit_s=(own_decode_s if hurry else decode_s) or 0.0,
         prefix=prefix,
         pool_blocks=pool_blocks(v.pool_tokens, prefix),
         hit_tokens=min(prompt, prefix.tokens(hit_blocks)),
@@ -152,8 +159,9 @@ def why_not(
         return "measured"
     if ask.kv_limit >= 0 and booked_kv(v, ask) > ask.kv_limit:
         return "booked"  # the watermark in tokens (ask_for), as lease.lua checks it
-    if not hurry and ask.decode_limit_s and v.tpot_s > ask.decode_limit_s:
-        return "decode"  # decode is already as slow as the urgent class may see: no more batch
+    if ask.decode_limit_s and v.tpot_s > ask.decode_limit_s:
+        return "decode"  # decode already as slow as the urgent class may see: no more batch,
+        # nor urgent work that would finish late there anyway (outputs.own_decode_limit_s)
     if not keeps_reserve(v, ask, now):
         return "reserve"
     pending = v.pending_now(now)
@@ -232,6 +240,8 @@ def eligible(
     *,
     present: bool | None = None,
     live: int | None = None,
+    refusing: bool = False,
+    waited_s: float = 0.0,
 ) -> list[tuple[NodeView, Ask]]:
     """Nodes serving `model` that would take this request now, with their asks: the tenant's
     own pool first, then shared nodes, then idle pools on loan (`pool_rank`); within each, for
@@ -245,13 +255,19 @@ def eligible(
     that node's backlog is shorter than the recompute it saves, elsewhere (spreading a hot
     prefix) once it is not; the load limits above bound both. `present`, `live`: whether the
     urgent class is present on the model's nodes and how many of them are live, when `views`
-    are not all of them."""
+    are not all of them. `refusing`: the class is being refused late (past what any order
+    serves): the urgent class's own decode guard acts (outputs.own_decode_limit_s), and its
+    budget is what is left of its target after `waited_s` (ask_for). Within capacity neither:
+    the ledger's estimates err long (prefix hits it did not see, a rate read low), and a request
+    past them on paper often still has its first token in time."""
     ok = []
     # `views` may be the few candidates examined (candidates.py): whether the urgent class is
     # present and how many nodes share its waiting KV are the whole model's, when given.
     if present is None:
         present = urgent_present(views, model, urgent_waiting)
     decode_s = decode_limit_s(policy, output_tokens) if present else None
+    hurry = refusing and cls is not None and urgent(policy, cls)
+    own_s = own_decode_limit_s(policy, cls, output_tokens) if hurry and cls else None
     share = 0  # waiting urgent KV, spread over the live nodes serving the model
     if urgent_waiting:
         if live is None:
@@ -275,8 +291,10 @@ def eligible(
             lent=rank == 2,
             urgent_waiting=share,
             decode_s=decode_s,
+            own_decode_s=own_s,
             prefix=prefix,
             hit_blocks=hit,
+            waited_s=waited_s if refusing else 0.0,
         )
         reason = why_not(v, ask, policy, cls, now, lent=rank == 2)
         if reason is None:
