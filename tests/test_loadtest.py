@@ -6,9 +6,11 @@ import csv
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -87,6 +89,67 @@ def bench(module: str, *args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.skipif(
     shutil.which("wrk") is None, reason="wrk missing (scripts/setup.sh installs it)"
 )
+def test_benchmark_stopped_by_sigterm_stops_what_it_started(tmp_path: Path) -> None:
+    # `kill` (SIGTERM) of a running benchmark: its nodes, Redis, NGINX and sidecars (each in a
+    # session of its own) are stopped, as on Ctrl-C; before, the whole stack kept running.
+    scratch = Path(tempfile.mkdtemp(prefix="t"))  # short: unix socket paths live under it
+    scratch.chmod(0o755)
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "loadtest.bench", "--systems", "admission"),
+            *("--nodes", "2", "--seconds", "60", "--out", str(tmp_path / "out")),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "TMPDIR": str(scratch)},
+    )
+
+    def children() -> list[int]:
+        """Live processes the benchmark started (their parent is the benchmark)."""
+        pids = []
+        for d in Path("/proc").iterdir():
+            try:
+                stat = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if d.name.isdigit() and int(stat[1]) == proc.pid and stat[0] != "Z":
+                pids.append(int(d.name))
+        return pids
+
+    def alive(pid: int) -> bool:
+        try:
+            state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return False
+        return state != "Z"
+
+    pids: list[int] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the stack is up once the load starts
+            if line.startswith("running admission"):
+                break
+        time.sleep(2.0)
+        pids = children()
+        assert len(pids) >= 5, pids  # 2 nodes, Redis, a sidecar, the agent, NGINX
+        proc.terminate()
+        proc.communicate(timeout=60)
+        deadline = time.monotonic() + 15
+        while any(map(alive, pids)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert proc.returncode == 143
+        assert not [p for p in pids if alive(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in pids:  # each leads a session of its own: its group holds its children
+            if alive(pid):
+                os.killpg(pid, signal.SIGKILL)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
 def test_throughput_benchmark_smoke() -> None:
     """The edge throughput benchmark runs end to end: both paths answer 200 at every step, and
     the per-process CPU table names the sidecars, Redis, NGINX and the client."""
