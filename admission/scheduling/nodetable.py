@@ -100,8 +100,8 @@ class NodeTable:
         prefix: Prefix = NO_PREFIX,
         waited_s: float = 0.0,
     ) -> list[tuple[NodeView, Ask]]:
-        """Nodes for this request (waited `waited_s` so far), best first. `waiting(tenant)`: how many of a tenant's requests
-        wait in the queue; a pool whose owners wait is not lent (they take it back).
+        """Nodes for this request (waited `waited_s` so far), best first. `waiting(tenant)`: how
+        many of a tenant's requests wait in the queue; a pool whose owners wait is not lent.
         `waiting_kv(class)`: KV tokens waiting in the queue that asked for a class (the urgent
         class's part is kept free on the nodes by the other classes)."""
         policy = self.policy()

@@ -76,9 +76,10 @@ def own_decode_limit_s(policy: Policy, cls: str, mean_output: float) -> float | 
     never does): only a class that refuses late (`on_late: refuse`: it would rather be answered
     early than run past its target) with an end-to-end target, once its answers' length is
     known; routing applies it while the class is being refused late (`UrgentOutputs.refusing`:
-    past what any order serves), not before. The looser of its tpot_ms and what its e2e_ms asks of answers of `mean_output`
-    tokens: past both, a request sent there finishes late whatever it does, and the decode it
-    joins slows every request already running — under overload it is refused early instead."""
+    past what any order serves), not before. The looser of its tpot_ms and what its e2e_ms
+    asks of answers of `mean_output` tokens: past both, a request sent there finishes late
+    whatever it does, and the decode it joins slows every request already running — under
+    overload it is refused early instead."""
     c = policy.classes.get(cls)
     if c is None or not c.refuses_late or not c.slo_e2e_ms or mean_output <= 0:
         return None

@@ -266,8 +266,11 @@ def eligible(
     if present is None:
         present = urgent_present(views, model, urgent_waiting)
     decode_s = decode_limit_s(policy, output_tokens) if present else None
-    hurry = refusing and cls is not None and urgent(policy, cls)
-    own_s = own_decode_limit_s(policy, cls, output_tokens) if hurry and cls else None
+    own_s = (
+        own_decode_limit_s(policy, cls, output_tokens)
+        if refusing and cls and urgent(policy, cls)
+        else None
+    )
     share = 0  # waiting urgent KV, spread over the live nodes serving the model
     if urgent_waiting:
         if live is None:
