@@ -370,3 +370,58 @@ def test_requeue_after_its_class_was_removed_does_not_crash() -> None:
     q.set_policy(parse_policy(text))
     q.requeue_front(it)  # its lease was refused after the reload
     assert len(q) == 1 and it.cls == "batch"
+
+
+def _one_each(q: FairQueue, tenants: str, pops: int) -> Counter[str]:
+    """Every tenant keeps exactly one request waiting; `pops` pops. The shallowest backlog: a
+    tenant's lane empties at each of its pops (as when late refusals drain the lanes)."""
+    served: Counter[str] = Counter()
+    for t in tenants:
+        q.push(item(t, "realtime"))
+    for _ in range(pops):
+        it = q.pop(0.0)
+        assert it is not None
+        served[it.tenant] += 1
+        q.push(item(it.tenant, "realtime"))
+    return served
+
+
+def test_weights_bind_when_each_tenant_has_one_request_waiting() -> None:
+    # A lane that empties used to come back at the class's virtual time, forgetting what its
+    # tenant had just been served: with one request each waiting, service went by arrival.
+    served = _one_each(FairQueue(policy(t=(5, 3, 1))), "abc", 900)
+    assert served == {
+        "a": pytest.approx(500, abs=3),
+        "b": pytest.approx(300, abs=3),
+        "c": pytest.approx(100, abs=3),
+    }
+
+
+def test_a_tenant_idle_a_while_comes_back_at_its_share_without_credit() -> None:
+    q = FairQueue(policy(t=(1, 1, 1)))
+    _one_each(q, "ab", 400)  # c idle
+    late = _one_each(q, "abc", 300)
+    assert late["c"] == pytest.approx(100, abs=2)  # its share from now on, no catch-up burst
+
+
+def test_served_without_waiting_counts_once_a_backlog_forms() -> None:
+    q = FairQueue(policy(t=(1, 1, 1)))
+    for _ in range(10):  # c served on the fast path while nothing waited
+        q.charge(item("c", "realtime"))
+    for t in "abc":
+        for _ in range(3):
+            q.push(item(t, "realtime"))
+    first = [it.tenant for it in drain(q, 6)]
+    # Its last request counts against it (a and b get one each first); the nine before it do
+    # not: no one waited then, and a tenant banks no debt while the queue is empty either.
+    assert "c" not in first[:4] and first.count("c") == 1, first
+
+
+def test_a_refused_lease_gives_back_the_turn_after_the_lane_emptied() -> None:
+    q = FairQueue(policy(t=(1, 1, 1)))
+    q.push(item("a", "realtime"))
+    q.push(item("b", "realtime"))
+    it = q.pop(0.0)
+    assert it is not None and it.tenant == "a"
+    q.requeue_front(it)  # a's lane was emptied by the pop
+    assert [i.tenant for i in drain(q, 2)] == ["a", "b"]

@@ -123,6 +123,7 @@ class Dispatcher:
                     self.limiter, tenant, rid, cost, hold_s, scale, forced, ticket
                 )
                 self.ahead.book(ticket, view, booking)
+                self.queue.charge(item)
                 return self.place.record(item, nodes, ticket)
             lease = leases.take(view.node, ticket, ttl_s, ask)
         acq, got = await trip.debit(self.limiter, tenant, rid, cost, hold_s, scale, lease, ticket)
@@ -138,6 +139,7 @@ class Dispatcher:
                 assert acq.denied is not None  # let_through says no only with a reason
                 raise acq.denied
             if held and nodes and ticket is not None:
+                self.queue.charge(item)
                 adm = self.place.record(item, nodes, ticket, got)
                 return adm
             if nodes and got is not None:
@@ -242,6 +244,7 @@ class Dispatcher:
             # through the dispatcher task.
             adm = await self.place.lease(item, nodes)
             if adm is not None:
+                self.queue.charge(item)
                 return adm
         waiter = _Waiter()
         item.payload = waiter

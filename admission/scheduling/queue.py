@@ -7,6 +7,10 @@ Two levels of stride scheduling (virtual "pass" values, cost in tokens):
   bank credit while idle: busy → proportional, idle → borrow.
 - tenants inside a class: each advances by cost / weight (weighted fair queuing on virtual
   finish time), so a tenant sending long requests spends its share faster.
+  A lane that empties comes back at the later of the class's virtual time and its own last
+  finish tag (start-time fair queuing), and a request admitted without queueing (`charge`)
+  counts too: with one request each waiting, lanes restarting at the virtual time used to tie
+  and the lowest tenant id won every pop.
 Inside one tenant and class, arrival order.
 
 Aging: a request that has waited `promote_after_s` in its class moves to the tail of the next
@@ -29,6 +33,7 @@ from admission.policy import Policy
 from admission.scheduling.prefixes import NO_PREFIX, Prefix
 
 _seq = itertools.count()
+MAX_DONE = 4096  # tenants' last finish tags kept per class before those now behind vtime go
 
 
 @dataclass(eq=False)
@@ -72,13 +77,25 @@ class _Lane:
 
 
 class _ClassQ:
-    __slots__ = ("lanes", "live", "pass_", "vtime")
+    __slots__ = ("done", "lanes", "live", "pass_", "vtime")
 
     def __init__(self) -> None:
         self.lanes: dict[str, _Lane] = {}
         self.live = 0
         self.pass_ = 0.0
         self.vtime = 0.0  # tenant-level virtual time inside this class
+        # tenant → its pass when its lane last emptied (start-time fair queuing's last finish
+        # tag): it comes back at max(vtime, this), so a tenant served one request at a time —
+        # its lane emptied at each pop, as under overload when late refusals drain the lanes —
+        # still pays for what it was served (it used to come back at vtime: arrival order).
+        self.done: dict[str, float] = {}
+
+    def lane(self, tenant: str) -> _Lane:
+        """`tenant`'s lane, made at its start tag if it had none."""
+        lane = self.lanes.get(tenant)
+        if lane is None:
+            lane = self.lanes[tenant] = _Lane(max(self.vtime, self.done.pop(tenant, 0.0)))
+        return lane
 
 
 class FairQueue:
@@ -229,6 +246,22 @@ class FairQueue:
                 out.append(head)
         return out
 
+    def charge(self, item: Item) -> None:
+        """Count a request admitted without waiting (the dispatcher's fast path, taken only
+        while none of its class waits here) in its tenant's lane, as a pop would have: a tenant
+        served while the queue was empty still pays for it once a backlog forms."""
+        q = self._classes.get(item.cls)
+        if q is None:
+            return
+        lane = q.lanes.get(item.tenant)
+        start = max(q.vtime, lane.pass_ if lane else q.done.get(item.tenant, 0.0))
+        q.vtime = start
+        finish = start + item.cost / self._tenant_weight(item.tenant)
+        if lane:
+            lane.pass_ = finish
+        else:
+            q.done[item.tenant] = finish
+
     def requeue_front(self, item: Item) -> None:
         """Put a popped item back at the head of its lane (its node lease was refused), and
         take back what its pop charged: a tenant does not pay for a turn it did not get."""
@@ -239,8 +272,9 @@ class FairQueue:
         q = self._classes[item.cls]
         q.pass_ -= item.charged[1]
         lane = q.lanes.get(item.tenant)
-        if lane is None:
-            lane = q.lanes[item.tenant] = _Lane(q.vtime)
+        if lane is None:  # emptied by the pop: back at the pass it had before it
+            start = q.done.pop(item.tenant, q.vtime + item.charged[0]) - item.charged[0]
+            lane = q.lanes[item.tenant] = _Lane(max(q.vtime, start))
         else:
             lane.pass_ -= item.charged[0]
         item.charged = (0.0, 0.0)
@@ -306,9 +340,7 @@ class FairQueue:
         if q.live == 0:
             # Re-entering after idle: start at the current virtual time (no banked credit).
             q.pass_ = max(q.pass_, self._vtime)
-        lane = q.lanes.get(item.tenant)
-        if lane is None:
-            lane = q.lanes[item.tenant] = _Lane(q.vtime)
+        lane = q.lane(item.tenant)
         if lane.live == 0:
             lane.pass_ = max(lane.pass_, q.vtime)
         lane.items.append(item)
@@ -323,6 +355,10 @@ class FairQueue:
                 lane.live -= 1
                 if lane.live == 0 and not lane.head():
                     del q.lanes[item.tenant]
+                    if lane.pass_ > q.vtime:  # at or below vtime it starts at vtime anyway
+                        q.done[item.tenant] = lane.pass_
+                    if len(q.done) > MAX_DONE:
+                        q.done = {t: p for t, p in q.done.items() if p > q.vtime}
             q.live -= 1
         self._count(item, -1)
 
