@@ -19,6 +19,7 @@ watermarks compare effective memory, which discounts the pre-allocated free KV p
 from __future__ import annotations
 
 import argparse
+import getpass
 import json
 import os
 import shutil
@@ -173,6 +174,13 @@ def vllm_command(
     ipc.mkdir(parents=True)
     env = {
         "VLLM_RPC_BASE_PATH": str(ipc),
+        # vLLM's torch.distributed init file (`vllm_dist_<uuid>`, left behind by a killed node)
+        # goes to the temp directory too: the node's own; torch's compile cache stays shared.
+        "TMPDIR": str(ipc),
+        "TORCHINDUCTOR_CACHE_DIR": os.environ.get(
+            "TORCHINDUCTOR_CACHE_DIR",
+            str(Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"),
+        ),
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",

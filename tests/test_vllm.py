@@ -191,6 +191,8 @@ def test_real_vllm_keeps_its_sockets_in_the_nodes_own_directory(vstack: Stack) -
     for port in vstack.node_ports:
         socks = [p for p in ipc_dir(port).iterdir() if p.is_socket()]
         assert socks, f"no ZMQ socket under {ipc_dir(port)}"
+        # and the distributed init file, which a killed node used to leave in /tmp
+        assert any(p.name.startswith("vllm_dist_") for p in ipc_dir(port).iterdir())
 
 
 def test_real_vllm_reports_the_cached_tokens_of_a_repeated_prompt(vstack: Stack) -> None:
