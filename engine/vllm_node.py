@@ -175,7 +175,8 @@ def vllm_command(
     env = {
         "VLLM_RPC_BASE_PATH": str(ipc),
         # vLLM's torch.distributed init file (`vllm_dist_<uuid>`, left behind by a killed node)
-        # goes to the temp directory too: the node's own; torch's compile cache stays shared.
+        # goes to the temp directory too: the node's own; torch's compile cache stays where
+        # torch puts it by default (its `default_cache_dir`; importing torch here costs seconds).
         "TMPDIR": str(ipc),
         "TORCHINDUCTOR_CACHE_DIR": os.environ.get(
             "TORCHINDUCTOR_CACHE_DIR",

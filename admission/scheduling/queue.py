@@ -248,19 +248,13 @@ class FairQueue:
 
     def charge(self, item: Item) -> None:
         """Count a request admitted without waiting (the dispatcher's fast path, taken only
-        while none of its class waits here) in its tenant's lane, as a pop would have: a tenant
-        served while the queue was empty still pays for it once a backlog forms."""
+        while none of its class waits here: its tenant has no lane) as a pop would have: a
+        tenant served while the queue was empty still pays for it once a backlog forms."""
         q = self._classes.get(item.cls)
         if q is None:
             return
-        lane = q.lanes.get(item.tenant)
-        start = max(q.vtime, lane.pass_ if lane else q.done.get(item.tenant, 0.0))
-        q.vtime = start
-        finish = start + item.cost / self._tenant_weight(item.tenant)
-        if lane:
-            lane.pass_ = finish
-        else:
-            q.done[item.tenant] = finish
+        q.vtime = start = max(q.vtime, q.done.get(item.tenant, 0.0))
+        q.done[item.tenant] = start + item.cost / self._tenant_weight(item.tenant)
 
     def requeue_front(self, item: Item) -> None:
         """Put a popped item back at the head of its lane (its node lease was refused), and
@@ -273,8 +267,8 @@ class FairQueue:
         q.pass_ -= item.charged[1]
         lane = q.lanes.get(item.tenant)
         if lane is None:  # emptied by the pop: back at the pass it had before it
-            start = q.done.pop(item.tenant, q.vtime + item.charged[0]) - item.charged[0]
-            lane = q.lanes[item.tenant] = _Lane(max(q.vtime, start))
+            lane = q.lane(item.tenant)
+            lane.pass_ = max(q.vtime, lane.pass_ - item.charged[0])
         else:
             lane.pass_ -= item.charged[0]
         item.charged = (0.0, 0.0)
