@@ -16,6 +16,7 @@ from admission.metrics import Metrics
 from admission.nodes.state import Status
 from admission.policy import Policy
 from admission.scheduling import Dispatcher
+from admission.scheduling.prefixes import NO_PREFIX
 from admission.scheduling.routing import ask_for, eligible, fallbacks
 from admission.scheduling.views import NodeView
 from admission.store import Call, Store, connect, keys
@@ -135,6 +136,60 @@ async def test_a_caller_gone_mid_round_trip_leaves_nothing_booked(
     assert await redis.zcard(keys.node_leases("n1")) == 0
     assert await redis.zcard(keys.tenant_keys("t1", "x")[3]) == 0  # no concurrency slot held
     assert await redis.keys(b"adm:{t:t1}:res:*") == []  # no reservation left
+    await client.aclose()
+
+
+async def test_a_caller_cancelled_as_its_reply_came_leaves_nothing_booked(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    # The reply and the cancel in one loop turn: the round trip's future already holds its
+    # result when the task is cancelled, so the caller wakes up cancelled with its lease and
+    # debit taken. Before, nothing gave them back (a lease left until its TTL).
+    p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000}")
+    d, client = make(p)
+    task: asyncio.Future[Any] | None = None
+    loop = asyncio.get_running_loop()
+
+    def cancel_once(_s: float) -> None:  # runs after the reply came, before the caller resumes
+        if task is not None and not task.done():
+            loop.call_soon(task.cancel)
+
+    d.store.scripts.observe = cancel_once
+    task = asyncio.ensure_future(d.admit(p.tenants["t1"], "realtime", "m", 10, 50 - 10))
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    d.store.scripts.observe = lambda _s: None
+    await asyncio.sleep(0.2)  # the compensation's round trip
+    assert await redis.zcard(keys.node_leases("n1")) == 0
+    assert await redis.zcard(keys.tenant_keys("t1", "x")[3]) == 0  # no concurrency slot held
+    assert await redis.keys(b"adm:{t:t1}:res:*") == []  # no reservation left
+    await client.aclose()
+
+
+@pytest.mark.parametrize("when", ["mid_round_trip", "as_its_reply_came"])
+async def test_a_queued_lease_whose_caller_left_is_given_back(
+    redis: Any, redis_server: RedisServer, when: str
+) -> None:
+    # The lease taken for a request leaving the queue (or admitted on the queue's fast path, in
+    # the request's own task): cancelled while it is out, or as its reply comes, it goes back.
+    p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000}")
+    d, client = make(p)
+    item = d._item(p.tenants["t1"], "realtime", 50, "m", 0.0, "r" * 16, 10, NO_PREFIX)
+    nodes = d._fast_path(item)
+    assert nodes
+    task = asyncio.ensure_future(d.place.lease(item, nodes))
+    if when == "mid_round_trip":
+        await redis.execute_command("CLIENT", "PAUSE", 150, "WRITE")
+        await asyncio.sleep(0.05)
+        task.cancel()
+    else:
+        loop = asyncio.get_running_loop()
+        d.store.scripts.observe = lambda _s: loop.call_soon(task.cancel)
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.5)  # the round trip ran, then the compensation
+    assert await redis.zcard(keys.node_leases("n1")) == 0
+    assert int(await redis.hget(keys.node_ledger("n1"), "kv") or 0) == 0
     await client.aclose()
 
 

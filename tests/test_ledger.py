@@ -9,6 +9,7 @@ atomically.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
@@ -85,6 +86,9 @@ def test_ledger_never_negative_always_cleared_and_shared(
                     if leases.granted(res):
                         live[t] = tokens * 2
                         (hot.add if rt else hot.discard)(t)
+                    else:  # a refused retry is left with no booking
+                        live.pop(t, None)
+                        hot.discard(t)
                 else:
                     granted_lower = False
                     await scripts[who].run(leases.give_back(t))
@@ -263,6 +267,27 @@ async def test_a_lease_that_reaches_redis_after_its_release_books_nothing(redis:
     await s.run(leases.give_back(undone))  # an undo: the same ticket may still lease later
     again = (await s.run(leases.take(NODE, undone, 60, leases.Ask(100, 200))))[0]
     assert leases.granted(again) and leases.over(again) == ""
+
+
+async def test_a_lease_asked_again_and_refused_keeps_no_booking(redis: Any) -> None:
+    """A lease round trip the sidecar timed out on ran after all; asked again, the lease is
+    refused (the node filled meanwhile): the sidecar holds nothing for the request and will
+    release nothing, so the first booking must go too. Before, it stayed until its TTL (46
+    leases after 6,000 clients, tests/test_overload.py)."""
+    s = Scripts(redis)
+    first, other = ticket(1), ticket(2)
+    big = leases.Ask(10, 800, kv_limit=1000)
+    assert leases.granted((await s.run(leases.take(NODE, other, 60, big)))[0])
+    for urgent in (False, True):
+        ask = leases.Ask(10, 100, kv_limit=1000, urgent=urgent)
+        assert leases.granted((await s.run(leases.take(NODE, first, 60, ask)))[0])
+        retry = dataclasses.replace(ask, kv_limit=50)  # the node's room shrank meanwhile
+        res = (await s.run(leases.take(NODE, first, 60, retry)))[0]
+        assert leases.refusal(res) is not None and leases.refusal(res)[0] == "memory"  # type: ignore[index]
+        assert await redis.zrange(keys.node_leases("n1"), 0, -1) == [other.encode()]
+        _pending, kv, entries = await ledger(redis)
+        assert kv == 800 and entries == {other: 800}
+        assert int((await fields(redis)).get("u", 0)) == 0
 
 
 async def test_a_forced_booking_asked_again_after_its_release_books_nothing(redis: Any) -> None:

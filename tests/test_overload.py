@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import resource
 import signal
 import subprocess
@@ -130,6 +131,18 @@ async def _closed_loop(url: str, clients: int, seconds: float) -> Counter[str]:
     return seen
 
 
+def _logs(edge: Stack) -> str:
+    """What NGINX and the sidecars warned of, counted by message: for a failure's report."""
+    seen: Counter[str] = Counter()
+    for f in ["nginx-error.log", *(f"{n}.log" for n, _p in edge.procs if n.startswith("sidecar"))]:
+        path = edge.run_dir / f
+        for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
+            if any(w in line for w in ("[warn]", "[error]", "[crit]", "WARNING", "ERROR")):
+                msg = re.sub(r"^[\d/:, -]+|\*\d+ |, client: .*|[0-9a-f]{16,}", "", line)
+                seen[f"{f}: {msg[:160]}"] += 1
+    return "\n".join(f"{n:6d} {m}" for m, n in seen.most_common(20))
+
+
 @pytest.mark.parametrize("clients", [64, 384, 1024, 6000])
 def test_concurrency_never_makes_the_edge_unavailable(edge: Stack, clients: int) -> None:
     # 6,000: ~5,700 wait in the sidecars' queues, each holding two connections at NGINX (client,
@@ -155,7 +168,7 @@ def test_concurrency_never_makes_the_edge_unavailable(edge: Stack, clients: int)
             wait_for(lambda: r.zcard(keys.node_leases("stub")) == 0, 15, "releases delivered")
         except TimeoutError:
             left = r.zrange(keys.node_leases("stub"), 0, -1)
-            raise AssertionError(f"{len(left)} leases left: {left[:4]}") from None
+            raise AssertionError(f"{len(left)} leases left: {left[:4]}\n{_logs(edge)}") from None
     finally:
         r.close()
     # Both sidecars are still alive and the edge is healthy afterwards.

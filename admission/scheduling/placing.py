@@ -21,7 +21,7 @@ from admission.scheduling.nodetable import NodeTable
 from admission.scheduling.queue import Item
 from admission.scheduling.routing import engine_priority
 from admission.scheduling.views import NodeView
-from admission.store import REDIS_DOWN, PoolBusy, Store, keys
+from admission.store import REDIS_DOWN, Call, PoolBusy, Store, keys
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +68,13 @@ class Placer:
         ticket = leases.make_ticket(item.rid, node.node.id, item.tenant)
         call = leases.take(node.node, ticket, self.policy().queue.lease_ttl_s, ask)
         late_until = self.clock() + LATE_WAIT_S
+
+        def orphan() -> tuple[Call, ...]:  # the request left while its lease was out
+            return (leases.give_back(ticket, released=True),)
+
         while True:
             try:
-                res = (await self.store.scripts.run(call))[0]
+                res = (await self.store.scripts.run(call, orphan=orphan))[0]
                 break
             except PoolBusy:
                 return None  # our own pool is full: the item goes back to the head of its lane

@@ -80,10 +80,22 @@ class Scripts:
             raise_if_down(results)
             return results
         fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        self._enqueue(calls, fut, orphan)
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            # Cancelled after its reply came but before it resumed (the reply and the cancel in
+            # the same loop turn): the calls ran, and only the orphan can undo them now.
+            if orphan is not None and fut.done() and not fut.cancelled() and not fut.exception():
+                self._enqueue(orphan(), None, None)
+            raise
+
+    def _enqueue(
+        self, calls: tuple[Call, ...], fut: asyncio.Future[list[Any]] | None, orphan: Orphan
+    ) -> None:
         self._waiting.append((calls, fut, orphan))
         if self._sending is None:
             self._sending = asyncio.create_task(self._send(), name="redis-round-trips")
-        return await fut
 
     async def _send(self) -> None:
         """Send what waits, one round trip at a time, until nothing does."""
