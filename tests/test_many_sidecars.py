@@ -64,6 +64,7 @@ class Run:
         self.admitted: collections.Counter[str] = collections.Counter()
         self.answers: collections.Counter[str] = collections.Counter()
         self.releases: list[asyncio.Task[None]] = []
+        self.start = self.t3_until = 0.0
 
     async def ask(self, sessions: list[aiohttp.ClientSession], i: int) -> None:
         edge = i % 2  # two edges, four sidecars each
@@ -72,6 +73,8 @@ class Run:
         body = {"tenant": tenant, "model": "m", "prompt_tokens": 50, "max_tokens": 50}
         async with s.post("http://sidecar/admit", json=body) as r:
             data = await r.json()
+        if tenant == "t3":  # its debit was before its answer (the client may send it late)
+            self.t3_until = max(self.t3_until, time.monotonic())
         if r.status != 200:
             self.answers[f"{r.status} {data['error']['code']}"] += 1
             return
@@ -101,7 +104,9 @@ class Run:
         name = f"n{node}"
 
         async def seen(s: aiohttp.ClientSession) -> float:
-            while time.time() - at < 10:
+            while (
+                time.time() - at < LOADED_CONVERGE_S
+            ):  # gave up at 10 s: 6–8 s seen, and once never
                 async with s.get("http://sidecar/nodes") as resp:
                     nodes = (await resp.json())["nodes"]
                 for n in nodes:  # when the sidecar saw it (not when this late client asked)
@@ -119,6 +124,7 @@ class Run:
         ]
         try:
             tasks, start, converged = [], time.monotonic(), None
+            self.start = start
             for i in range(int(RATE * SECONDS)):
                 due = start + i / RATE
                 if (delay := due - time.monotonic()) > 0:
@@ -164,7 +170,8 @@ def test_eight_sidecars_two_edges_cluster_512_nodes(
             print(
                 f"asks {total} in {sent_s:.1f} s: {dict(run.answers)}; a drain seen by all in "
                 f"{loaded_s * 1000:.0f} ms under the load, {converged_s * 1000:.0f} ms after it; "
-                f"busiest node held {max(run.worst.values())}"
+                f"busiest node held {max(run.worst.values())}; t3 admitted {run.admitted['t3']}, "
+                f"its last answer at {run.t3_until - run.start:.1f} s"
             )
             assert total == RATE * SECONDS
             # The cluster did take the load: t0–t2 (no limit binds them) got at least half of
@@ -176,8 +183,13 @@ def test_eight_sidecars_two_edges_cluster_512_nodes(
             assert free >= 0.5 * total * 3 / 4, run.admitted
             assert max(run.worst.values()) <= CAP, run.worst.most_common(3)
             assert run.answers["429 requests_per_s"] > 0  # t3's limit bound ...
-            bound = LIMITED_RPS * (sent_s + HOLD_S + 1) + LIMITED_BURST
-            assert run.admitted["t3"] <= bound  # ... held
+            # ... held, over the time its debits were made: each before its answer. Not over
+            # the time the asks were created: this client's pools (256 connections each) send
+            # them late while the admitted ones are held, so debits go on after `sent_s` (a
+            # bound of 20 × (sent_s + 2) + 10 broke once leases were no longer left behind and
+            # more asks were admitted and held: 191–228 admitted, 185–206 allowed).
+            bound = LIMITED_RPS * (run.t3_until - run.start) + LIMITED_BURST
+            assert run.admitted["t3"] <= bound
             assert converged_s <= CONVERGE_S and loaded_s <= LOADED_CONVERGE_S
             # Nothing left booked: every lease released, every ledger back to zero.
             r = redis.RedisCluster.from_url(cluster)
