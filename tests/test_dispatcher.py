@@ -118,6 +118,37 @@ async def test_fail_closed_round_trip_run_after_its_give_back_books_nothing(
     await client.aclose()
 
 
+async def test_one_dropped_connection_is_asked_again_not_an_outage(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    # A pooled connection closed under the round trip ("Connection closed by server"): asked
+    # again at once, it is admitted with its lease, and the failure mode stays off. Two in a
+    # row are Redis being away.
+    p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000}")
+    d, client = make(p)
+    scripts = d.store.scripts
+    run = scripts.run
+    drops = [1]
+
+    async def dropped_once(*calls: Call, **kw: Any) -> list[Any]:
+        if drops[0]:
+            drops[0] -= 1
+            raise rex.ConnectionError("Connection closed by server.")
+        return await run(*calls, **kw)
+
+    scripts.run = dropped_once  # type: ignore[method-assign]
+    adm = await d.admit(p.tenants["t1"], "realtime", "m", 10, 50 - 10)
+    assert not d.limiter.degraded and drops == [0]
+    assert await redis.zrange(keys.node_leases("n1"), 0, -1) == [adm.ticket.encode()]
+    drops[0] = 2
+    t1 = p.tenants["t1"]
+    debit = d.limiter.debit(t1, "r" * 16, 50, 60.0, 1.0, False)
+    assert await d.limiter.round_trip([debit], t1, "r" * 16) is None  # two in a row: away
+    assert d.limiter.degraded and drops == [0]
+    scripts.run = run  # type: ignore[method-assign]
+    await client.aclose()
+
+
 async def test_a_caller_gone_mid_round_trip_leaves_nothing_booked(
     redis: Any, redis_server: RedisServer
 ) -> None:
