@@ -5,7 +5,8 @@
     ├── BadRequest                 the /admit or /release payload is malformed (400)
     ├── Throttled                  a tenant limit says no (429 + Retry-After)
     │   ├── QueueFull              the queue is at its bound (429 queue_full)
-    │   └── SloUnreachable         waiting longer cannot meet the class's TTFT target (429)
+    │   ├── SloUnreachable         waiting longer cannot meet the class's TTFT target (429)
+    │   └── OverFairShare          past capacity, a tenant over its weight's share (429)
     ├── RequestTooLarge            a cost no bucket can ever hold (400, do not retry)
     ├── QueueTimeout               waited past the class deadline (503 queue_timeout)
     └── BackendUnavailable         Redis down under fail-closed, or no node serves the model (503)
@@ -134,6 +135,19 @@ class SloUnreachable(Throttled):
     def __init__(self, cls: str, retry_after: float) -> None:
         super().__init__(
             "slo_unreachable", retry_after, f"the {cls} class's TTFT target can no longer be met"
+        )
+        self.cls = cls
+
+
+class OverFairShare(Throttled):
+    """The class is past capacity (being refused late) and this tenant asks more than its
+    weight's share of what it gets (scheduling/shedding.py): refused at arrival."""
+
+    def __init__(self, cls: str, retry_after: float) -> None:
+        super().__init__(
+            "over_fair_share",
+            retry_after,
+            f"the {cls} class is past capacity and this tenant is over its weighted share",
         )
         self.cls = cls
 

@@ -93,6 +93,13 @@ class Metrics:
             ["node"],
             registry=r,
         )
+        self.fair_shed = Counter(
+            "admission_fair_shed_total",
+            "Requests refused at arrival (over_fair_share): their class past capacity, their "
+            "tenant over its weight's share.",
+            ["cls"],
+            registry=r,
+        )
         self.late_refused = Counter(
             "admission_late_refused_total",
             "Queued requests refused because their class's TTFT target could no longer be met.",

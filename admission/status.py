@@ -109,6 +109,7 @@ def snapshot(
         "nodes": dispatcher.nodes.snapshot(),
         "pressure": dispatcher.nodes.pressure_snapshot(),
         "decode_guard": _decode_guard(dispatcher),
+        "fair_shed": dispatcher.place.shed.snapshot(mono),
         "prefix": dispatcher.nodes.placements.snapshot(),
         "refusals": _grouped(recent.refusals),
     }

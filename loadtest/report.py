@@ -25,6 +25,7 @@ POLICY_CODES = {
     "concurrency",
     "request_exceeds_limit",
     "slo_unreachable",
+    "over_fair_share",
     "engine_refused",
 }
 

@@ -52,6 +52,7 @@ REFUSALS = {
     "queue_full",
     "tenant_queue_full",
     "slo_unreachable",
+    "over_fair_share",
     "request_exceeds_limit",
 }
 UNAVAILABLE = {

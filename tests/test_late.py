@@ -117,3 +117,44 @@ def test_the_urgent_class_is_gated_by_its_prefill_budget_only_when_it_refuses_la
     assert shipped.classes["batch"].on_late == OnLate.REFUSE
     assert shipped.classes["realtime"].on_late == OnLate.REFUSE
     assert shipped.classes["offline"].on_late == OnLate.SERVE
+
+
+async def test_past_capacity_a_tenant_over_its_share_is_refused_at_arrival(
+    sidecar: Any, redis: Any
+) -> None:
+    """The wiring of shedding.py: while realtime is being refused late and arrivals find no
+    node, the weight-1 tenant asking as much as the weight-5 one is refused at arrival (429
+    over_fair_share, nothing charged), the weight-5 one is not; the status page and metric
+    show it. Its arithmetic is tests/test_shedding.py's."""
+    from admission.server import DISPATCHER
+
+    client = sidecar
+    d = client.server.app[DISPATCHER]
+    # Refused on arrival, before any limit is charged: no request needs to reach a node.
+    shed, now = d.place.shed, d.clock()
+    for i in range(50):  # the last 5 s: both asked 100 a second, 60 a second was admitted
+        t = now - 5 + i * 0.1
+        for tenant in ("acme", "small"):
+            shed.arrive("m", "realtime", tenant, 10, t, lambda _t: 1.0, False)
+        shed.admitted("m", "realtime", 6, t)
+    assert (await client.post("/admit", json=admit_body(tenant="small"))).status == 200
+    d.nodes.outputs.refused_late("realtime", d.clock())  # past capacity ...
+    shed.full("realtime", d.clock())  # ... and arrivals find no node
+    bucket = keys.tenant_keys("small", "x")[1]
+    codes = []
+    for _ in range(4):
+        before = await redis.hgetall(bucket)
+        r = await client.post("/admit", json=admit_body(tenant="small", max_tokens=1))
+        codes.append((r.status, (await r.json()).get("error", {}).get("code")))
+        if codes[-1] == (429, "over_fair_share"):
+            assert int(r.headers["Retry-After"]) >= 1
+            assert await redis.hgetall(bucket) == before  # nothing charged
+    assert codes.count((429, "over_fair_share")) >= 2, codes
+    r = await client.post("/admit", json=admit_body(tenant="acme"))
+    assert r.status == 200  # acme (weight 5): half of its asks are over its share, not this one
+    data = await (await client.get("/status.json")).json()
+    shown = {(f["class"], f["tenant"]): f["share"] for f in data["fair_shed"]}
+    assert shown[("realtime", "small")] > 0.8 > 0.5 > shown[("realtime", "acme")] > 0
+    assert any(g["reason"] == "over_fair_share" for g in data["refusals"])
+    metrics = await (await client.get("/metrics")).text()
+    assert 'admission_fair_shed_total{cls="realtime"}' in metrics

@@ -40,6 +40,7 @@ POLICY_REASONS = {
     "queue_full",
     "queue_timeout",
     "slo_unreachable",  # on_late: refuse — waiting could no longer meet the class's TTFT target
+    "over_fair_share",  # ... and, past capacity, a tenant over its weight's share
 }
 
 

@@ -156,8 +156,10 @@ async def test_status_json_is_read_only_and_carries_no_secrets(sidecar: Any) -> 
         "nodes",
         "pressure",
         "decode_guard",
+        "fair_shed",
         "prefix",
         "refusals",
     }
+    assert doc["fair_shed"] == []  # no class past capacity
     # No release has reported cached tokens yet: the booking and the engines' count are unknown.
     assert doc["prefix"] == {"booked_cached_tokens": None, "engine_cached_tokens": None}

@@ -23,7 +23,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from admission.errors import AdmissionError, BackendUnavailable, QueueTimeout, SloUnreachable
+from admission.errors import (
+    AdmissionError,
+    BackendUnavailable,
+    OverFairShare,
+    QueueTimeout,
+    SloUnreachable,
+)
 from admission.limits import Limiter, shadow
 from admission.metrics import Metrics
 from admission.policy import Policy, Tenant
@@ -105,9 +111,12 @@ class Dispatcher:
         ttl_s = policy.queue.lease_ttl_s
         cost = prompt_tokens + max_tokens
         rid = rid or leases.new_request_id()
+        self._shed(policy, tenant, cls, model, cost)
         await self.nodes.fresh(2 * REFRESH_S)  # after a quiet spell; busy, the loop polls
         item = self._item(tenant, cls, cost, model, waited_s, rid, prompt_tokens, prefix)
         nodes = self._fast_path(item)
+        if not nodes:
+            self.place.shed.full(cls, self.clock())
         lease = ticket = None
         # The reservation and the concurrency slot must outlive the wait in the queue as well
         # as the run: they expire after the class deadline plus the longest run.
@@ -154,6 +163,24 @@ class Dispatcher:
         finally:
             if maybe is not None and (adm is None or adm.ticket != maybe):
                 self.store.backlog.add(leases.give_back(maybe, released=True))
+
+    def _shed(self, policy: Policy, tenant: Tenant, cls: str, model: str, cost: int) -> None:
+        """Raise OverFairShare if the class is past capacity (being refused late) and this
+        tenant asks more than its weight's share (shedding.py); nothing is taken yet."""
+        if not policy.classes[cls].refuses_late:
+            return
+        now = self.clock()
+
+        def weight(t: str) -> float:
+            known = policy.tenants.get(t)
+            return known.weight if known else 1.0
+
+        shed = self.place.shed
+        past = self.nodes.outputs.refusing(cls, now) and shed.still_full(cls, now)
+        if shed.arrive(model, cls, tenant.id, cost, now, weight, past):
+            self.metrics.fair_shed.labels(cls).inc()
+            self.nodes.outputs.refused_late(cls, now)  # still past capacity (shedding.py)
+            raise OverFairShare(cls, self.queue.retry_after(len(self.queue)))
 
     def _item(
         self,

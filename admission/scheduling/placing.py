@@ -20,6 +20,7 @@ from admission.scheduling.leases import Ask
 from admission.scheduling.nodetable import NodeTable
 from admission.scheduling.queue import Item
 from admission.scheduling.routing import engine_priority
+from admission.scheduling.shedding import FairShed
 from admission.scheduling.views import NodeView
 from admission.store import REDIS_DOWN, Call, PoolBusy, Store, keys
 
@@ -61,6 +62,7 @@ class Placer:
         self.wake = wake  # the dispatcher loop's: a freed slot may admit a queued request
         self.active = False  # an admission or release since the dispatcher's last node poll
         self.lag = LoopLag()  # the limiter's (Dispatcher): a late loop is not an outage
+        self.shed = FairShed()  # past capacity, refusals by tenant weight (shedding.py)
 
     async def lease(self, item: Item, nodes: list[tuple[NodeView, Ask]]) -> Admission | None:
         """Take a lease on the best node; None if its ledger refused (another sidecar booked)."""
@@ -123,6 +125,7 @@ class Placer:
         self.nodes.touch(chosen.node.id)
         cls = item.requested_cls or item.cls
         self.nodes.shares.served(item.model, cls, item.tenant, item.cost)
+        self.shed.admitted(item.model, cls, item.cost, now)
         self.nodes.prefix_booked(ticket, chosen, ask, res)
         self.nodes.outputs.admitted(ticket, ask.urgent)
         self.metrics.queue_wait_seconds.labels(item.cls).observe(now - item.enqueued_at)
