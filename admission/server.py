@@ -33,7 +33,7 @@ from admission.metrics import Metrics
 from admission.reload import PolicyHolder, write_edge_table
 from admission.scheduling import Dispatcher
 from admission.store import Store, connect_batch
-from admission.usage import release_args, started_ticket
+from admission.usage import release_args
 
 log = logging.getLogger(__name__)
 
@@ -85,15 +85,10 @@ async def admit(request: web.Request) -> web.Response:
 async def release(request: web.Request) -> web.Response:
     """One release (an object) or a batch (an array, as the edge sends them): give the node
     lease back and settle the reservation. A malformed entry of a batch is answered on its own
-    and does not hold the others back; settling is idempotent, so a batch may be resent whole.
-    A start mark (`{"ticket", "started": true}`: a streamed answer's first token passed the
-    edge) corrects the node's pending prefill instead (usage.started_ticket)."""
+    and does not hold the others back; settling is idempotent, so a batch may be resent whole."""
     request.app[ACCESS].check_edge(request)
     body = await _json_body(request)
     dispatcher = request.app[DISPATCHER]
-    if (ticket := started_ticket(body)) is not None:
-        await dispatcher.place.started([ticket])
-        return _json({"started": True})
     if not isinstance(body, list):
         refunded = await dispatcher.release(*release_args(body, request.app[POLICY].current))
         return _json({"released": True, "refunded_tokens": refunded})
@@ -102,22 +97,16 @@ async def release(request: web.Request) -> web.Response:
 
     results: list[dict[str, Any]] = []
     good: list[tuple[str, int, bool, int, int]] = []
-    starts: list[str] = []
     policy = request.app[POLICY].current
     for entry in body:  # a malformed entry is answered on its own
         try:
-            if (ticket := started_ticket(entry)) is not None:
-                starts.append(ticket)  # before any release: the edge queued it first
-                results.append({"started": True})
-            else:
-                good.append(release_args(entry, policy))
-                results.append({})
+            good.append(release_args(entry, policy))
+            results.append({})
         except BadRequest as exc:
             results.append({"error": {"message": exc.message, "code": exc.code}})
-    await dispatcher.place.started(starts)
     refunds = iter(await dispatcher.release_many(good))
     for r in results:
-        if not r:
+        if "error" not in r:
             r["refunded_tokens"] = next(refunds)
     return _json({"released": len(good), "results": results})
 

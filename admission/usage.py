@@ -48,28 +48,6 @@ def _usage(usage: dict[str, Any]) -> tuple[int, int, int] | None:
     return p, c, cached
 
 
-def started_ticket(body: Any) -> str | None:
-    """The ticket of a start mark — `{"ticket": …, "started": true}`, which the edge sends when
-    a streamed answer's first token passes (its prefill is done) — None for a release, or
-    BadRequest."""
-    if not isinstance(body, dict) or "started" not in body:
-        return None
-    if body["started"] is not True or set(body) != {"ticket", "started"}:
-        raise BadRequest("a start mark is exactly {ticket, started: true}", code="unknown_field")
-    return _ticket(body)
-
-
-def _ticket(body: dict[str, Any]) -> str:
-    ticket = body.get("ticket")
-    try:
-        if not isinstance(ticket, str):
-            raise ValueError
-        parse_ticket(ticket)
-    except ValueError:
-        raise BadRequest("ticket is missing or malformed", code="invalid_ticket") from None
-    return ticket
-
-
 def release_args(body: Any, policy: Policy) -> tuple[str, int, bool, int, int]:
     """(ticket, tokens charged, node unreachable, output tokens, cached prompt tokens; -1:
     unknown) or BadRequest. Cached prompt tokens cost the tenant's `cached_token_price`."""
@@ -77,7 +55,13 @@ def release_args(body: Any, policy: Policy) -> tuple[str, int, bool, int, int]:
         raise BadRequest("a release must be a JSON object", code="invalid_json")
     if unknown := sorted(set(body) - RELEASE_KEYS):
         raise BadRequest(f"unknown field(s): {', '.join(unknown)}", code="unknown_field")
-    ticket = _ticket(body)
+    ticket = body.get("ticket")
+    try:
+        if not isinstance(ticket, str):
+            raise ValueError
+        parse_ticket(ticket)
+    except ValueError:
+        raise BadRequest("ticket is missing or malformed", code="invalid_ticket") from None
     status = body.get("status", 200)
     if isinstance(status, bool) or not isinstance(status, int):
         raise BadRequest("status must be an integer")

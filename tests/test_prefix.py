@@ -50,7 +50,7 @@ def ask(prompt: int, kv: int, blocks: tuple[str, ...], **kw: Any) -> leases.Ask:
 
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["take", "give", "start"]),
+        st.sampled_from(["take", "give"]),
         st.integers(0, 9),
         st.integers(0, 1),
         st.integers(0, len(FAMILIES) - 1),
@@ -78,7 +78,6 @@ def test_shared_blocks_are_booked_once_counted_exactly_and_cleared(
         # Released without a lease found: a booking that comes after its request's release
         # (reply timed out, run later) books nothing (unlease.lua leaves the mark).
         gone: set[str] = set()
-        started: set[str] = set()  # first token seen (started.lua): its mark is gone
         try:
             for op, i, who, fam, extra in ops:
                 t = ticket(i)
@@ -94,17 +93,10 @@ def test_shared_blocks_are_booked_once_counted_exactly_and_cleared(
                         assert leases.over(res) == "released"
                     else:
                         live[t] = (blocks, kv - len(blocks) * SIZE)
-                        started.discard(t)  # booked again: a fresh mark
-                elif op == "start":
-                    res = (await scripts[who].run(leases.started(t, 1000.0)))[0]
-                    assert leases.granted(res) == (t in live and t not in started)
-                    if t in live:
-                        started.add(t)
                 else:
                     await scripts[who].run(leases.give_back(t, released=True))
                     if live.pop(t, None) is None:
                         gone.add(t)
-                    started.discard(t)
                 h = await fields(clients[1 - who])  # the other sidecar's view
                 refs = {k[2:]: int(v) for k, v in h.items() if k.startswith("h:")}
                 want: dict[str, int] = {}
@@ -118,13 +110,11 @@ def test_shared_blocks_are_booked_once_counted_exactly_and_cleared(
                 assert {k[2:] for k in h if k.startswith("b:")} == {
                     t for t, (b, _o) in live.items() if b
                 }
-                assert {k[2:] for k in h if k.startswith("q:")} == set(live) - started
-                assert float(h.get("p", 0)) >= 0
             for t in list(live):
                 await scripts[0].run(leases.give_back(t, released=True))
             h = await fields(clients[0])
             assert int(h.get("kv", 0)) == 0
-            assert not [k for k in h if k[:2] in ("h:", "b:", "k:", "q:")]
+            assert not [k for k in h if k[:2] in ("h:", "b:", "k:")]
         finally:
             for c in clients:
                 await c.aclose()
@@ -169,41 +159,6 @@ async def test_a_prefix_still_being_computed_is_not_shared(redis: Any) -> None:
     assert int(h["k:" + ticket(2)]) == 1100 - 768 + 768  # the copy is its own
     await s.run(leases.give_back(ticket(2), released=True))
     assert int((await fields(redis))["kv"]) == 1100
-
-
-async def test_a_first_token_clears_the_prefill_booked_before_it_and_shares_its_blocks(
-    redis: Any,
-) -> None:
-    """The edge saw the first token (started.lua): the engine has computed the prompt, whatever
-    the rate read low says. Pending keeps only what was booked after it; its blocks are hits
-    for the next request at once; a second mark, or one after the release, changes nothing."""
-    s = Scripts(redis)
-    slow = ask(1000, 1100, SHARED, prefill_rate=100.0)  # 10 s of prefill booked at 100/s
-    await s.run(leases.take(NODE, ticket(1), 60, slow))
-    after = ask(300, 400, chain("other", 2), prefill_rate=100.0)  # booked after it
-    await s.run(leases.take(NODE, ticket(2), 60, after))
-    assert float((await fields(redis))["p"]) > 1200
-    res = (await s.run(leases.started(ticket(1), 100.0)))[0]
-    assert leases.granted(res) and float(res[1]) == 300  # only what was booked after it
-    assert float((await fields(redis))["p"]) == 300
-    res = (await s.run(leases.take(NODE, ticket(3), 60, slow)))[0]
-    assert leases.hit_blocks(res) == 6  # computed: shared at once, not in 10 s
-    assert not leases.granted((await s.run(leases.started(ticket(1), 100.0)))[0])  # once only
-    await s.run(leases.give_back(ticket(2), released=True))
-    assert not leases.granted((await s.run(leases.started(ticket(2), 100.0)))[0])
-    # The first token of the request booked last clears everything pending.
-    res = (await s.run(leases.started(ticket(3), 100.0)))[0]
-    assert leases.granted(res) and float(res[1]) == 0
-
-
-async def test_a_first_token_never_raises_pending(redis: Any) -> None:
-    """Drained by time below what was booked after it, pending stays where the rate put it."""
-    s = Scripts(redis)
-    fast = leases.Ask(1000, 1100, prefill_rate=1_000_000.0)
-    await s.run(leases.take(NODE, ticket(1), 60, fast), leases.take(NODE, ticket(2), 60, fast))
-    await asyncio.sleep(0.01)  # 2,000 tokens at 10^6/s: cleared
-    res = (await s.run(leases.started(ticket(1), 1_000_000.0)))[0]
-    assert leases.granted(res) and float(res[1]) == 0
 
 
 async def test_a_lease_that_expires_lets_its_blocks_go(redis: Any) -> None:

@@ -413,37 +413,6 @@ async def test_metrics_count_decisions_without_secrets(sidecar: Any) -> None:
     assert "sk-acme" not in text
 
 
-async def test_a_start_mark_clears_its_pending_prefill_and_is_answered_on_its_own(
-    sidecar: Any, redis: Any
-) -> None:
-    """The edge's start mark (a streamed answer's first token passed) in a batch with a
-    release: the ledger's pending prefill and the lease's mark go; the lease stays until its
-    release; a malformed mark is answered on its own; a mark after the release does nothing."""
-    client, _h, _p = sidecar
-    tickets = [
-        (await (await client.post("/admit", json=admit_body())).json())["ticket"] for _ in range(2)
-    ]
-    ledger = keys.node_ledger("n1")
-    assert await redis.hexists(ledger, f"q:{tickets[0]}")
-    batch = [
-        {"ticket": tickets[0], "started": True},
-        {"ticket": tickets[1], "started": False},
-        {"ticket": tickets[1], "started": True, "status": 200},
-        {"ticket": tickets[1], "status": 200},
-    ]
-    body = await (await client.post("/release", json=batch)).json()
-    assert body["results"][0] == {"started": True}
-    assert [r["error"]["code"] for r in body["results"][1:3]] == ["unknown_field"] * 2
-    assert body["released"] == 1
-    assert not await redis.hexists(ledger, f"q:{tickets[0]}")
-    assert await redis.zscore(keys.node_leases("n1"), tickets[0]) is not None  # still running
-    r = await client.post("/release", json={"ticket": tickets[1], "started": True})
-    assert r.status == 200 and (await r.json()) == {"started": True}  # harmless: nothing left
-    await client.post("/release", json={"ticket": tickets[0]})
-    assert await redis.zcard(keys.node_leases("n1")) == 0
-    assert not [k for k in await redis.hkeys(ledger) if k.startswith(b"q:")]
-
-
 async def test_release_rejects_garbage(sidecar: Any) -> None:
     client, _h, _p = sidecar
     r = await client.post("/release", json={"ticket": "nope"})

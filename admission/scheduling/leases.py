@@ -127,17 +127,6 @@ def give_back(ticket: str, released: bool = False) -> Call:
     )
 
 
-def started(ticket: str, prefill_rate: float) -> Call:
-    """The request's first token reached the edge: its prefill is done (started.lua corrects
-    the node's pending prefill and its prefix blocks' residency)."""
-    _rid, node, _tenant = parse_ticket(ticket)
-    return Call(
-        "started",
-        [keys.node_ledger(node), keys.node_prefixes(node)],
-        [ticket, prefill_rate],
-    )
-
-
 def granted(result: Any) -> bool:
     """Whether a lease.lua result says the lease was taken."""
     return isinstance(result, list) and bool(result) and int(result[0]) == 1

@@ -151,31 +151,6 @@ class Placer:
             self.metrics.redis_errors.labels("release").inc()
             self.store.backlog.add(call)
 
-    async def started(self, tickets: list[str]) -> None:
-        """These requests' first tokens reached the edge: their prefill is done. The nodes'
-        ledgers learn it in one round trip (started.lua) and so does this sidecar's view; the
-        prefill room that frees may let a waiting request go. Redis away: the ledger keeps
-        draining by time, as before — nothing is owed."""
-        calls, views = [], []
-        for ticket in tickets:
-            v = self.nodes.get(leases.parse_ticket(ticket)[1])
-            calls.append(leases.started(ticket, v.prefill_rate if v is not None else 0.0))
-            views.append(v)
-        if not calls:
-            return
-        try:
-            out = await self.store.scripts.run(*calls)
-        except REDIS_DOWN:
-            self.metrics.redis_errors.labels("release").inc()
-            return
-        now = self.clock()
-        for v, res in zip(views, out, strict=True):
-            if v is not None and leases.granted(res) and float(res[1]) < v.pending_now(now):
-                v.pending, v.pending_at = float(res[1]), now
-                self.nodes.touch(v.node.id)
-                self.active = True
-        self.wake.set()
-
     async def drop_stale(self, ticket: str, model: str) -> None:
         """`ticket` placed a request asked again: a lease of the same request on another node
         of the model (its lost first sidecar took it, and no release will come for it) goes

@@ -42,9 +42,8 @@ def node_ledger(node: str) -> str:
     u: the urgent class's part of kv, r: the urgent reserve as of rt (µs), k:<ticket>: one
     lease's KV tokens, negative for an urgent lease, s: the part of kv that is shared prefix
     blocks held, h:<hash>: a block's reference count, b:<ticket>: a lease's blocks, pb:
-    prefill booked in all (a counter, read by the agent), q:<ticket>: pb as the lease booked,
-    until its first token}
-    (lease.lua, unlease.lua, started.lua)."""
+    prefill booked in all (a counter, read by the agent)}
+    (lease.lua, unlease.lua)."""
     return f"{PREFIX}:{{n:{node}}}:ledger"
 
 

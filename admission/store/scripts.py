@@ -27,7 +27,7 @@ from redis import exceptions as rex
 
 from admission.store.connection import on_cluster, raise_if_down
 
-NAMES = ("acquire", "settle", "lease", "unlease", "started")
+NAMES = ("acquire", "settle", "lease", "unlease")
 # A caller's compensations, built only if it was cancelled (the client left) while its calls
 # were out: they ran anyway, so what they took is given back in the next round trip.
 Orphan = Callable[[], tuple["Call", ...]] | None

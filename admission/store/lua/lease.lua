@@ -36,8 +36,7 @@
 --   r = the urgent reserve (its recent peak: u, or u + what waits, halving every RESERVE_HALF_US
 --   since rt), k:<ticket> = this lease's KV tokens (negative: an urgent lease), s = the part of
 --   kv that is shared prefix blocks held (booked once, whoever holds them), pb = pending
---   prefill booked in all (a counter the agent reads), q:<ticket> = pb as the lease booked
---   (until its first token: started.lua).
+--   prefill booked in all (a counter the agent reads).
 -- The reserve keeps room for what realtime has recently needed on this node, however small the
 -- band between the watermarks is in requests (a tiny KV pool): lower classes stay below
 -- drain − reserve, so realtime is not held behind work vLLM would have to preempt for it.
@@ -66,7 +65,6 @@ for _, t in ipairs(expired) do
     if k < 0 then u = u + k end
     redis.call('HDEL', ledger, 'k:' .. t)
   end
-  redis.call('HDEL', ledger, 'q:' .. t)
 end
 kv, u, shared = math.max(0, kv), math.max(0, u), math.max(0, shared)
 local n = redis.call('ZCARD', leases)
@@ -148,7 +146,7 @@ if reason then
   -- until their TTL after 6,000 clients, tests/test_overload.py). Its share of r stays.
   reserve = math.max(reserve, u)
   if redis.call('ZREM', leases, ticket) == 1 or again ~= 0 then
-    redis.call('HDEL', ledger, 'k:' .. ticket, 'q:' .. ticket)
+    redis.call('HDEL', ledger, 'k:' .. ticket)
     kv, u = kv_others, u_others
   end
   redis.call('HSET', ledger, 'p', tostring(pending), 't', now, 'kv', kv, 'u', u,
@@ -168,8 +166,7 @@ redis.call('HSET', ledger, 'p', tostring(pending), 't', now, 'kv', kv, 'u', u,
            'r', tostring(reserve), 'rt', now, 'k:' .. ticket, booked, 's', shared)
 -- pb: prefill booked in all, never decremented: the agent compares it with what the engine
 -- computed (admission/nodes/rates.py, Booking), to drain p at the rate the node clears it.
--- q:<ticket>: pb as this lease booked, until its first token (started.lua) or its end.
-redis.call('HSET', ledger, 'q:' .. ticket, redis.call('HINCRBY', ledger, 'pb', math.floor(prompt)))
+if prompt > 0 then redis.call('HINCRBY', ledger, 'pb', math.floor(prompt)) end
 local ttl_ms = math.ceil(tonumber(ARGV[2]) / 1000)
 if #blocks > 0 then
   local counts, scores = {}, {}

@@ -30,7 +30,6 @@ if freed > 0 then
   kv = math.max(0, kv - freed)
   redis.call('HSET', KEYS[2], 'kv', kv, 's', math.max(0, tonumber(f[3] or '0') - freed))
 end
-redis.call('HDEL', KEYS[2], 'q:' .. ARGV[1])  -- started.lua's mark, if it never started
 if k ~= 0 then
   kv = math.max(0, kv - math.abs(k))
   redis.call('HDEL', KEYS[2], 'k:' .. ARGV[1])

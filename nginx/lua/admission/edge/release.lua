@@ -1,8 +1,7 @@
 -- admission.edge.release: report ticket, status and usage to a sidecar after the engine's
 -- response (the relay server's log phase: admission.edge.relay). The log phase cannot use sockets, so the release is queued in a shared dict
 -- and delivered by a few drainer timers per worker, in batches (one POST of a JSON array)
--- over keepalive unix-socket connections to the sidecars. A streamed answer's first token
--- queues a start mark here too (admission.edge.usage), ahead of its release.
+-- over keepalive unix-socket connections to the sidecars.
 --
 -- Nothing is dropped on a sidecar stall or a burst: a batch that no sidecar takes goes back
 -- to the head of the queue, and a periodic timer retries; the queue lives in shared memory,

@@ -64,13 +64,6 @@ function _M.body_filter()
     return
   end
   if ctx.stream then
-    if not ctx.started and ngx.status == 200 then
-      -- The first token passed: the engine has computed the prompt. Tell a sidecar at once
-      -- (queued before this request's release), so the node's ledger stops counting its
-      -- prefill as pending (store/lua/started.lua) — its release comes only at the answer's end.
-      ctx.started = true
-      require("admission.edge.release").queue({ ticket = ctx.ticket, started = true })
-    end
     -- Keep a bounded tail: at most TAIL bytes are copied per chunk, whatever the stream's size.
     local buf = (ctx.usage_buf or "") .. chunk
     if #buf > TAIL then buf = str_sub(buf, -TAIL) end
