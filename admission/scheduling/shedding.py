@@ -29,7 +29,12 @@ TAU_S = 5.0  # averaging time of the rate estimates (CSFQ's K)
 SLACK = 0.05  # a cut tenant gets this much above its share: the capacity estimate can grow
 IDLE_S = 4 * TAU_S  # a tenant not seen this long is forgotten
 SHOWN_S = 5.0  # the status page shows a tenant's share refused this long after its last arrival
-FULL_S = 1.0  # a request of the class found no node this recently: still past capacity
+# A request of the class found no node this recently: still past capacity. One averaging time:
+# shedding well, the passed load sits just under what the nodes take, so spells of a second or
+# two where every arrival finds a node are normal; at 1 s each such spell let every tenant in
+# alike (support 2.0× / conversations, three paired runs: served shares 1.3–3.1 points nearer
+# the fair ones with 5 s; docs/benchmarks.md).
+FULL_S = TAU_S
 
 
 @dataclass
@@ -89,8 +94,8 @@ class FairShed:
     def still_full(self, cls: str, now: float) -> bool:
         """Whether the class is still short of nodes: a shed request would not have found one.
         The early refusals keep the class marked past capacity while this holds (they take
-        over from the late refusals, which then stop); once nodes have room on arrival, the
-        mark runs out and the shedding with it."""
+        over from the late refusals, which then stop); once nodes have had room on arrival for
+        FULL_S, the mark runs out and the shedding with it."""
         return now - self._full.get(cls, -math.inf) < FULL_S
 
     def admitted(self, model: str, cls: str, cost: float, now: float) -> None:
