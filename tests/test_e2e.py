@@ -104,10 +104,11 @@ def test_streaming_is_incremental_and_usage_released(stack: Stack) -> None:
         assert len(arrivals) >= 10  # token by token, not one buffered blob
         assert arrivals[-1] - arrivals[0] > 0.1
         # The edge asked vLLM for the usage chunk and released the ticket with it: 256-token default
-        # reservation was not used (max_tokens 64), so tokens were refunded.
+        # reservation was not used (max_tokens 64), so tokens were refunded — by whichever
+        # sidecar the edge's round-robin gave the release to.
         deadline = time.monotonic() + 5
         while time.monotonic() < deadline:
-            m = urllib.request.urlopen(f"{stack.sidecar_url}/metrics").read().decode()
+            m = b"".join(sidecar_bodies(stack, "/metrics")).decode()
             line = [
                 x
                 for x in m.splitlines()
@@ -571,8 +572,8 @@ def test_rate_limit_headers_and_request_id_as_openai_sends_them(stack: Stack) ->
         assert refused["x-request-id"] in ids, ids
 
 
-def sidecar_docs(stack: Stack, path: str) -> list[Any]:
-    """`path` (JSON) from every sidecar, over its unix socket."""
+def sidecar_bodies(stack: Stack, path: str) -> list[bytes]:
+    """`path` from every sidecar, over its unix socket."""
     out = []
     for sock in sorted(stack.sock_dir.glob("sidecar-*.sock")):
         with socket.socket(socket.AF_UNIX) as s:
@@ -583,8 +584,13 @@ def sidecar_docs(stack: Stack, path: str) -> list[Any]:
             got = b""
             while chunk := s.recv(65536):
                 got += chunk
-        out.append(json.loads(got.partition(b"\r\n\r\n")[2]))
+        out.append(got.partition(b"\r\n\r\n")[2])
     return out
+
+
+def sidecar_docs(stack: Stack, path: str) -> list[Any]:
+    """`path` (JSON) from every sidecar."""
+    return [json.loads(b) for b in sidecar_bodies(stack, path)]
 
 
 def refunded(stack: Stack, tenant: str) -> float:
