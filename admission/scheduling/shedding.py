@@ -32,7 +32,7 @@ SHOWN_S = 5.0  # the status page shows a tenant's share refused this long after 
 # A request of the class found no node this recently: still past capacity. One averaging time:
 # shedding well, the passed load sits just under what the nodes take, so spells of a second or
 # two where every arrival finds a node are normal; at 1 s each such spell let every tenant in
-# alike (support 2.0× / conversations, three paired runs: served shares 1.3–3.1 points nearer
+# alike (support 2.0× / conversations, four paired runs: served shares 1.3–3.1 points nearer
 # the fair ones with 5 s; docs/benchmarks.md).
 FULL_S = TAU_S
 
