@@ -354,4 +354,6 @@ async def test_the_queued_probe_measures_steps_once_the_waiters_are_in(tmp_path:
         stop_process(node)
     assert capped == []
     assert len(got) == 1 and got[0].waiting == 150 and got[0].decodes == 64
-    assert 0.009 <= got[0].seconds <= 0.012, got[0]
+    # The step's 10 ms, not step + an arrival's 10 ms (≥ 20 ms); a loaded 2-core machine read
+    # 14.2 ms once (CI, after the rest of the suite), so the bound sits below 20, not at 12.
+    assert 0.009 <= got[0].seconds <= 0.018, got[0]
