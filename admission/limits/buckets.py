@@ -21,8 +21,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from redis import exceptions as rex
-
 from admission import store
 from admission.errors import AdmissionError, BackendUnavailable, RequestTooLarge, Throttled
 from admission.lag import LoopLag
@@ -244,9 +242,8 @@ class Limiter:
                 # once among 8 sidecars on a loaded Redis Cluster, which put one in the failure
                 # mode for 4 ms): asked again at once, on another connection, before it counts
                 # as Redis being away (acquire.lua and lease.lua are idempotent).
-                if not dropped and type(exc) is rex.ConnectionError:
+                if not dropped and self._dropped(exc):
                     dropped = True
-                    self.metrics.redis_errors.labels("dropped").inc()
                     continue
                 late = await self.lag.after_timeout(
                     self.metrics, "acquire", busy_until, self.clock()
@@ -292,15 +289,22 @@ class Limiter:
         if self.degraded:
             self.backlog.add(*calls)
             return None
-        try:
-            return list(await self.store.scripts.run(*calls))
-        except PoolBusy:
-            self.backlog.add(*calls)  # owed, delivered by the backlog; Redis is not down
-        except REDIS_DOWN as exc:
-            if not self.lag.overloaded():
-                self._failed("settle", exc)
-            self.backlog.add(*calls)
-        return None
+        dropped = False
+        while True:
+            try:
+                return list(await self.store.scripts.run(*calls))
+            except PoolBusy:
+                self.backlog.add(*calls)  # owed, delivered by the backlog; Redis is not down
+            except REDIS_DOWN as exc:
+                # As in round_trip (settlements and lease releases are idempotent): seen on a
+                # loaded Redis Cluster, it put a sidecar in the failure mode for half a second.
+                if not dropped and self._dropped(exc):
+                    dropped = True
+                    continue
+                if not self.lag.overloaded():
+                    self._failed("settle", exc)
+                self.backlog.add(*calls)
+            return None
 
     def settled(self, items: Sequence[Settling], replies: Sequence[Any]) -> list[int]:
         """The tokens refunded (positive) or charged (negative) per item, from settle.lua's
@@ -328,6 +332,13 @@ class Limiter:
             [k[1], k[3], k[4]],
             [*settle_args(tenant.limits), actual_tokens, rid, b"1" if released else b"0"],
         )
+
+    def _dropped(self, exc: BaseException) -> bool:
+        """Whether `exc` is one pooled connection closed under a round trip (counted)."""
+        if not store.dropped(exc):
+            return False
+        self.metrics.redis_errors.labels("dropped").inc()
+        return True
 
     def _failed(self, op: str, exc: BaseException) -> None:
         self.metrics.redis_errors.labels(op).inc()

@@ -22,7 +22,7 @@ from admission.scheduling.queue import Item
 from admission.scheduling.routing import engine_priority
 from admission.scheduling.shedding import FairShed
 from admission.scheduling.views import NodeView
-from admission.store import REDIS_DOWN, Call, PoolBusy, Store, keys
+from admission.store import REDIS_DOWN, Call, PoolBusy, Store, dropped, keys
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class Placer:
         node, ask = nodes[0]
         ticket = leases.make_ticket(item.rid, node.node.id, item.tenant)
         call = leases.take(node.node, ticket, self.policy().queue.lease_ttl_s, ask)
-        late_until = self.clock() + LATE_WAIT_S
+        late_until, again = self.clock() + LATE_WAIT_S, True
 
         def orphan() -> tuple[Call, ...]:  # the request left while its lease was out
             return (leases.give_back(ticket, released=True),)
@@ -81,6 +81,10 @@ class Placer:
             except PoolBusy:
                 return None  # our own pool is full: the item goes back to the head of its lane
             except REDIS_DOWN as exc:
+                if again and dropped(exc):  # asked again at once (lease.lua is idempotent)
+                    again = False
+                    self.metrics.redis_errors.labels("dropped").inc()
+                    continue
                 self.metrics.redis_errors.labels("lease").inc()
                 late = await self.lag.after_timeout(self.metrics, "lease", late_until, self.clock())
                 if late == "again":  # our own lateness timed it out: not an outage

@@ -15,6 +15,7 @@ from admission.store.connection import (
     StoreDown,
     connect,
     connect_batch,
+    dropped,
     is_down,
 )
 from admission.store.scripts import Call, Orphan, Scripts
@@ -64,5 +65,6 @@ __all__ = [
     "StoreDown",
     "connect",
     "connect_batch",
+    "dropped",
     "is_down",
 ]
