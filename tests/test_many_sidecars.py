@@ -196,13 +196,17 @@ def test_eight_sidecars_two_edges_cluster_512_nodes(
             assert converged_s <= CONVERGE_S and loaded_s <= LOADED_CONVERGE_S
             # Nothing left booked: every lease released, every ledger back to zero.
             r = redis.RedisCluster.from_url(cluster)
-            left = {
-                f"n{n}": r.zrange(keys.node_leases(f"n{n}"), 0, -1, withscores=True)
-                for n in range(NODES)
-                if r.zcard(keys.node_leases(f"n{n}"))
-            }
-            kv = [n for n in range(NODES) if int(r.hget(keys.node_ledger(f"n{n}"), "kv") or 0)]
-            r.close()
+            try:
+                left = {
+                    f"n{n}": r.zrange(keys.node_leases(f"n{n}"), 0, -1, withscores=True)
+                    for n in range(NODES)
+                    if r.zcard(keys.node_leases(f"n{n}"))
+                }
+                kv = [n for n in range(NODES) if int(r.hget(keys.node_ledger(f"n{n}"), "kv") or 0)]
+            finally:  # redis-py 8.1's close() leaves the nodes' sockets to the garbage collector
+                for node in r.get_nodes():  # (a ResourceWarning then, which fails the session)
+                    node.redis_connection.connection_pool.disconnect()
+                r.close()
             # The tickets left (request id : node : tenant [: a]) and their expiry name the path.
             assert not left and not kv, (list(left.items())[:5], kv[:5])
             text = "".join(log.read_text() for log in logs)
