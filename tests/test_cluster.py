@@ -3,6 +3,7 @@ tags at work)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import shutil
 import subprocess
@@ -133,6 +134,62 @@ async def test_acquire_with_lease_and_settle_with_release_on_cluster(cluster: st
         assert await trip.settle(lim, [(t1, "a", 10, False)], [release]) == [90]
         assert await client.zcard(keys.node_leases("n1")) == 0
     finally:
+        await client.aclose()
+
+
+# Keeps a Redis busy for ARGV[1] ms (a script blocks the server: whatever arrives meanwhile waits).
+BUSY_LUA = """
+local t = redis.call('TIME')
+local until_us = t[1] * 1000000 + t[2] + ARGV[1] * 1000
+repeat t = redis.call('TIME') until t[1] * 1000000 + t[2] >= until_us
+return 1
+"""
+
+
+async def test_a_caller_gone_mid_round_trip_on_cluster_leaves_nothing_booked(cluster: str) -> None:
+    """The client left (its handler cancelled: the sidecar runs with handler_cancellation) while
+    the round trip carrying its debit and lease was out: on Redis Cluster too, what it took is
+    given back once the round trip has run (tests/test_dispatcher.py has the single-Redis case).
+    Before, the Cluster path sent no compensation: the lease and the reservation stayed."""
+    import redis.asyncio as aioredis
+
+    from admission.store import keys
+
+    p = tenant_policy(cluster, "{requests_per_s: 100, tokens_per_min: 6000, token_burst: 1000}")
+    p = type(p)(**{**p.__dict__, "redis": type(p.redis)(**{**p.redis.__dict__, "cluster": True})})
+    client = connect(p.redis)
+    masters: list[Any] = []
+    try:
+        await client.flushall()
+        lim = Limiter(Store.over(client, Metrics()), lambda: p, Metrics())
+        t1, node = p.tenants["t1"], p.nodes["n1"]
+
+        def debit(rid: str) -> Any:
+            ticket = f"{rid}:n1:t1"
+            lease = leases.take(node, ticket, 60, leases.Ask(10, 100))
+            return trip.debit(lim, t1, rid, 100, 60, lease=lease, ticket=ticket)
+
+        warm = "w" * 16  # pooled connections to every master: the next calls go out at once
+        assert leases.granted((await debit(warm))[1])
+        assert await trip.settle(lim, [(t1, warm, 100, False)], [leases.give_back(f"{warm}:n1:t1")])
+        masters = [aioredis.Redis(host=n.host, port=n.port) for n in client.get_primaries()]
+        busy = [asyncio.ensure_future(m.eval(BUSY_LUA, 0, 200)) for m in masters]
+        await asyncio.sleep(0.02)
+        rid = "c" * 16
+        task = asyncio.ensure_future(debit(rid))
+        await asyncio.sleep(0.05)  # sent; Redis busy
+        time.sleep(0.3)  # the loop blocked: Redis runs the calls and answers meanwhile
+        task.cancel()  # ... and the caller leaves before it reads the answers
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.gather(*busy)
+        await asyncio.sleep(0.3)  # the compensation
+        assert await client.zcard(keys.node_leases("n1")) == 0
+        assert int(await client.hget(keys.node_ledger("n1"), "kv") or 0) == 0
+        assert not await client.exists(keys.tenant_keys("t1", rid)[4])  # no reservation left
+    finally:
+        for m in masters:
+            await m.aclose()
         await client.aclose()
 
 

@@ -15,6 +15,7 @@ retries once.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 from collections.abc import Callable
@@ -68,6 +69,7 @@ class Scripts:
         # (calls, the caller's future or None, what to send if the caller left meanwhile)
         self._waiting: list[tuple[tuple[Call, ...], asyncio.Future[list[Any]] | None, Orphan]] = []
         self._sending: asyncio.Task[None] | None = None
+        self._compensating: set[asyncio.Task[None]] = set()  # Cluster: see `_after`
 
     async def run(self, *calls: Call, orphan: Orphan = None) -> list[Any]:
         """Run `calls` in one round trip (shared with other callers'); return their results in
@@ -75,7 +77,15 @@ class Scripts:
         `orphan`: the compensations to send if this caller is cancelled before the answer."""
         if self.cluster:
             started = time.perf_counter()
-            results = await self._run(calls)
+            # Shielded: a caller cancelled (the client left) must not cut the calls off half
+            # sent; they run to their end, then its compensations go (as `_send` does).
+            out = asyncio.ensure_future(self._run(calls))
+            try:
+                results = await asyncio.shield(out)
+            except asyncio.CancelledError:
+                if orphan is not None:
+                    self._after(out, orphan)
+                raise
             self.observe(time.perf_counter() - started)
             raise_if_down(results)
             return results
@@ -89,6 +99,23 @@ class Scripts:
             if orphan is not None and fut.done() and not fut.cancelled() and not fut.exception():
                 self._enqueue(orphan(), None, None)
             raise
+
+    def _after(
+        self, out: asyncio.Future[list[Any]], orphan: Callable[[], tuple[Call, ...]]
+    ) -> None:
+        """Redis Cluster: send `orphan`'s compensations once the round trip `out` has ended
+        (whether or not it ran: they are idempotent). Lost if Redis fails them, as in `_send`;
+        the TTLs free what they held, later."""
+
+        async def compensate() -> None:
+            with contextlib.suppress(Exception):
+                await out
+            with contextlib.suppress(Exception):
+                await self._run(orphan())
+
+        task = asyncio.ensure_future(compensate())
+        self._compensating.add(task)
+        task.add_done_callback(self._compensating.discard)
 
     def _enqueue(
         self, calls: tuple[Call, ...], fut: asyncio.Future[list[Any]] | None, orphan: Orphan
