@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from collections import Counter
 from typing import Any
 
@@ -190,6 +191,25 @@ async def test_a_release_on_a_dropped_connection_is_sent_again_not_an_outage(
     assert adm is not None and drops == [0]
     assert await redis.zrange(keys.node_leases("n1"), 0, -1) == [adm.ticket.encode()]
     scripts.run = run  # type: ignore[method-assign]
+    await client.aclose()
+
+
+async def test_a_lease_release_that_fails_in_redis_is_logged(
+    redis: Any, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A script error in a lease's release (not Redis being away, which the backlog retries)
+    # would leave the lease booked until its TTL: it is logged (tests/test_many_sidecars.py
+    # fails on it), and the settlement beside it still counts.
+    p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000}")
+    d, client = make(p)
+    adm = await d.admit(p.tenants["t1"], "realtime", "m", 10, 50 - 10)
+    await d.ahead.settled([adm.ticket])
+    await redis.delete(keys.node_leases("n1"))
+    await redis.set(keys.node_leases("n1"), "not a sorted set")  # unlease.lua's ZREM fails
+    with caplog.at_level(logging.ERROR):
+        assert await d.release(adm.ticket, 20) == 30
+    assert f"giving back lease {adm.ticket} failed" in caplog.text
+    assert "WRONGTYPE" in caplog.text
     await client.aclose()
 
 

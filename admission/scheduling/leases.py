@@ -8,6 +8,7 @@ nothing booked yet, leaves a mark so that the booking on its way books nothing.
 
 from __future__ import annotations
 
+import logging
 import re
 import secrets
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from typing import Any
 from admission.policy import Node
 from admission.scheduling.prefixes import NO_PREFIX, Prefix
 from admission.store import Call, keys
+
+log = logging.getLogger(__name__)
 
 U = 1_000_000  # µs per second: lease TTLs are in Redis TIME units
 
@@ -125,6 +128,13 @@ def give_back(ticket: str, released: bool = False) -> Call:
         ],
         [ticket, b"1" if released else b"0"],
     )
+
+
+def given_back(ticket: str, result: Any) -> None:
+    """Check an unlease.lua reply: a script error there (Redis being away raises instead) would
+    leave the lease booked until its TTL, unseen — logged, so it is not."""
+    if isinstance(result, Exception):
+        log.error("giving back lease %s failed, left until its TTL: %s", ticket, result)
 
 
 def granted(result: Any) -> bool:

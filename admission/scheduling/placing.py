@@ -150,7 +150,8 @@ class Placer:
         self.freed(node)
         call = leases.give_back(ticket)
         try:
-            await self.store.scripts.run(call)
+            (out,) = await self.store.scripts.run(call)
+            leases.given_back(ticket, out)
         except REDIS_DOWN:
             self.metrics.redis_errors.labels("release").inc()
             self.store.backlog.add(call)

@@ -81,10 +81,15 @@ async def settle(limiter: Limiter, items: Sequence[Settling], backs: Sequence[Ca
     own = limiter.settle_calls(items)
     calls: list[Call] = []
     at: list[int] = []  # per item: index of its settlement's reply, or -1
+    gone: list[int] = []  # per item: index of its lease release's reply
     for call, back in zip(own, backs, strict=True):
         at.append(len(calls) if call is not None else -1)
         if call is not None:
             calls.append(call)
+        gone.append(len(calls))
         calls.append(back)
     out = await limiter.owe(calls)
+    if out is not None:
+        for i in gone:
+            leases.given_back(calls[i].args[0], out[i])
     return limiter.settled(items, [out[i] if out is not None and i >= 0 else None for i in at])
