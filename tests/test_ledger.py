@@ -269,6 +269,26 @@ async def test_a_lease_that_reaches_redis_after_its_release_books_nothing(redis:
     assert leases.granted(again) and leases.over(again) == ""
 
 
+async def test_a_lease_given_back_for_good_is_not_booked_again_by_a_late_copy(
+    redis: Any,
+) -> None:
+    """A lease granted to a request that was then refused, timed out or left is given back for
+    good: a copy of its round trip that Redis runs afterwards (the Cluster client sends a timed
+    out command again) books nothing — before, it stayed until its TTL (two leases left on one
+    node in tests/test_many_sidecars.py). The plain undo leaves no mark (test above)."""
+    s = Scripts(redis)
+    gone = leases.make_ticket("f" * 32, "n1", "t")
+    ask = leases.Ask(100, 200)
+    assert leases.granted((await s.run(leases.take(NODE, gone, 60, ask)))[0])
+    await s.run(leases.give_back(gone, final=True))
+    assert await redis.zscore(keys.node_gone("n1"), gone)  # found and removed: marked anyway
+    late = (await s.run(leases.take(NODE, gone, 60, ask)))[0]
+    assert leases.over(late) == "released"
+    assert await redis.zcard(keys.node_leases("n1")) == 0
+    _pending, kv, entries = await ledger(redis)
+    assert kv == 0 and not entries
+
+
 async def test_a_lease_asked_again_and_refused_keeps_no_booking(redis: Any) -> None:
     """A lease round trip the sidecar timed out on ran after all; asked again, the lease is
     refused (the node filled meanwhile): the sidecar holds nothing for the request and will

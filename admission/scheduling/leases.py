@@ -110,13 +110,17 @@ def take(node: Node, ticket: str, ttl_s: float, ask: Ask, force: bool = False) -
     )
 
 
-def give_back(ticket: str, released: bool = False) -> Call:
+def give_back(ticket: str, released: bool = False, final: bool = False) -> Call:
     """Give a ticket's lease and its KV reservation back (idempotent: harmless if never taken).
     `released`: no booking of this ticket may follow — the request ended, or the round trip
     that carried its lease failed and the request will not run on this ticket's booking: a
     booking still on its way (Redis may run a command after its client timed out, and after
-    this give-back sent on another connection) then books nothing. Not for the undo of a lease
-    whose reply came (nothing is on its way) while the request may still take that ticket."""
+    this give-back sent on another connection) then books nothing. `final`: the same, and
+    marked even when the lease was found — a lease granted to a request that was then refused,
+    timed out or left: a copy of its round trip that Redis runs late (the Redis Cluster client
+    sends a timed-out command again, up to 10 times) books nothing (two such leases were left
+    in tests/test_many_sidecars.py). Neither: the undo of a lease whose reply came while the
+    request may still take that ticket."""
     _rid, node, _tenant = parse_ticket(ticket)
     return Call(
         "unlease",
@@ -126,7 +130,7 @@ def give_back(ticket: str, released: bool = False) -> Call:
             keys.node_gone(node),
             keys.node_prefixes(node),
         ],
-        [ticket, b"1" if released else b"0"],
+        [ticket, b"2" if final else b"1" if released else b"0"],
     )
 
 

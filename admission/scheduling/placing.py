@@ -146,9 +146,11 @@ class Placer:
         )
 
     async def give_back(self, ticket: str) -> None:
+        """Give back a lease granted to a request that will not run on it (refused, timed out,
+        gone, or asked again elsewhere): for good (`leases.give_back`'s `final`)."""
         _rid, node, _tenant = leases.parse_ticket(ticket)
         self.freed(node)
-        call = leases.give_back(ticket)
+        call = leases.give_back(ticket, final=True)
         try:
             (out,) = await self.store.scripts.run(call)
             leases.given_back(ticket, out)

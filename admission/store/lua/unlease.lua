@@ -5,7 +5,9 @@
 -- ARGV: 1 ticket  2 '1' when this is the request's release (not the undo of a lease that may
 --       not have been taken): finding no lease — or releasing one answered ahead —, it leaves
 --       a mark for GONE_US, so that a forced booking still on its way, or asked again, books
---       nothing
+--       nothing; '2' when the request will never run on this ticket (refused, timed out or
+--       gone after its lease was granted): the mark is left whatever was found, so that a
+--       copy of the lease's round trip that Redis runs late books nothing either
 -- Pending prefill is not touched: it drains by time (lease.lua), and a request that ends has
 -- either been prefilled already or was never run. The urgent reserve is not touched either:
 -- it remembers realtime's recent peak and decays by time (lease.lua).
@@ -17,7 +19,7 @@ local removed = redis.call('ZREM', KEYS[1], ARGV[1])
 -- A ticket answered ahead (':a') is marked even when its lease was found: its forced booking
 -- may be asked again after this (a round trip the sidecar's late loop timed out, retried), and
 -- must then book nothing (9 leases left after 1,024 clients on a loaded machine, until TTL).
-if ARGV[2] == '1' and (removed == 0 or string.sub(ARGV[1], -2) == ':a') then
+if ARGV[2] == '2' or (ARGV[2] == '1' and (removed == 0 or string.sub(ARGV[1], -2) == ':a')) then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
   redis.call('ZADD', KEYS[3], now + GONE_US, ARGV[1])
   redis.call('PEXPIRE', KEYS[3], GONE_US / 1000)
