@@ -274,8 +274,8 @@ async def test_a_lease_given_back_for_good_is_not_booked_again_by_a_late_copy(
 ) -> None:
     """A lease granted to a request that was then refused, timed out or left is given back for
     good: a copy of its round trip that Redis runs afterwards (the Cluster client sends a timed
-    out command again) books nothing — before, it stayed until its TTL (two leases left on one
-    node in tests/test_many_sidecars.py). The plain undo leaves no mark (test above)."""
+    out command again) books nothing — before, it stayed until its TTL. The plain undo leaves
+    no mark (test above)."""
     s = Scripts(redis)
     gone = leases.make_ticket("f" * 32, "n1", "t")
     ask = leases.Ask(100, 200)
