@@ -119,6 +119,21 @@ async def test_fail_closed_round_trip_run_after_its_give_back_books_nothing(
     await client.aclose()
 
 
+def drop_connections(d: Dispatcher, n: int) -> list[int]:
+    """Make the next `drops[0]` round trips of `d` fail as a pooled connection closed under
+    them; returns `drops` (set it again to drop more)."""
+    run, drops = d.store.scripts.run, [n]
+
+    async def dropped(*calls: Call, **kw: Any) -> list[Any]:
+        if drops[0]:
+            drops[0] -= 1
+            raise rex.ConnectionError("Connection closed by server.")
+        return await run(*calls, **kw)
+
+    d.store.scripts.run = dropped  # type: ignore[method-assign]
+    return drops
+
+
 async def test_one_dropped_connection_is_asked_again_not_an_outage(
     redis: Any, redis_server: RedisServer
 ) -> None:
@@ -129,15 +144,7 @@ async def test_one_dropped_connection_is_asked_again_not_an_outage(
     d, client = make(p)
     scripts = d.store.scripts
     run = scripts.run
-    drops = [1]
-
-    async def dropped_once(*calls: Call, **kw: Any) -> list[Any]:
-        if drops[0]:
-            drops[0] -= 1
-            raise rex.ConnectionError("Connection closed by server.")
-        return await run(*calls, **kw)
-
-    scripts.run = dropped_once  # type: ignore[method-assign]
+    drops = drop_connections(d, 1)
     adm = await d.admit(p.tenants["t1"], "realtime", "m", 10, 50 - 10)
     assert not d.limiter.degraded and drops == [0]
     assert await redis.zrange(keys.node_leases("n1"), 0, -1) == [adm.ticket.encode()]
@@ -161,15 +168,7 @@ async def test_a_release_on_a_dropped_connection_is_sent_again_not_an_outage(
     d, client = make(p)
     scripts = d.store.scripts
     run = scripts.run
-    drops = [0]
-
-    async def dropped(*calls: Call, **kw: Any) -> list[Any]:
-        if drops[0]:
-            drops[0] -= 1
-            raise rex.ConnectionError("Connection closed by server.")
-        return await run(*calls, **kw)
-
-    scripts.run = dropped  # type: ignore[method-assign]
+    drops = drop_connections(d, 0)
     first = await d.admit(p.tenants["t1"], "realtime", "m", 10, 50 - 10)
     await d.ahead.settled([first.ticket])  # booked (when answered ahead of its booking)
     drops[0] = 1
