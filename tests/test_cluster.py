@@ -241,3 +241,34 @@ async def test_a_connection_closed_under_the_client_is_overload_not_an_outage() 
     with pytest.raises(rex.ConnectionError) as ei:  # a pipeline (no retry) may have sent part
         await on_cluster(Client(), closed, 0)
     assert not isinstance(ei.value, PoolBusy)
+
+
+async def test_a_timed_out_call_is_sent_once_not_again_by_the_cluster_client(cluster: str) -> None:
+    """A call that timed out may still run (Redis was busy, not gone): the product decides
+    what to do about it (give back what it booked, or ask again with the same ticket). redis-py's
+    Cluster client re-sent it on its own (up to 3 more times, each on a new connection), so one
+    lease could run after the give-back meant to undo it; and a re-send that found the pool full
+    raised "pool busy", which the queue reads as "nothing was sent" — the lease it booked stayed
+    until its TTL (tests/test_many_sidecars.py's leases left, ~1 run in 15). Sent once now."""
+    import redis.asyncio as aioredis
+
+    p = tenant_policy(cluster, "{requests_per_s: 100, tokens_per_min: 6000}")
+    p = type(p)(**{**p.__dict__, "redis": type(p.redis)(**{**p.redis.__dict__, "cluster": True})})
+    client = connect(p.redis)  # command_timeout_ms: 200
+    masters: list[Any] = []
+    key = "{timed-out}:runs"
+    try:
+        await client.delete(key)
+        node = client.get_node_from_key(key)
+        masters = [aioredis.Redis(host=node.host, port=node.port)]
+        busy = asyncio.ensure_future(masters[0].eval(BUSY_LUA, 0, 700))
+        await asyncio.sleep(0.05)
+        with pytest.raises(rex.TimeoutError):  # before: answered by a re-send (INCR → 2)
+            await client.eval("return redis.call('INCR', KEYS[1])", 1, key)
+        await busy
+        await asyncio.sleep(0.3)  # whatever copies were sent have run
+        assert int(await client.get(key) or 0) == 1
+    finally:
+        for m in masters:
+            await m.aclose()
+        await client.aclose()

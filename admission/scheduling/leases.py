@@ -117,9 +117,10 @@ def give_back(ticket: str, released: bool = False, final: bool = False) -> Call:
     booking still on its way (Redis may run a command after its client timed out, and after
     this give-back sent on another connection) then books nothing. `final`: the same, and
     marked even when the lease was found — a lease granted to a request that was then refused,
-    timed out or left: a copy of its round trip that Redis runs late (the Redis Cluster client
-    sends a timed-out command again, up to 10 times) books nothing. Neither: the undo of a lease whose reply came while the
-    request may still take that ticket."""
+    timed out or left: a copy of its round trip that Redis runs late (a round trip our late
+    loop timed out and asked again: the first copy, on another connection, may run last) books
+    nothing. Neither: the undo of a lease whose reply came while the request may still take
+    that ticket."""
     _rid, node, _tenant = parse_ticket(ticket)
     return Call(
         "unlease",

@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 import hiredis
 import redis.asyncio as aioredis
 from redis import exceptions as rex
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from admission.policy import RedisSettings
 
@@ -176,11 +178,18 @@ def connect(settings: RedisSettings, *, read_timeouts: bool = True) -> Any:
     """
     timeout = settings.command_timeout_ms / 1000
     if settings.cluster:
+        # Sent once: redis-py's Cluster client would send a call that timed out or lost its
+        # connection again on its own (3 more times), though the first copy may still run — a
+        # lease booked after the give-back meant to undo it, or booked by a copy whose re-send
+        # then found the pool full (PoolBusy: "nothing was sent") and left until its TTL. What
+        # a call that may have run needs is decided by its caller (`dropped`, the failure
+        # mode); the next call after a failure reads the cluster's layout again, as before.
         return aioredis.RedisCluster.from_url(
             settings.url,
             socket_timeout=timeout,
             socket_connect_timeout=settings.connect_timeout_ms / 1000,
             max_connections=settings.pool_size,
+            retry=Retry(NoBackoff(), 0),
         )
     pool = _Pool.from_url(
         settings.url,
