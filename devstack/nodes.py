@@ -10,7 +10,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from devstack.procs import Restarter, free_port, http_ok, kill_group, stop_process, wait_for
+from devstack.procs import (
+    Restarter,
+    free_port,
+    http_ok,
+    kill_group,
+    stop_process,
+    wait_for,
+    with_parent,
+)
 from engine.profiles import PROFILES
 from engine.vllm_node import build_tiny_model, ipc_dir, vllm_command
 
@@ -110,6 +118,7 @@ class NodeSet:
                 args,
                 cwd=self.run,
                 start_new_session=True,
+                preexec_fn=with_parent(),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=env,

@@ -4,6 +4,7 @@ waits, redis-server, stopping a process group."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import os
 import shutil
@@ -53,6 +54,30 @@ def wait_for(
     raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
 
 
+def with_parent() -> Callable[[], None]:
+    """A `preexec_fn` that ties a child to this process: it gets SIGTERM when the thread that
+    started it ends (Linux's PR_SET_PDEATHSIG; elsewhere nothing). The children run in sessions
+    of their own (Ctrl-C reaches them only through `stop`), so a stack, benchmark or test run
+    killed without its cleanup (SIGKILL, a CI timeout) left every sidecar, Redis and node
+    running, and the next run shared the cores with them. Start children from the main thread,
+    or from a thread that lives as long as they should."""
+    parent = os.getpid()
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return lambda: None
+
+    def tie() -> None:
+        prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:  # it ended before the tie was made
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return tie
+
+
+PR_SET_PDEATHSIG = 1
+
+
 def sidecar_command(policy: str, unix: str, level: str = "warning") -> list[str]:
     """`admission serve` on a unix socket, as benchmarks and tests start it (this interpreter)."""
     serve = ["serve", "--policy", policy, "--unix", unix]
@@ -73,7 +98,10 @@ def sidecars(policy: Path, socks: list[str], log_dir: Path) -> Iterator[list[Pat
             with path.open("w") as log:  # the child keeps its own descriptor
                 procs.append(
                     subprocess.Popen(
-                        sidecar_command(str(policy), sock), stderr=log, start_new_session=True
+                        sidecar_command(str(policy), sock),
+                        stderr=log,
+                        start_new_session=True,
+                        preexec_fn=with_parent(),
                     )
                 )
         for sock, proc, path in zip(socks, procs, paths, strict=True):
@@ -141,7 +169,9 @@ class RedisServer:
             str(self.workdir),
             *self.extra,
         ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, preexec_fn=with_parent()
+        )
         wait_for(lambda: port_open(self.port), what=f"redis on {self.port}")
 
     def stop(self) -> None:

@@ -40,6 +40,7 @@ from devstack.procs import (
     port_open,
     stop_process,
     wait_for,
+    with_parent,
 )
 
 # Shipped inside the product package, so an installed `admission` finds them from any directory.
@@ -124,6 +125,7 @@ class Stack:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            preexec_fn=with_parent(),
             cwd=self.run_dir,
             env={**os.environ, **(env or {})},
         )

@@ -3,13 +3,17 @@ serving — it never tears itself down because one child died."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +117,54 @@ def test_backoff_grows_for_a_child_that_keeps_dying() -> None:
     while not r.due("x"):
         now[0] += 0.1
     assert now[0] - first == pytest.approx(0.5, abs=0.15)
+
+
+def test_a_stack_killed_without_its_cleanup_takes_its_children_with_it(tmp_path: Path) -> None:
+    """`admission up` (or a benchmark, or pytest) killed by SIGKILL runs no `stop`: its children,
+    each in a session of its own, kept running — sidecars, Redis, NGINX, nodes — and the next
+    run shared the cores with them. Each is tied to its parent now (procs.with_parent)."""
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from devstack.stack import DEFAULT_POLICY, Stack\n"
+        "s = Stack(DEFAULT_POLICY, Path(sys.argv[1]), nodes=1, sidecars=2, profile='tiny')\n"
+        "s.start()\n"
+        "assert s.nodes is not None\n"
+        "pids = [p.pid for _n, p in s.procs] + [p.pid for p in s.nodes.procs]\n"
+        "print(' '.join(map(str, pids)), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, str(tmp_path / "run")],
+        stdout=subprocess.PIPE,
+        env=env,
+        start_new_session=True,
+    )
+    pids: list[int] = []
+    try:
+        assert proc.stdout is not None
+        pids = [int(p) for p in proc.stdout.readline().split()]
+        assert len(pids) >= 5, pids  # redis, two sidecars, the agent or NGINX, a node
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and any(_alive(p) for p in pids):
+            time.sleep(0.2)
+        assert not [p for p in pids if _alive(p)]
+    finally:
+        for p in [proc.pid, *pids]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p, signal.SIGKILL)
+        proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie — ended, not yet reaped by init — counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
