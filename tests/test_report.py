@@ -192,7 +192,7 @@ def test_shares_are_compared_with_weights_only_for_backlogged_tenants() -> None:
     table = report.markdown([s])
     # b asked for more (its refused request's tokens) than it got: backlogged, its fair share is
     # what is left after a's 50 tokens (a asked for no more than it got).
-    assert "a all answered" in table and "b 17% vs 17% (17%)" in table
+    assert "a all answered" in table and "b 17% vs 17% / 17% (17%)" in table
 
 
 def test_a_refused_request_counts_what_it_asked_for_in_its_tenants_fair_share() -> None:
@@ -204,7 +204,30 @@ def test_a_refused_request_counts_what_it_asked_for_in_its_tenants_fair_share() 
     s = report.summarise(SystemResult("x", 10.0, rs, {}), {"realtime": 1.0}, {"a": 5, "b": 1})
     assert s["realtime_shares"]["b"]["fair"] == pytest.approx(50 / 60)
     assert s["realtime_shares"]["b"]["weight"] == pytest.approx(1 / 6)
-    assert "b 83% vs 83% (17%)" in report.markdown([s])
+    assert "b 83% vs 83% / 83% (17%)" in report.markdown([s])
+
+
+def test_the_windowed_fair_share_does_not_owe_a_tenant_capacity_used_before_any_backlog() -> None:
+    """First 10 s: a and b each ask 100 tokens and get them (nobody backlogged: each owed what it
+    asked). Later: each asks 100, 60 are served, 5 : 1 — a owed 50, b 10. Over the whole run
+    at once a (weight 5) would be owed 5/6 of the 260 served, as if the first window's capacity
+    could have waited for its later requests; window by window it is owed 150 of 260."""
+
+    def r(tenant: str, at: float, tokens: int, ok: bool = True) -> Record:
+        out = rec(tenant=tenant, tokens=tokens if ok else 0)
+        out.sent_s, out.asked_tokens = at, tokens
+        if not ok:
+            out.status, out.ttft_s, out.code = 429, None, "over_fair_share"
+        return out
+
+    rs = [r("a", 1, 100), r("b", 2, 100)]
+    rs += [r("a", 11, 50), r("a", 12, 50, ok=False), r("b", 13, 10), r("b", 14, 90, ok=False)]
+    s = report.summarise(SystemResult("x", 20.0, rs, {}), {"realtime": 1.0}, {"a": 5, "b": 1})
+    a = s["realtime_shares"]["a"]
+    assert a["served"] == pytest.approx(150 / 260)
+    assert a["fair"] == pytest.approx(200 / 260)  # the whole run: a's asks, 200, all owed
+    assert a["fair_windowed"] == pytest.approx(150 / 260)
+    assert "a 58% vs 77% / 58% (83%)" in report.markdown([s])
 
 
 def _summary(system: str, goodput: float, realtime: float, hits: float | None) -> dict[str, Any]:
