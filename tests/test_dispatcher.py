@@ -193,6 +193,37 @@ async def test_a_release_on_a_dropped_connection_is_sent_again_not_an_outage(
     await client.aclose()
 
 
+async def test_a_debit_that_ran_beside_a_full_pool_is_refunded_when_the_wait_gives_up(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    # On Redis Cluster a round trip's calls go out concurrently, one pool per master: the debit
+    # can run while the lease's master has no free connection (PoolBusy). Waiting in line for
+    # `busy_wait_s` and then answering 503 admission_busy, the request does not run: what the
+    # debit reserved is refunded too (before, it stayed until its TTL, the tenant charged), as
+    # the lease is given back.
+    from admission.store import PoolBusy
+
+    p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000}")
+    d, client = make(p)
+    d.limiter.busy_wait_s = 0.05
+    run = d.store.scripts.run
+
+    async def half_busy(*calls: Call, **kw: Any) -> list[Any]:
+        await run(*calls, **kw)  # every call ran, and one of them says "pool busy"
+        raise PoolBusy("Too many connections")
+
+    d.store.scripts.run = half_busy  # type: ignore[method-assign]
+    with pytest.raises(BackendUnavailable) as ei:
+        await d.admit(p.tenants["t1"], "realtime", "m", 10, 50 - 10, rid="b" * 16)
+    assert ei.value.code == "admission_busy"
+    d.store.scripts.run = run  # type: ignore[method-assign]
+    assert await d.store.backlog.flush()
+    assert not await redis.exists(keys.tenant_keys("t1", "b" * 16)[4])  # no reservation left
+    assert await redis.zcard(keys.tenant_keys("t1", "b" * 16)[3]) == 0  # nor its slot
+    assert await redis.zcard(keys.node_leases("n1")) == 0
+    await client.aclose()
+
+
 async def test_a_lease_release_that_fails_in_redis_is_logged(
     redis: Any, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:

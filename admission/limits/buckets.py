@@ -221,11 +221,12 @@ class Limiter:
     ) -> list[Any] | AdmissionError | None:
         """Send a round trip that debits `rid` (with whatever its caller adds; `orphan`: what to
         send back if the caller is cancelled while it is out). Every pooled connection in use is
-        this process's overload, not an outage: nothing was sent, so nothing to give back; wait
-        in line for a connection again (each try waits `pool_wait_ms`) for up to `busy_wait_s`,
-        then refuse (503 admission_busy); so is a late event loop. None: Redis is unavailable
-        (the failure mode applies; the debit, which may have run, is refunded — the caller's
-        other calls are the caller's to undo)."""
+        this process's overload, not an outage: wait in line for a connection again (each try
+        waits `pool_wait_ms`) for up to `busy_wait_s`, then refuse (503 admission_busy; the
+        debit is refunded — on Redis Cluster, one pool per master, it may have run beside the
+        call whose pool was full); so is a late event loop. None: Redis is unavailable (the
+        failure mode applies; the debit, which may have run, is refunded — the caller's other
+        calls are the caller's to undo)."""
         busy_until = self.clock() + self.busy_wait_s
         dropped = False
         while True:
@@ -234,6 +235,9 @@ class Limiter:
             except PoolBusy:
                 self.metrics.redis_errors.labels("pool_busy").inc()
                 if self.clock() >= busy_until:
+                    # On Redis Cluster the calls go out one pool per master: the debit may have
+                    # run beside a call whose pool was full. Refunded (a no-op if it did not).
+                    self.backlog.add(self.settle_call(tenant, rid, 0))
                     return BackendUnavailable(
                         "admission busy: retry shortly", code="admission_busy", retry_after=1
                     )
