@@ -102,12 +102,9 @@ FAIR_WINDOW_S = 10.0  # the per-window fair share: requests grouped by when they
 
 
 def windowed_fair(records: list[Record], weights: dict[str, float]) -> dict[str, float]:
-    """Each tenant's weighted max-min fair share, window by window (`FAIR_WINDOW_S`, by send
-    time), weighted by the realtime tokens served in each window. Over the whole run at once,
-    capacity used early (before any backlog, when every tenant was served) is counted as if it
-    could have gone to requests that came later, which no scheduler can do: at support 2.0×
-    the first ~10 s serve every tenant alike, and the whole-run figure then owes the 5-weight
-    tenant 4–10 points more than any window did (docs/benchmarks.md)."""
+    """Each tenant's weighted max-min fair share per window (`FAIR_WINDOW_S`, by send time),
+    weighted by the realtime tokens served in each. The whole-run figure counts capacity used
+    before any backlog formed as if later requests could have had it (docs/benchmarks.md)."""
     served: dict[int, Counter[str]] = defaultdict(Counter)
     demand: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for r in records:

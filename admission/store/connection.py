@@ -16,8 +16,6 @@ from typing import Any, TypeVar
 import hiredis
 import redis.asyncio as aioredis
 from redis import exceptions as rex
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
 
 from admission.policy import RedisSettings
 
@@ -168,6 +166,19 @@ def _hiredis_packing(cls: type) -> type:
     return type(f"Hiredis{cls.__name__}", (_HiredisPacking, cls), {})
 
 
+class _Cluster(aioredis.RedisCluster):
+    """A Redis Cluster client that sends a call again by itself only when Redis refused to run
+    it (CLUSTERDOWN, or no node known for its slot: a failover or a blip of the cluster's
+    state; it reads the layout again and retries, as redis-py does, up to 10 times). redis-py
+    also re-sent a call that timed out or lost its connection, though the first copy may
+    still run: a lease booked after the give-back meant to undo it, or booked by a copy whose
+    re-send then found the pool full (PoolBusy, read as "nothing was sent") and left until
+    its TTL. Those are the caller's to decide (`dropped`, the failure mode), and the next call
+    reads the layout again."""
+
+    ERRORS_ALLOW_RETRY = (rex.ClusterDownError, rex.SlotNotCoveredError)  # type: ignore[assignment]
+
+
 def connect(settings: RedisSettings, *, read_timeouts: bool = True) -> Any:
     """A redis-py asyncio client with short timeouts and a *blocking* pool.
 
@@ -178,18 +189,11 @@ def connect(settings: RedisSettings, *, read_timeouts: bool = True) -> Any:
     """
     timeout = settings.command_timeout_ms / 1000
     if settings.cluster:
-        # Sent once: redis-py's Cluster client would send a call that timed out or lost its
-        # connection again on its own (3 more times), though the first copy may still run — a
-        # lease booked after the give-back meant to undo it, or booked by a copy whose re-send
-        # then found the pool full (PoolBusy: "nothing was sent") and left until its TTL. What
-        # a call that may have run needs is decided by its caller (`dropped`, the failure
-        # mode); the next call after a failure reads the cluster's layout again, as before.
-        return aioredis.RedisCluster.from_url(
+        return _Cluster.from_url(
             settings.url,
             socket_timeout=timeout,
             socket_connect_timeout=settings.connect_timeout_ms / 1000,
             max_connections=settings.pool_size,
-            retry=Retry(NoBackoff(), 0),
         )
     pool = _Pool.from_url(
         settings.url,
