@@ -224,6 +224,40 @@ async def test_a_debit_that_ran_beside_a_full_pool_is_refunded_when_the_wait_giv
     await client.aclose()
 
 
+async def test_a_lease_refused_after_a_resend_is_given_back_for_good_when_the_request_ends(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    # The round trip carrying a fast-path lease was sent twice (a dropped connection, or a
+    # timeout our late loop caused) and the second copy was refused; the request queued and
+    # ended elsewhere (here: timed out). The first copy, still unread in a stalled Redis, may
+    # run after that and book the lease, which no release would ever free (until its TTL: the
+    # leases tests/test_many_sidecars.py left in CI under load). When the request ends, that
+    # ticket is given back for good: the late copy books nothing.
+    from admission.errors import QueueTimeout
+    from admission.scheduling import leases
+
+    p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000}")
+    node = dataclasses.replace(p.nodes["n1"], max_inflight=1)
+    p = dataclasses.replace(p, nodes={"n1": node})
+    d, client = make(p)
+    occupant = "o" * 16 + ":n1:t1"
+    take = leases.take(node, occupant, 60, leases.Ask(10, 50))
+    assert leases.granted((await d.store.scripts.run(take))[0])  # n1 full; this view: not yet
+    drops = drop_connections(d, 1)  # the first copy: "closed", and (say) still unread
+    rid = "s" * 16
+    with pytest.raises(QueueTimeout):  # refused (full), queued, and out of time
+        await d.admit(p.tenants["t1"], "realtime", "m", 10, 40, waited_s=4.7, rid=rid)
+    assert drops == [0]
+    await d.store.scripts.run(leases.give_back(occupant, released=True))  # n1 has room again
+    assert await d.store.backlog.flush()
+    ticket = leases.make_ticket(rid, "n1", "t1")
+    late = leases.take(node, ticket, 60, leases.Ask(10, 50))  # the first copy, run at last
+    (res,) = await d.store.scripts.run(late)
+    assert leases.over(res) == "released"  # booked nothing
+    assert await redis.zcard(keys.node_leases("n1")) == 0
+    await client.aclose()
+
+
 async def test_a_lease_release_that_fails_in_redis_is_logged(
     redis: Any, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:

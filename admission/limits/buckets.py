@@ -8,9 +8,7 @@ The limiter is a small object with one verb pair, `acquire` / `settle`, in the m
 lua-resty-limit-traffic, each also in pieces — the call (`debit`, `settle_calls`), the round
 trip under the failure mode (`round_trip`, `owe`) and the reading of the reply (`answer`,
 `settled`) — so that the dispatcher can send its node lease in the same round trip
-(scheduling/trip.py). The limiter knows nothing of leases: it undoes only its own work (the
-reservation of a call that may have run); whatever else the round trip carried, its caller
-undoes.
+(scheduling/trip.py). The limiter knows nothing of leases: it undoes only its own work.
 """
 
 from __future__ import annotations
@@ -217,35 +215,40 @@ class Limiter:
         return done
 
     async def round_trip(
-        self, calls: list[Call], tenant: Tenant, rid: str, orphan: store.Orphan = None
+        self,
+        calls: list[Call],
+        tenant: Tenant,
+        rid: str,
+        orphan: store.Orphan = None,
+        resent: Callable[[], None] | None = None,
     ) -> list[Any] | AdmissionError | None:
-        """Send a round trip that debits `rid` (with whatever its caller adds; `orphan`: what to
-        send back if the caller is cancelled while it is out). Every pooled connection in use is
-        this process's overload, not an outage: wait in line for a connection again (each try
-        waits `pool_wait_ms`) for up to `busy_wait_s`, then refuse (503 admission_busy; the
-        debit is refunded — on Redis Cluster, one pool per master, it may have run beside the
-        call whose pool was full); so is a late event loop. None: Redis is unavailable (the
-        failure mode applies; the debit, which may have run, is refunded — the caller's other
-        calls are the caller's to undo)."""
+        """Send a round trip that debits `rid` with whatever its caller adds (`orphan`: what to
+        send back if the caller is cancelled meanwhile; `resent`: called before each send after
+        the first, when an earlier copy may still run). A full pool or a late event loop is this
+        process's overload, not an outage: wait in line (each try `pool_wait_ms`) up to
+        `busy_wait_s`, then refuse 503 admission_busy / sidecar_overloaded, the debit refunded
+        (on Redis Cluster it may have run beside a call whose pool was full). None: Redis is
+        unavailable (the failure mode applies; the debit, which may have run, is refunded; the
+        caller's other calls are the caller's to undo)."""
         busy_until = self.clock() + self.busy_wait_s
-        dropped = False
+        dropped, sends = False, 0
         while True:
+            if sends and resent is not None:
+                resent()
+            sends += 1
             try:
                 return list(await self.store.scripts.run(*calls, orphan=orphan))
             except PoolBusy:
                 self.metrics.redis_errors.labels("pool_busy").inc()
                 if self.clock() >= busy_until:
-                    # On Redis Cluster the calls go out one pool per master: the debit may have
-                    # run beside a call whose pool was full. Refunded (a no-op if it did not).
+                    # Redis Cluster: the debit may have run (a no-op refund if it did not).
                     self.backlog.add(self.settle_call(tenant, rid, 0))
                     return BackendUnavailable(
                         "admission busy: retry shortly", code="admission_busy", retry_after=1
                     )
             except REDIS_DOWN as exc:
-                # One pooled connection closed under us ("Connection closed by server": seen
-                # once among 8 sidecars on a loaded Redis Cluster, which put one in the failure
-                # mode for 4 ms): asked again at once, on another connection, before it counts
-                # as Redis being away (acquire.lua and lease.lua are idempotent).
+                # One pooled connection closed under us (`store.dropped`): asked again at once,
+                # before it counts as Redis being away (acquire.lua and lease.lua are idempotent).
                 if not dropped and self._dropped(exc):
                     dropped = True
                     continue

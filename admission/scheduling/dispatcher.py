@@ -7,8 +7,7 @@
 2. otherwise the request joins the `FairQueue`, and the dispatcher loop admits it when some
    node serving its model is open, below its watermark after projection and under its
    in-flight cap (lease.lua takes the lease atomically across sidecars).
-Whatever the decision, this module undoes what it took and did not use (an optimistic lease,
-the reservation of a request that never ran); nobody else undoes its work.
+It undoes what it took and did not use (a lease, an unused reservation); nobody else does.
 
 Order: the fair queue decides who is next; `on_late: refuse` classes are refused (429
 `slo_unreachable`) once waiting longer cannot meet their TTFT target. Routing: routing.py (the
@@ -135,8 +134,12 @@ class Dispatcher:
                 self.queue.charge(item)
                 return self.place.record(item, nodes, ticket)
             lease = leases.take(view.node, ticket, ttl_s, ask)
-        acq, got = await trip.debit(self.limiter, tenant, rid, cost, hold_s, scale, lease, ticket)
+        resent: list[bool] = []
+        args = (self.limiter, tenant, rid, cost, hold_s, scale, lease, ticket)
+        acq, got = await trip.debit(*args, resent=lambda: resent.append(True))
         held = lease is not None and leases.granted(got)
+        if resent and ticket is not None and got is not None and not held:
+            item.stale += (ticket,)  # refused, but an earlier copy may book it yet
         # The round trip that carried the lease failed but may have run: unless this request
         # ends up holding that very lease, it is given back.
         maybe = ticket if ticket is not None and got is None else None
@@ -163,6 +166,9 @@ class Dispatcher:
         finally:
             if maybe is not None and (adm is None or adm.ticket != maybe):
                 self.store.backlog.add(leases.give_back(maybe, released=True))
+            for t in item.stale:  # for good: a late copy of its lease then books nothing
+                if adm is None or adm.ticket != t:
+                    self.store.backlog.add(leases.give_back(t, final=True))
 
     def _shed(self, policy: Policy, tenant: Tenant, cls: str, model: str, cost: int) -> None:
         """Raise OverFairShare if the class is past capacity (being refused late) and this

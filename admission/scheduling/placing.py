@@ -69,7 +69,7 @@ class Placer:
         node, ask = nodes[0]
         ticket = leases.make_ticket(item.rid, node.node.id, item.tenant)
         call = leases.take(node.node, ticket, self.policy().queue.lease_ttl_s, ask)
-        late_until, again = self.clock() + LATE_WAIT_S, True
+        late_until, again, resent = self.clock() + LATE_WAIT_S, True, False
 
         def orphan() -> tuple[Call, ...]:  # the request left while its lease was out
             return (leases.give_back(ticket, released=True),)
@@ -82,12 +82,13 @@ class Placer:
                 return None  # our own pool is full: the item goes back to the head of its lane
             except REDIS_DOWN as exc:
                 if again and dropped(exc):  # asked again at once (lease.lua is idempotent)
-                    again = False
+                    again, resent = False, True
                     self.metrics.redis_errors.labels("dropped").inc()
                     continue
                 self.metrics.redis_errors.labels("lease").inc()
                 late = await self.lag.after_timeout(self.metrics, "lease", late_until, self.clock())
                 if late == "again":  # our own lateness timed it out: not an outage
+                    resent = True
                     continue
                 if late == "refuse":
                     self.store.backlog.add(leases.give_back(ticket, released=True))  # may run late
@@ -102,6 +103,8 @@ class Placer:
             raise res
         if not leases.granted(res):
             self.refused(node, res)
+            if resent:  # an earlier copy may book it yet: the request's end gives it back
+                item.stale += (ticket,)
             return None
         adm = self.record(item, nodes, ticket, res)
         node.seen(leases.figures(res), self.clock())

@@ -57,6 +57,10 @@ class Item:
     dispatched: bool = False
     promotions: int = 0
     charged: tuple[float, float] = (0.0, 0.0)  # (lane, class) pass advance of its last pop
+    # Tickets whose lease was refused after its round trip had been sent more than once: an
+    # earlier copy may still book it (Redis stalled with it unread). Given back for good when
+    # the request ends on another ticket (Dispatcher.admit).
+    stale: tuple[str, ...] = ()
     seq: int = field(default_factory=lambda: next(_seq))
 
 

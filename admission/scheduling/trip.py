@@ -8,7 +8,7 @@ fast-path admission is one round trip, a batch of releases another.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from admission.limits import Acquired, Limiter
@@ -28,11 +28,13 @@ async def debit(
     lease: Call | None = None,
     ticket: str | None = None,
     force: bool = False,
+    resent: Callable[[], None] | None = None,
 ) -> tuple[Acquired, Any]:
     """Debit the tenant and take `lease` (of `ticket`) in one round trip. Returns what the
     limiter decided and lease.lua's reply — None when no lease rode, or when the round trip
     failed and *may have run*: then the lease is the caller's to give back, unless it ends up
-    holding that very ticket. A caller cancelled while the round trip is out gets both undone."""
+    holding that very ticket. A caller cancelled while the round trip is out gets both undone.
+    `resent`: called if the round trip was sent more than once (Limiter.round_trip)."""
     if limiter.degraded:
         return limiter.fallback(tenant, rid, tokens, hold_s), None
     calls = [limiter.debit(tenant, rid, tokens, hold_s, scale, force)]
@@ -47,7 +49,7 @@ async def debit(
         )
         return (limiter.refund(tenant, rid), *back)
 
-    out = await limiter.round_trip(calls, tenant, rid, orphan)
+    out = await limiter.round_trip(calls, tenant, rid, orphan, resent)
     acquired = limiter.answer(tenant, rid, tokens, hold_s, out)
     return acquired, (out[1] if lease is not None and isinstance(out, list) else None)
 
