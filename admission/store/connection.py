@@ -167,16 +167,22 @@ def _hiredis_packing(cls: type) -> type:
 
 
 class _Cluster(aioredis.RedisCluster):
-    """A Redis Cluster client that sends a call again by itself only when Redis refused to run
-    it (CLUSTERDOWN, or no node known for its slot: a failover or a blip of the cluster's
-    state; it reads the layout again and retries, as redis-py does, up to 10 times). redis-py
-    also re-sent a call that timed out or lost its connection, though the first copy may
-    still run: a lease booked after the give-back meant to undo it, or booked by a copy whose
-    re-send then found the pool full (PoolBusy, read as "nothing was sent") and left until
-    its TTL. Those are the caller's to decide (`dropped`, the failure mode), and the next call
-    reads the layout again."""
+    """A Redis Cluster client that does not send a call again by itself after a *timeout*
+    (redis-py did, up to 10 times). A call that timed out is still queued in a slow Redis: it
+    runs anyway, maybe after the give-back meant to undo it, or it booked a lease while the
+    re-send found this process's pool full (PoolBusy: read as "nothing was sent") and the lease
+    stayed until its TTL. What a timed-out call needs is decided by its caller (asked again
+    when our own loop was late, else the failure mode). A lost connection is still sent again
+    (a connection closed under a call, mostly one redis-py itself closes after a timeout: with
+    those left to us, 8 sidecars on a loaded machine went into the failure mode and over
+    their nodes' caps), and so is a call Redis refused to run (CLUSTERDOWN, no node for its
+    slot), after the layout is read again."""
 
-    ERRORS_ALLOW_RETRY = (rex.ClusterDownError, rex.SlotNotCoveredError)  # type: ignore[assignment]
+    ERRORS_ALLOW_RETRY = (  # type: ignore[assignment]
+        rex.ConnectionError,
+        rex.ClusterDownError,
+        rex.SlotNotCoveredError,
+    )
 
 
 def connect(settings: RedisSettings, *, read_timeouts: bool = True) -> Any:
