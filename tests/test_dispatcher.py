@@ -258,6 +258,53 @@ async def test_a_lease_refused_after_a_resend_is_given_back_for_good_when_the_re
     await client.aclose()
 
 
+async def test_a_queued_lease_refused_after_a_resend_is_given_back_when_its_waiter_is_gone(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    # The same on the queue's path: the dispatcher's lease was sent twice and refused, and by
+    # then the request had timed out in the queue (admit had ended): the dispatcher gives the
+    # ticket back for good itself.
+    from admission.errors import QueueTimeout
+    from admission.scheduling import leases
+
+    p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000}")
+    node = dataclasses.replace(p.nodes["n1"], max_inflight=1)
+    p = dataclasses.replace(p, nodes={"n1": node})
+    d, client = make(p)
+    occupant = "o" * 16 + ":n1:t1"
+    take = leases.take(node, occupant, 60, leases.Ask(10, 50))
+    assert leases.granted((await d.store.scripts.run(take))[0])
+    rid = "q" * 16
+    waiting = asyncio.ensure_future(
+        d.admit(p.tenants["t1"], "realtime", "m", 10, 40, waited_s=4.6, rid=rid)
+    )
+    while not len(d.queue):  # noqa: ASYNC110 (its fast-path lease was refused: it waits)
+        await asyncio.sleep(0.01)
+    d.nodes.views["n1"].inflight = 0  # this sidecar's view: room again
+    run, calls = d.store.scripts.run, [0]
+
+    async def slow_then_dropped(*c: Call, **kw: Any) -> list[Any]:
+        calls[0] += 1
+        if calls[0] == 1:  # out past the request's deadline, then "closed", unread
+            await asyncio.sleep(0.6)
+            raise rex.ConnectionError("Connection closed by server.")
+        return await run(*c, **kw)
+
+    d.store.scripts.run = slow_then_dropped  # type: ignore[method-assign]
+    assert await d.dispatch() == 0  # asked again: refused (n1 is full)
+    d.store.scripts.run = run  # type: ignore[method-assign]
+    with pytest.raises(QueueTimeout):
+        await waiting
+    assert calls[0] >= 2  # the lease twice (and the refund of the request that timed out)
+    await d.store.scripts.run(leases.give_back(occupant, released=True))
+    assert await d.store.backlog.flush()
+    late = leases.take(node, leases.make_ticket(rid, "n1", "t1"), 60, leases.Ask(10, 50))
+    (res,) = await d.store.scripts.run(late)  # the first copy, run at last: books nothing
+    assert leases.over(res) == "released"
+    assert await redis.zcard(keys.node_leases("n1")) == 0
+    await client.aclose()
+
+
 async def test_a_lease_release_that_fails_in_redis_is_logged(
     redis: Any, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -164,11 +164,9 @@ class Dispatcher:
                 await self.limiter.settle(tenant, rid, 0)
                 raise
         finally:
-            if maybe is not None and (adm is None or adm.ticket != maybe):
-                self.store.backlog.add(leases.give_back(maybe, released=True))
-            for t in item.stale:  # for good: a late copy of its lease then books nothing
-                if adm is None or adm.ticket != t:
-                    self.store.backlog.add(leases.give_back(t, final=True))
+            if maybe is not None:
+                item.stale += (maybe,)
+            self.place.forget(item, adm.ticket if adm is not None else "")
 
     def _shed(self, policy: Policy, tenant: Tenant, cls: str, model: str, cost: int) -> None:
         """Raise OverFairShare if the class is past capacity (being refused late) and this
@@ -365,12 +363,13 @@ class Dispatcher:
             except BackendUnavailable as exc:
                 waiter.future.set_exception(exc)
                 continue
-            if adm is None:
-                if not waiter.future.done():
-                    self.queue.requeue_front(item)
+            if waiter.future.done():  # timed out or cancelled while the lease was asked for
+                self.place.forget(item)  # (admit has already given back what it knew)
+                if adm is not None:
+                    await self.place.give_back(adm.ticket)
                 continue
-            if waiter.future.done():  # timed out or cancelled while the lease was taken
-                await self.place.give_back(adm.ticket)
+            if adm is None:
+                self.queue.requeue_front(item)
                 continue
             waiter.future.set_result(adm)
             admitted += 1

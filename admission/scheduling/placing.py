@@ -78,8 +78,10 @@ class Placer:
             try:
                 res = (await self.store.scripts.run(call, orphan=orphan))[0]
                 break
-            except PoolBusy:
-                return None  # our own pool is full: the item goes back to the head of its lane
+            except PoolBusy:  # our own pool is full: the item goes back to the head of its lane
+                if self.store.scripts.cluster:  # a re-send found it full: the first may have run
+                    item.stale += (ticket,)
+                return None
             except REDIS_DOWN as exc:
                 if again and dropped(exc):  # asked again at once (lease.lua is idempotent)
                     again, resent = False, True
@@ -91,10 +93,10 @@ class Placer:
                     resent = True
                     continue
                 if late == "refuse":
-                    self.store.backlog.add(leases.give_back(ticket, released=True))  # may run late
+                    self.store.backlog.add(leases.give_back(ticket, final=True))  # may run late
                     raise self.lag.refusal() from exc
                 if self.policy().redis.failure_mode == FailureMode.CLOSED:
-                    self.store.backlog.add(leases.give_back(ticket, released=True))  # may run late
+                    self.store.backlog.add(leases.give_back(ticket, final=True))  # may run late
                     raise BackendUnavailable(
                         "lease store unavailable", code="limiter_unavailable"
                     ) from exc
@@ -147,6 +149,14 @@ class Placer:
             cls=item.cls,
             queued_s=now - item.enqueued_at,
         )
+
+    def forget(self, item: Item, keep: str = "") -> None:
+        """Give back for good, but `keep`, the tickets a late copy of `item`'s lease may still
+        book (`Item.stale`): the request ended on another ticket, or on none."""
+        for t in item.stale:
+            if t != keep:
+                self.store.backlog.add(leases.give_back(t, final=True))
+        item.stale = ()
 
     async def give_back(self, ticket: str) -> None:
         """Give back a lease granted to a request that will not run on it (refused, timed out,
