@@ -302,3 +302,31 @@ async def test_a_call_the_cluster_refused_to_run_is_sent_again(cluster: str) -> 
     finally:
         ClusterNode.execute_command = real  # type: ignore[method-assign]
         await client.aclose()
+
+
+async def test_a_call_cancelled_under_the_round_trip_is_a_lost_connection_not_a_reply(
+    cluster: str,
+) -> None:
+    """redis-py can cancel a call whose connection it closes while re-reading the layout; the
+    gather of a Cluster round trip then held a CancelledError as that call's *reply*, and the
+    limiter read it as one (TypeError: a 500 at the edge). It is a lost connection: asked
+    again once, the request is admitted, and the failure mode stays off."""
+    p = tenant_policy(cluster, "{requests_per_s: 100, tokens_per_min: 6000, token_burst: 1000}")
+    p = type(p)(**{**p.__dict__, "redis": type(p.redis)(**{**p.redis.__dict__, "cluster": True})})
+    client = connect(p.redis)
+    try:
+        lim = Limiter(Store.over(client, Metrics()), lambda: p, Metrics())
+        scripts = lim.store.scripts
+        one, cancels = scripts._one, [1]
+
+        async def cancelled_once(c: Any) -> Any:
+            if cancels[0]:
+                cancels[0] -= 1
+                raise asyncio.CancelledError
+            return await one(c)
+
+        scripts._one = cancelled_once  # type: ignore[method-assign]
+        assert (await take(lim, p.tenants["t1"], "x" * 16, 100, 60))[0] == "redis"
+        assert cancels == [0] and not lim.degraded
+    finally:
+        await client.aclose()
