@@ -224,6 +224,36 @@ async def test_a_debit_that_ran_beside_a_full_pool_is_refunded_when_the_wait_giv
     await client.aclose()
 
 
+OCCUPANT = "o" * 16 + ":n1:t1"
+
+
+async def full_node(redis_server: RedisServer) -> tuple[Policy, Dispatcher, Any]:
+    """A dispatcher over one node of one in-flight slot, that slot taken in Redis by another
+    request (`OCCUPANT`); this sidecar's view does not know it yet."""
+    from admission.scheduling import leases
+
+    p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000}")
+    p = dataclasses.replace(p, nodes={"n1": dataclasses.replace(p.nodes["n1"], max_inflight=1)})
+    d, client = make(p)
+    take = leases.take(p.nodes["n1"], OCCUPANT, 60, leases.Ask(10, 50))
+    assert leases.granted((await d.store.scripts.run(take))[0])
+    return p, d, client
+
+
+async def late_copy_books_nothing(d: Dispatcher, redis: Any, rid: str) -> None:
+    """The occupant gone (room again), the backlog sent: a late first copy of `rid`'s lease on
+    n1 runs at last and must book nothing (its ticket was given back for good)."""
+    from admission.scheduling import leases
+
+    await d.store.scripts.run(leases.give_back(OCCUPANT, released=True))
+    assert await d.store.backlog.flush()
+    node = d.policy().nodes["n1"]
+    late = leases.take(node, leases.make_ticket(rid, "n1", "t1"), 60, leases.Ask(10, 50))
+    (res,) = await d.store.scripts.run(late)
+    assert leases.over(res) == "released"
+    assert await redis.zcard(keys.node_leases("n1")) == 0
+
+
 async def test_a_lease_refused_after_a_resend_is_given_back_for_good_when_the_request_ends(
     redis: Any, redis_server: RedisServer
 ) -> None:
@@ -234,27 +264,14 @@ async def test_a_lease_refused_after_a_resend_is_given_back_for_good_when_the_re
     # leases tests/test_many_sidecars.py left in CI under load). When the request ends, that
     # ticket is given back for good: the late copy books nothing.
     from admission.errors import QueueTimeout
-    from admission.scheduling import leases
 
-    p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000}")
-    node = dataclasses.replace(p.nodes["n1"], max_inflight=1)
-    p = dataclasses.replace(p, nodes={"n1": node})
-    d, client = make(p)
-    occupant = "o" * 16 + ":n1:t1"
-    take = leases.take(node, occupant, 60, leases.Ask(10, 50))
-    assert leases.granted((await d.store.scripts.run(take))[0])  # n1 full; this view: not yet
+    p, d, client = await full_node(redis_server)  # this sidecar's view: not yet full
     drops = drop_connections(d, 1)  # the first copy: "closed", and (say) still unread
     rid = "s" * 16
     with pytest.raises(QueueTimeout):  # refused (full), queued, and out of time
         await d.admit(p.tenants["t1"], "realtime", "m", 10, 40, waited_s=4.7, rid=rid)
     assert drops == [0]
-    await d.store.scripts.run(leases.give_back(occupant, released=True))  # n1 has room again
-    assert await d.store.backlog.flush()
-    ticket = leases.make_ticket(rid, "n1", "t1")
-    late = leases.take(node, ticket, 60, leases.Ask(10, 50))  # the first copy, run at last
-    (res,) = await d.store.scripts.run(late)
-    assert leases.over(res) == "released"  # booked nothing
-    assert await redis.zcard(keys.node_leases("n1")) == 0
+    await late_copy_books_nothing(d, redis, rid)
     await client.aclose()
 
 
@@ -265,15 +282,8 @@ async def test_a_queued_lease_refused_after_a_resend_is_given_back_when_its_wait
     # then the request had timed out in the queue (admit had ended): the dispatcher gives the
     # ticket back for good itself.
     from admission.errors import QueueTimeout
-    from admission.scheduling import leases
 
-    p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000}")
-    node = dataclasses.replace(p.nodes["n1"], max_inflight=1)
-    p = dataclasses.replace(p, nodes={"n1": node})
-    d, client = make(p)
-    occupant = "o" * 16 + ":n1:t1"
-    take = leases.take(node, occupant, 60, leases.Ask(10, 50))
-    assert leases.granted((await d.store.scripts.run(take))[0])
+    p, d, client = await full_node(redis_server)
     rid = "q" * 16
     waiting = asyncio.ensure_future(
         d.admit(p.tenants["t1"], "realtime", "m", 10, 40, waited_s=4.6, rid=rid)
@@ -296,12 +306,7 @@ async def test_a_queued_lease_refused_after_a_resend_is_given_back_when_its_wait
     with pytest.raises(QueueTimeout):
         await waiting
     assert calls[0] >= 2  # the lease twice (and the refund of the request that timed out)
-    await d.store.scripts.run(leases.give_back(occupant, released=True))
-    assert await d.store.backlog.flush()
-    late = leases.take(node, leases.make_ticket(rid, "n1", "t1"), 60, leases.Ask(10, 50))
-    (res,) = await d.store.scripts.run(late)  # the first copy, run at last: books nothing
-    assert leases.over(res) == "released"
-    assert await redis.zcard(keys.node_leases("n1")) == 0
+    await late_copy_books_nothing(d, redis, rid)
     await client.aclose()
 
 
