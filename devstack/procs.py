@@ -16,6 +16,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 _GIVEN: set[int] = set()  # ports this process handed out already
 
@@ -61,10 +62,8 @@ def with_parent() -> Callable[[], None]:
     killed without its cleanup (SIGKILL, a CI timeout) left every sidecar, Redis and node
     running, and the next run shared the cores with them. Start children from the main thread,
     or from a thread that lives as long as they should."""
-    parent = os.getpid()
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
+    parent, prctl = os.getpid(), _prctl()
+    if prctl is None:
         return lambda: None
 
     def tie() -> None:
@@ -76,6 +75,15 @@ def with_parent() -> Callable[[], None]:
 
 
 PR_SET_PDEATHSIG = 1
+
+
+@functools.cache
+def _prctl() -> Any:
+    """libc's prctl, opened once (None where there is none)."""
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
 
 
 def sidecar_command(policy: str, unix: str, level: str = "warning") -> list[str]:

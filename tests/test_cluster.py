@@ -274,6 +274,25 @@ async def test_a_timed_out_call_is_sent_once_not_again_by_the_cluster_client(clu
         await client.aclose()
 
 
+async def test_the_batch_store_cluster_client_does_not_resend_a_timed_out_call(
+    cluster: str,
+) -> None:
+    """The batch store's client (long timeouts, its own pool) keeps the same rule: a second
+    XADD of a batch line after a timeout would run that line twice."""
+    from admission.store import connect_batch
+
+    p = tenant_policy(cluster, "{requests_per_s: 100, tokens_per_min: 6000}")
+    p = type(p)(**{**p.__dict__, "redis": type(p.redis)(**{**p.redis.__dict__, "cluster": True})})
+    client = connect_batch(p.redis)
+    try:
+        await client.set("{batch}:probe", 1)
+        assert int(await client.get("{batch}:probe")) == 1
+        assert rex.TimeoutError not in type(client).ERRORS_ALLOW_RETRY
+        assert rex.ConnectionError in type(client).ERRORS_ALLOW_RETRY
+    finally:
+        await client.aclose()
+
+
 async def test_a_call_the_cluster_refused_to_run_is_sent_again(cluster: str) -> None:
     """CLUSTERDOWN (a failover, or a blip of the cluster's state on a loaded machine: seen in CI
     right after the first test of this module) means Redis did not run the call: the client

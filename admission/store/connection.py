@@ -215,10 +215,12 @@ def connect(settings: RedisSettings, *, read_timeouts: bool = True) -> Any:
 def connect_batch(settings: RedisSettings, url: str | None = None) -> Any:
     """A client for batch storage (files are megabytes, workers block on the stream): its own
     pool and long timeouts (the admission path keeps its short ones), on `url` (the policy's
-    `batch.redis_url`) or the admission Redis; a Redis Cluster client when `redis.cluster`."""
+    `batch.redis_url`) or the admission Redis; a Redis Cluster client when `redis.cluster`, one
+    that does not send a timed-out call again by itself either (a second XADD of a batch line
+    would run it twice)."""
     url = url or settings.url
     if settings.cluster:
-        return aioredis.RedisCluster.from_url(url, socket_timeout=60, socket_connect_timeout=5)
+        return _Cluster.from_url(url, socket_timeout=60, socket_connect_timeout=5)
     return aioredis.Redis.from_url(
         url, socket_timeout=60, socket_connect_timeout=5, max_connections=64
     )
