@@ -138,11 +138,11 @@ class Dispatcher:
         args = (self.limiter, tenant, rid, cost, hold_s, scale, lease, ticket)
         acq, got = await trip.debit(*args, resent=lambda: resent.append(True))
         held = lease is not None and leases.granted(got)
-        if resent and ticket is not None and got is not None and not held:
-            item.stale += (ticket,)  # refused, but an earlier copy may book it yet
-        # The round trip that carried the lease failed but may have run: unless this request
-        # ends up holding that very lease, it is given back.
-        maybe = ticket if ticket is not None and got is None else None
+        if ticket is not None and not held and (got is None or resent):
+            # Not held, but booked maybe: the round trip failed (it may have run), or it was
+            # refused after a re-send (an earlier copy may book it yet). Given back for good
+            # when the request ends, unless it ends holding that very ticket.
+            item.stale += (ticket,)
         adm: Admission | None = None
         try:
             if not shadow.let_through(tenant, acq.denied, self.metrics):
@@ -164,8 +164,6 @@ class Dispatcher:
                 await self.limiter.settle(tenant, rid, 0)
                 raise
         finally:
-            if maybe is not None:
-                item.stale += (maybe,)
             self.place.forget(item, adm.ticket if adm is not None else "")
 
     def _shed(self, policy: Policy, tenant: Tenant, cls: str, model: str, cost: int) -> None:
