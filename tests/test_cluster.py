@@ -26,6 +26,11 @@ from tests.test_limiter import take, tenant_policy
 pytestmark = pytest.mark.cluster
 
 
+def cluster_policy(p: Any) -> Any:
+    """`p` (a policy from tenant_policy) with its Redis read as a Redis Cluster."""
+    return dataclasses.replace(p, redis=dataclasses.replace(p.redis, cluster=True))
+
+
 def _free(port: int) -> bool:
     import socket
 
@@ -96,7 +101,7 @@ async def test_limiter_on_cluster(cluster: str) -> None:
     p = tenant_policy(
         cluster, "{requests_per_s: 0.001, request_burst: 5, tokens_per_min: 60, token_burst: 1000}"
     )
-    p = type(p)(**{**p.__dict__, "redis": type(p.redis)(**{**p.redis.__dict__, "cluster": True})})
+    p = cluster_policy(p)
     client = connect(p.redis)
     try:
         lim = Limiter(Store.over(client, Metrics()), lambda: p, Metrics())
@@ -116,7 +121,7 @@ async def test_acquire_with_lease_and_settle_with_release_on_cluster(cluster: st
     from admission.store import keys
 
     p = tenant_policy(cluster, "{requests_per_s: 100, tokens_per_min: 6000, token_burst: 1000}")
-    p = type(p)(**{**p.__dict__, "redis": type(p.redis)(**{**p.redis.__dict__, "cluster": True})})
+    p = cluster_policy(p)
     client = connect(p.redis)
     try:
         await client.flushall()  # the module's cluster is shared with the test above
@@ -156,7 +161,7 @@ async def test_a_caller_gone_mid_round_trip_on_cluster_leaves_nothing_booked(clu
     from admission.store import keys
 
     p = tenant_policy(cluster, "{requests_per_s: 100, tokens_per_min: 6000, token_burst: 1000}")
-    p = type(p)(**{**p.__dict__, "redis": type(p.redis)(**{**p.redis.__dict__, "cluster": True})})
+    p = cluster_policy(p)
     client = connect(p.redis)
     masters: list[Any] = []
     try:
@@ -253,7 +258,7 @@ async def test_a_timed_out_call_is_sent_once_not_again_by_the_cluster_client(clu
     import redis.asyncio as aioredis
 
     p = tenant_policy(cluster, "{requests_per_s: 100, tokens_per_min: 6000}")
-    p = type(p)(**{**p.__dict__, "redis": type(p.redis)(**{**p.redis.__dict__, "cluster": True})})
+    p = cluster_policy(p)
     client = connect(p.redis)  # command_timeout_ms: 200
     masters: list[Any] = []
     key = "{timed-out}:runs"
@@ -282,7 +287,7 @@ async def test_the_batch_store_cluster_client_does_not_resend_a_timed_out_call(
     from admission.store import connect_batch
 
     p = tenant_policy(cluster, "{requests_per_s: 100, tokens_per_min: 6000}")
-    p = type(p)(**{**p.__dict__, "redis": type(p.redis)(**{**p.redis.__dict__, "cluster": True})})
+    p = cluster_policy(p)
     client = connect_batch(p.redis)
     try:
         await client.set("{batch}:probe", 1)
@@ -301,7 +306,7 @@ async def test_a_call_the_cluster_refused_to_run_is_sent_again(cluster: str) -> 
     from redis.asyncio.cluster import ClusterNode
 
     p = tenant_policy(cluster, "{requests_per_s: 100, tokens_per_min: 6000}")
-    p = type(p)(**{**p.__dict__, "redis": type(p.redis)(**{**p.redis.__dict__, "cluster": True})})
+    p = cluster_policy(p)
     client = connect(p.redis)
     key = "{refused}:runs"
     real = ClusterNode.execute_command
@@ -331,7 +336,7 @@ async def test_a_call_cancelled_under_the_round_trip_is_a_lost_connection_not_a_
     limiter read it as one (TypeError: a 500 at the edge). It is a lost connection: asked
     again once, the request is admitted, and the failure mode stays off."""
     p = tenant_policy(cluster, "{requests_per_s: 100, tokens_per_min: 6000, token_burst: 1000}")
-    p = type(p)(**{**p.__dict__, "redis": type(p.redis)(**{**p.redis.__dict__, "cluster": True})})
+    p = cluster_policy(p)
     client = connect(p.redis)
     try:
         lim = Limiter(Store.over(client, Metrics()), lambda: p, Metrics())
