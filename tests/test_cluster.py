@@ -61,6 +61,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
                 f"nodes-{port}.conf",
                 "--cluster-node-timeout",
                 "2000",
+                "--logfile",
+                str(base / f"redis-{i}.log"),
             ],
         )
         s.port = port

@@ -125,6 +125,77 @@ async def test_a_change_reaches_every_sidecar_in_one_refresh_whatever_the_size(
         await cb.aclose()
 
 
+async def test_a_full_resync_does_not_skip_a_change_its_key_reads_missed(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    """A full resync reads every state key and the feed's newest entry in one pipeline, which a
+    Cluster runs on its masters in any order: an agent's drain can be in the feed read while
+    its state key was read before the write. The change must come with the next refresh (not
+    with the sweep: n40 is outside the next one's 16 nodes; under load that took 14 s)."""
+    from admission.nodes import feed
+    from admission.store import keys
+
+    now = [1000.0]
+    p = big_policy(redis_server.url, 64)
+    a, ca = sidecar(p, clock=lambda: now[0])
+    pub = Publisher()
+    states = [state(f"n{i}") for i in range(64)]
+    await publish(redis, pub, states, now[0])
+    try:
+        drained = state("n40", Status.DRAIN, 0.9)
+        pipe = redis.pipeline(transaction=False)
+        feed.add(pipe, "n40", "s", drained.to_json())  # the feed entry, before the key's write
+        feed.add(pipe, "n99", "s", state("n99").to_json())  # a node the policy no longer has
+        await pipe.execute()
+        await a.nodes.refresh()  # the first: a full resync
+        assert a.nodes.get("n40").state == Status.OPEN  # the key, as read
+        await redis.set(keys.node_state("n40"), drained.to_json(), px=2000)  # the key's write
+        now[0] += 0.1
+        await a.nodes.refresh()
+        assert a.nodes.get("n40").state == Status.DRAIN
+    finally:
+        await ca.aclose()
+
+
+async def test_after_a_failed_refresh_the_feed_goes_on_and_a_full_resync_only_if_it_was_trimmed(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    """A failed refresh is not followed by a full resync (every node read: under load it took
+    2–4 s and failed again) while the feed still reaches back to where the last good read
+    ended; when it does not (trimmed, or Redis restarted empty), the next refresh is full."""
+    from admission.store import keys
+
+    now = [1000.0]
+    p = big_policy(redis_server.url, 256)
+    a, ca = sidecar(p, clock=lambda: now[0])
+    pub = Publisher()
+    states = [state(f"n{i}") for i in range(256)]
+    await publish(redis, pub, states, now[0])
+    try:
+        await a.nodes.refresh()  # the first: a full resync
+        a.nodes._refresh_failed()  # a refresh that failed (Redis answered an error)
+        states[40] = state("n40", Status.DRAIN, 0.9)
+        await publish(redis, pub, states, now[0] + 0.1)
+        before = await commands(redis)
+        await a.nodes.refresh()
+        assert a.nodes.get("n40").state == Status.DRAIN  # from the feed
+        assert await commands(redis) - before < 256  # not every node's keys (6 a node)
+        assert not a.nodes.reads.full
+
+        a.nodes._refresh_failed()
+        await redis.xtrim(keys.node_changes(), maxlen=0)  # what the feed said meanwhile: gone
+        states[41] = state("n41", Status.DRAIN, 0.9)
+        await publish(redis, pub, states, now[0] + 0.2)
+        await a.nodes.refresh()
+        assert a.nodes.reads.full  # the next one reads every node
+        before = await commands(redis)
+        await a.nodes.refresh()
+        assert await commands(redis) - before > 6 * 256
+        assert a.nodes.get("n41").state == Status.DRAIN
+    finally:
+        await ca.aclose()
+
+
 def test_candidates_are_bounded_and_keep_the_best_choice() -> None:
     """On 1,024 nodes of random load, the bounded pick examines at most EXAMINE nodes (+ the
     prefix holders) when enough take the request, and chooses what routing over the whole

@@ -32,7 +32,7 @@ from admission.errors import (
 from admission.limits import Limiter, shadow
 from admission.metrics import Metrics
 from admission.policy import Policy, Tenant
-from admission.scheduling import leases, trip
+from admission.scheduling import leases, running, trip
 from admission.scheduling.ahead import Ahead
 from admission.scheduling.late import late_heads
 from admission.scheduling.leases import Ask
@@ -45,9 +45,6 @@ from admission.scheduling.views import NodeView
 from admission.store import Store
 
 log = logging.getLogger(__name__)
-
-REFRESH_S = 0.1  # node-state poll period while requests flow: a fraction of the agents' period
-IDLE_REFRESH_S = 0.5  # ... and while none has (idle CPU); a decision reads first if > 0.2 s
 
 
 @dataclass
@@ -66,25 +63,22 @@ class Dispatcher:
         metrics: Metrics,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.store, self.limiter, self.policy, self.metrics, self.clock = (
-            st,
-            limiter,
-            policy,
-            metrics,
-            clock,
-        )
+        self.store, self.limiter, self.policy, self.metrics = st, limiter, policy, metrics
+        self.clock = clock
+        self.cut = False  # the last pass ran out of its time slice with work left
+        self.passing = False  # a pass is in progress (running.py)
         self.queue = FairQueue(policy())
         self.nodes = NodeTable(st.redis, policy, metrics, clock)
-        self._wake = asyncio.Event()
+        self.wake = asyncio.Event()
         self.ahead = Ahead(limiter, st.backlog, metrics, clock)
-        self.place = Placer(st, policy, metrics, self.nodes, clock, self._wake)
+        self.place = Placer(st, policy, metrics, self.nodes, clock, self.wake)
         self.nodes.lag = self.place.lag = limiter.lag  # one probe: the server's loop
         self.nodes.waiting_pairs = self.queue.waiting_tenants
 
     def set_policy(self, policy: Policy) -> None:
         self.queue.set_policy(policy)
         self.nodes.set_policy(policy)
-        self._wake.set()
+        self.wake.set()
 
     # -- the decision ------------------------------------------------------------------------
     async def admit(
@@ -111,7 +105,7 @@ class Dispatcher:
         cost = prompt_tokens + max_tokens
         rid = rid or leases.new_request_id()
         self._shed(policy, tenant, cls, model, cost)
-        await self.nodes.fresh(2 * REFRESH_S)  # after a quiet spell; busy, the loop polls
+        await self.nodes.fresh(2 * running.REFRESH_S)  # after a quiet spell; busy, the loop polls
         item = self._item(tenant, cls, cost, model, waited_s, rid, prompt_tokens, prefix)
         nodes = self._fast_path(item)
         if not nodes:
@@ -279,7 +273,7 @@ class Dispatcher:
         item.payload = waiter
         self.queue.push(item)
         self._gauge_depth()
-        self._wake.set()
+        self.wake.set()
         timeout = max(0.0, item.deadline_at - self.clock())
         try:
             return await asyncio.wait_for(asyncio.shield(waiter.future), timeout)
@@ -305,35 +299,10 @@ class Dispatcher:
                 waiter.future.cancel()
             raise
 
-    # -- the loop ----------------------------------------------------------------------------
+    # -- the loop ---------------------------------------------------------------------------
     async def run(self) -> None:
-        """Refresh node views and dispatch, until cancelled. An unexpected error is logged and
-        the loop goes on: a dead dispatcher would leave every queued request to time out."""
-        next_refresh = 0.0
-        while True:
-            try:
-                now = self.clock()
-                if now >= next_refresh:
-                    await self.nodes.refresh()
-                    idle = not (self.place.active or len(self.queue))
-                    next_refresh, self.place.active = (
-                        now + (IDLE_REFRESH_S if idle else REFRESH_S),
-                        False,
-                    )
-                started = time.process_time()
-                await self.dispatch()
-                self.metrics.dispatch_seconds.observe(time.process_time() - started)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("dispatcher step failed; continuing")
-                self.metrics.redis_errors.labels("dispatch").inc()
-            self._wake.clear()
-            wait = REFRESH_S if len(self.queue) else max(0.0, next_refresh - self.clock())
-            try:
-                await asyncio.wait_for(self._wake.wait(), wait)
-            except TimeoutError:
-                pass
+        """Read node views and dispatch the queue, until cancelled (running.py)."""
+        await running.run(self)
 
     async def dispatch(self) -> int:
         """Admit as many queued requests as nodes have room for; return how many."""
@@ -349,7 +318,8 @@ class Dispatcher:
             found[:] = self._eligible(it)
             return bool(found) and self._fair(it, len(found))
 
-        while True:
+        until, self.cut = now + running.DISPATCH_SLICE_S, False
+        while not (cut := self.clock() >= until):
             item = self.queue.pop(self.clock(), runnable)
             if item is None:
                 break
@@ -371,6 +341,7 @@ class Dispatcher:
                 continue
             waiter.future.set_result(adm)
             admitted += 1
+        self.cut = cut
         self._gauge_depth()
         return admitted
 
@@ -388,7 +359,7 @@ class Dispatcher:
     # -- admin and gauges --------------------------------------------------------------------
     async def set_maintenance(self, node: str, on: bool) -> None:
         await self.nodes.set_maintenance(node, on)
-        self._wake.set()
+        self.wake.set()
 
     views = property(lambda self: list(self.nodes.views.values()))
 

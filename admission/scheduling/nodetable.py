@@ -210,7 +210,7 @@ class NodeTable:
         pipe = self.redis.pipeline(transaction=False)
         if not cluster:
             pipe.time()
-        plan = self.reads.queue(pipe, views)
+        plan = self.reads.queue(pipe, views, self._read_at)
         reads = 1 + plan.commands
         shared = reads + self.shares.queue(pipe, self.waiting_pairs(), self.clock())
         self.placements.queue(pipe)
@@ -231,6 +231,7 @@ class NodeTable:
             # not an outage — keep the views.
             if self.lag.overloaded() or isinstance(exc, PoolBusy):
                 self.lag.timed_out(self.metrics, "refresh")
+                self.reads.lost = True
                 return
             self._refresh_failed()
             return
@@ -308,7 +309,7 @@ class NodeTable:
 
     def _refresh_failed(self) -> None:
         self.metrics.redis_errors.labels("refresh").inc()
-        self.reads.full = True  # what the feed said meanwhile may be trimmed: read every node
+        self.reads.lost = True  # the next read checks the feed still reaches back (reading.py)
         if self.clock() - self._last_ok < self.policy().watermarks.stale_after_s:
             return  # keep the last view through a blip
         fail_open = self.policy().redis.failure_mode == FailureMode.OPEN
