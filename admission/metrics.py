@@ -196,6 +196,12 @@ class Metrics:
             ["node"],
             registry=r,
         )
+        self.views_age = Gauge(
+            "admission_node_views_age_seconds",
+            "Seconds since this sidecar's node views were last read from Redis (a refresh that "
+            "ended well; every 0.1 s while busy): its decisions and drains are this far behind.",
+            registry=r,
+        )
         self.redis_round_trip = Histogram(
             "admission_redis_round_trip_seconds",
             "One round trip of the admission scripts to Redis (a pipeline shared by every call "

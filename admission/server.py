@@ -153,7 +153,10 @@ async def status_view(request: web.Request) -> web.Response:
 
 
 async def nodes_view(request: web.Request) -> web.Response:
-    return web.json_response({"nodes": request.app[DISPATCHER].nodes.snapshot()})
+    nodes = request.app[DISPATCHER].nodes
+    return web.json_response(
+        {"nodes": nodes.snapshot(), "views_age_s": round(nodes.views_age(), 3)}
+    )
 
 
 async def node_admin(request: web.Request) -> web.Response:

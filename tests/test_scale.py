@@ -173,7 +173,10 @@ async def test_after_a_failed_refresh_the_feed_goes_on_and_a_full_resync_only_if
     await publish(redis, pub, states, now[0])
     try:
         await a.nodes.refresh()  # the first: a full resync
+        now[0] += 2.0
         a.nodes._refresh_failed()  # a refresh that failed (Redis answered an error)
+        age = a.metrics.registry.get_sample_value("admission_node_views_age_seconds")
+        assert age == a.nodes.views_age() == 2.0  # (the gauge, and /nodes)
         states[40] = state("n40", Status.DRAIN, 0.9)
         await publish(redis, pub, states, now[0] + 0.1)
         before = await commands(redis)
@@ -181,6 +184,7 @@ async def test_after_a_failed_refresh_the_feed_goes_on_and_a_full_resync_only_if
         assert a.nodes.get("n40").state == Status.DRAIN  # from the feed
         assert await commands(redis) - before < 256  # not every node's keys (6 a node)
         assert not a.nodes.reads.full
+        assert a.nodes.views_age() == 0.0
 
         a.nodes._refresh_failed()
         await redis.xtrim(keys.node_changes(), maxlen=0)  # what the feed said meanwhile: gone

@@ -467,8 +467,10 @@ async def test_node_that_edge_cannot_reach_is_ejected(sidecar: Any, redis: Any) 
     assert 0 < await redis.pttl(keys.node_eject("n1")) <= 10_000
     nodes = await (await client.get("/nodes")).json()
     assert nodes["nodes"][0]["state"] == "down"
+    assert 0 <= nodes["views_age_s"] < 5  # read from Redis lately (every 0.1–0.5 s)
     metrics = await (await client.get("/metrics")).text()
     assert 'admission_node_ejections_total{node="n1"} 1.0' in metrics
+    assert "admission_node_views_age_seconds " in metrics
 
 
 async def test_a_failed_release_sent_again_counts_once(sidecar: Any, redis: Any) -> None:

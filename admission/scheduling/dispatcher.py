@@ -69,6 +69,7 @@ class Dispatcher:
         self.passing = False  # a pass is in progress (running.py)
         self.queue = FairQueue(policy())
         self.nodes = NodeTable(st.redis, policy, metrics, clock)
+        metrics.views_age.set_function(self.nodes.views_age)
         self.wake = asyncio.Event()
         self.ahead = Ahead(limiter, st.backlog, metrics, clock)
         self.place = Placer(st, policy, metrics, self.nodes, clock, self.wake)

@@ -349,13 +349,8 @@ class NodeTable:
         self.reads.ejected_until[node] = self.clock() + EJECT_S
         self.index.stale = True
         self.metrics.node_ejections.labels(node).inc()
-        log.warning(
-            "node %s: %d proxied requests failed to reach it within %ss; out of rotation for %ss",
-            node,
-            EJECT_AFTER,
-            EJECT_S,
-            EJECT_S,
-        )
+        msg = "node %s: %d proxied requests failed to reach it within %ss; out of rotation for %ss"
+        log.warning(msg, node, EJECT_AFTER, EJECT_S, EJECT_S)
 
     async def set_maintenance(self, node: str, on: bool) -> None:
         pipe = self.redis.pipeline(transaction=False)
@@ -366,6 +361,10 @@ class NodeTable:
         feed.add(pipe, node, "a", "drain" if on else "")  # every sidecar, with its next refresh
         await pipe.execute()
         await self.refresh()
+
+    def views_age(self) -> float:
+        """Seconds since the views were last read from Redis in full (a refresh that ended well)."""
+        return max(0.0, self.clock() - self._last_ok)
 
     def snapshot(self) -> list[dict[str, Any]]:
         now = self.clock()
