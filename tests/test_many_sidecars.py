@@ -110,10 +110,10 @@ class Run:
                 last = None
                 while time.time() - at < ASK_UNTIL_S:
                     async with s.get("http://sidecar/nodes") as resp:
-                        nodes = (await resp.json())["nodes"]
-                    for n in nodes:  # when the sidecar saw it (not when this late client asked)
+                        data = await resp.json()
+                    for n in data["nodes"]:  # when the sidecar saw it (not when this client asked)
                         if n["node"] == name:
-                            last = n
+                            last = {**n, "views_age_s": data["views_age_s"]}
                             if n["state"] == "drain":
                                 return float(n["state_since"]) - at
                     await asyncio.sleep(0.02)
