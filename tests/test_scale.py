@@ -200,6 +200,54 @@ async def test_after_a_failed_refresh_the_feed_goes_on_and_a_full_resync_only_if
         await ca.aclose()
 
 
+async def test_connections_closed_under_an_overloaded_sidecar_keep_its_views(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    """Reads that fail in place ("Connection closed by server.": redis-py's Cluster client
+    closes connections after one timed out) on a sidecar whose loop runs late are its overload:
+    the views are kept, however long, and a drained node stays drained. On time, the same is an
+    outage, and after stale_after_s the failure mode applies (fail-open: every node open)."""
+    from redis import exceptions as rex
+
+    now = [1000.0]
+    p = big_policy(redis_server.url, 64)
+    a, ca = sidecar(p, clock=lambda: now[0])
+    states = [state(f"n{i}") for i in range(64)]
+    states[40] = state("n40", Status.DRAIN, 0.9)
+    await publish(redis, Publisher(), states, now[0])
+    real = a.nodes.redis.pipeline
+
+    def closing(*args: Any, **kw: Any) -> Any:
+        pipe = real(*args, **kw)
+        run = pipe.execute
+
+        async def execute(*a_: Any, **k_: Any) -> Any:
+            res = await run(*a_, **k_)
+            res[1] = rex.ConnectionError("Connection closed by server.")  # the feed read
+            return res
+
+        pipe.execute = execute
+        return pipe
+
+    try:
+        await a.nodes.refresh()
+        assert a.nodes.get("n40").state == Status.DRAIN
+        a.nodes.redis.pipeline = closing
+        a.nodes.lag.overloaded = lambda: True  # type: ignore[method-assign]
+        for _ in range(3):
+            now[0] += 2.0
+            await a.nodes.refresh()
+        assert a.nodes.get("n40").state == Status.DRAIN  # 6 s: kept
+        assert a.metrics.registry.get_sample_value(
+            "admission_sidecar_overloaded_total", {"op": "refresh"}
+        )
+        a.nodes.lag.overloaded = lambda: False  # type: ignore[method-assign]
+        await a.nodes.refresh()
+        assert a.nodes.get("n40").state == Status.OPEN  # an outage: fail-open
+    finally:
+        await ca.aclose()
+
+
 def test_candidates_are_bounded_and_keep_the_best_choice() -> None:
     """On 1,024 nodes of random load, the bounded pick examines at most EXAMINE nodes (+ the
     prefix holders) when enough take the request, and chooses what routing over the whole

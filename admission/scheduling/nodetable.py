@@ -227,16 +227,10 @@ class NodeTable:
             else:
                 res = await pipe.execute(raise_on_error=False)
         except REDIS_DOWN as exc:
-            # Timed out by our own lateness, or every pooled connection in use: our overload,
-            # not an outage — keep the views.
-            if self.lag.overloaded() or isinstance(exc, PoolBusy):
-                self.lag.timed_out(self.metrics, "refresh")
-                self.reads.lost = True
-                return
-            self._refresh_failed()
+            self._refresh_failed(exc)
             return
-        if any(isinstance(r, Exception) for r in [*res[:reads], res[-1]]):
-            self._refresh_failed()
+        if bad := [r for r in [*res[:reads], res[-1]] if isinstance(r, Exception)]:
+            self._refresh_failed(bad[0])  # (in place: a Cluster's per-master errors)
             return
         self.shares.take(res[reads:shared])  # a failed share read keeps the last figures
         if any(isinstance(r, Exception) for r in res[reads:-1]):
@@ -307,9 +301,16 @@ class NodeTable:
             for m, since in sorted(self.held_since.items())
         ]
 
-    def _refresh_failed(self) -> None:
-        self.metrics.redis_errors.labels("refresh").inc()
+    def _refresh_failed(self, exc: BaseException | None = None) -> None:
         self.reads.lost = True  # the next read checks the feed still reaches back (reading.py)
+        # Timed out by our own lateness, a pool with every connection in use, or a connection
+        # closed under us after such a timeout (redis-py's Cluster client closes them): our
+        # overload, not an outage — keep the views, never the failure mode (it reopened a
+        # drained node on an overloaded sidecar after 3 s, as fail-open opens every node).
+        if isinstance(exc, REDIS_DOWN) and (self.lag.overloaded() or isinstance(exc, PoolBusy)):
+            self.lag.timed_out(self.metrics, "refresh")
+            return
+        self.metrics.redis_errors.labels("refresh").inc()
         if self.clock() - self._last_ok < self.policy().watermarks.stale_after_s:
             return  # keep the last view through a blip
         fail_open = self.policy().redis.failure_mode == FailureMode.OPEN
