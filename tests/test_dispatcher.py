@@ -310,66 +310,6 @@ async def test_a_queued_lease_refused_after_a_resend_is_given_back_when_its_wait
     await client.aclose()
 
 
-async def stale_queue(redis_server: RedisServer, lease_s: float) -> tuple[Any, ...]:
-    """A dispatcher whose one queued request's leases take `lease_s` each and are refused, while
-    its view of the node still says room (nodes other sidecars fill, under load); its refreshes
-    only counted (the view stays stale). Returns the dispatcher, the waiting admission, the
-    client, the refreshes and the seconds each lease took."""
-    p, d, client = await full_node(redis_server)
-    waiting = asyncio.ensure_future(d.admit(p.tenants["t1"], "realtime", "m", 10, 40))
-    while not len(d.queue):  # noqa: ASYNC110 (its fast-path lease was refused: it waits)
-        await asyncio.sleep(0.01)
-    d.nodes.views["n1"].inflight = 0  # this sidecar's view: room again
-    reads, calls, loop = [0], [], asyncio.get_running_loop()
-
-    async def refused(*_a: Any) -> None:
-        t = loop.time()
-        await asyncio.sleep(lease_s)
-        calls.append(loop.time() - t)  # refused (None), and the view still says room
-
-    async def read() -> None:
-        reads[0] += 1
-
-    d.place.lease = refused  # type: ignore[assignment, method-assign]
-    d.nodes.refresh = read  # type: ignore[method-assign]
-    return d, waiting, client, reads, calls
-
-
-async def run_for(d: Dispatcher, waiting: Any, client: Any, seconds: float) -> float:
-    loop = asyncio.get_running_loop()
-    runner, started = asyncio.ensure_future(d.run()), loop.time()
-    await asyncio.sleep(seconds)
-    runner.cancel()
-    waiting.cancel()
-    await asyncio.gather(runner, waiting, return_exceptions=True)
-    await client.aclose()
-    return loop.time() - started
-
-
-async def test_the_views_are_read_while_a_lease_round_trip_is_slow(
-    redis_server: RedisServer,
-) -> None:
-    # Under load one dispatch pass ran 7 s (its leases refused one by one by nodes that other
-    # sidecars had filled, each round trip slow), and the reads came after it: a drain went
-    # unseen that long. The reads are a task of their own (running.py).
-    d, waiting, client, reads, _calls = await stale_queue(redis_server, 5.0)
-    await run_for(d, waiting, client, 1.0)
-    assert reads[0] >= 5, reads  # about every 0.1 s (behind the pass: once)
-
-
-async def test_a_pass_refused_again_and_again_ends_with_its_slice_and_the_next_goes_on(
-    redis_server: RedisServer,
-) -> None:
-    # The late check and aging run at a pass's start: a pass ends after DISPATCH_SLICE_S ...
-    d, waiting, client, _reads, calls = await stale_queue(redis_server, 0.02)
-    assert await asyncio.wait_for(d.dispatch(), 2.0) == 0  # (no slice: never ends)
-    assert d.cut and len(d.queue) == 1
-    # ... and the next one goes on at once, not after the poll's pause (then about half).
-    calls.clear()
-    elapsed = await run_for(d, waiting, client, 1.0)
-    assert sum(calls) >= 0.7 * elapsed, (sum(calls), elapsed)
-
-
 async def test_a_lease_release_that_fails_in_redis_is_logged(
     redis: Any, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
 ) -> None:

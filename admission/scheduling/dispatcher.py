@@ -65,8 +65,6 @@ class Dispatcher:
     ) -> None:
         self.store, self.limiter, self.policy, self.metrics = st, limiter, policy, metrics
         self.clock = clock
-        self.cut = False  # the last pass ran out of its time slice with work left
-        self.passing = False  # a pass is in progress (running.py)
         self.queue = FairQueue(policy())
         self.nodes = NodeTable(st.redis, policy, metrics, clock)
         metrics.views_age.set_function(self.nodes.views_age)
@@ -319,8 +317,7 @@ class Dispatcher:
             found[:] = self._eligible(it)
             return bool(found) and self._fair(it, len(found))
 
-        until, self.cut = now + running.DISPATCH_SLICE_S, False
-        while not (cut := self.clock() >= until):
+        while True:
             item = self.queue.pop(self.clock(), runnable)
             if item is None:
                 break
@@ -342,7 +339,6 @@ class Dispatcher:
                 continue
             waiter.future.set_result(adm)
             admitted += 1
-        self.cut = cut
         self._gauge_depth()
         return admitted
 
