@@ -6,8 +6,11 @@ from __future__ import annotations
 import random
 from typing import Any
 
+from redis import exceptions as rex
+
 from admission.limits import Limiter
 from admission.metrics import Metrics
+from admission.nodes import feed
 from admission.nodes.feed import Publisher
 from admission.nodes.state import NodeState, Status
 from admission.policy import Policy, parse_policy
@@ -17,7 +20,7 @@ from admission.scheduling.prefixes import Prefix
 from admission.scheduling.reading import SWEEP, TOUCHED
 from admission.scheduling.routing import eligible
 from admission.scheduling.views import NodeView
-from admission.store import Store, connect
+from admission.store import Store, connect, keys
 from devstack.procs import RedisServer
 
 POLICY = """
@@ -64,6 +67,16 @@ async def publish(redis: Any, pub: Publisher, states: list[NodeState], now: floa
     pipe = redis.pipeline(transaction=False)
     pub.publish(pipe, states, now, 2.0)
     await pipe.execute()
+
+
+async def published(
+    redis: Any, redis_server: RedisServer, n: int, now: list[float]
+) -> tuple[Dispatcher, Any, list[NodeState]]:
+    """A sidecar over `n` nodes on the clock `now[0]`, every node's state published open."""
+    a, ca = sidecar(big_policy(redis_server.url, n), clock=lambda: now[0])
+    states = [state(f"n{i}") for i in range(n)]
+    await publish(redis, Publisher(), states, now[0])
+    return a, ca, states
 
 
 async def commands(redis: Any) -> int:
@@ -132,15 +145,8 @@ async def test_a_full_resync_does_not_skip_a_change_its_key_reads_missed(
     Cluster runs on its masters in any order: an agent's drain can be in the feed read while
     its state key was read before the write. The change must come with the next refresh (not
     with the sweep: n40 is outside the next one's 16 nodes; under load that took 14 s)."""
-    from admission.nodes import feed
-    from admission.store import keys
-
     now = [1000.0]
-    p = big_policy(redis_server.url, 64)
-    a, ca = sidecar(p, clock=lambda: now[0])
-    pub = Publisher()
-    states = [state(f"n{i}") for i in range(64)]
-    await publish(redis, pub, states, now[0])
+    a, ca, _states = await published(redis, redis_server, 64, now)
     try:
         drained = state("n40", Status.DRAIN, 0.9)
         pipe = redis.pipeline(transaction=False)
@@ -163,14 +169,9 @@ async def test_after_a_failed_refresh_the_feed_goes_on_and_a_full_resync_only_if
     """A failed refresh is not followed by a full resync (every node read: under load it took
     2–4 s and failed again) while the feed still reaches back to where the last good read
     ended; when it does not (trimmed, or Redis restarted empty), the next refresh is full."""
-    from admission.store import keys
-
     now = [1000.0]
-    p = big_policy(redis_server.url, 256)
-    a, ca = sidecar(p, clock=lambda: now[0])
+    a, ca, states = await published(redis, redis_server, 256, now)
     pub = Publisher()
-    states = [state(f"n{i}") for i in range(256)]
-    await publish(redis, pub, states, now[0])
     try:
         await a.nodes.refresh()  # the first: a full resync
         now[0] += 2.0
@@ -207,12 +208,8 @@ async def test_connections_closed_under_an_overloaded_sidecar_keep_its_views(
     closes connections after one timed out) on a sidecar whose loop runs late are its overload:
     the views are kept, however long, and a drained node stays drained. On time, the same is an
     outage, and after stale_after_s the failure mode applies (fail-open: every node open)."""
-    from redis import exceptions as rex
-
     now = [1000.0]
-    p = big_policy(redis_server.url, 64)
-    a, ca = sidecar(p, clock=lambda: now[0])
-    states = [state(f"n{i}") for i in range(64)]
+    a, ca, states = await published(redis, redis_server, 64, now)
     states[40] = state("n40", Status.DRAIN, 0.9)
     await publish(redis, Publisher(), states, now[0])
     real = a.nodes.redis.pipeline

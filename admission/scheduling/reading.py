@@ -54,7 +54,7 @@ class Plan:
     swept: list[NodeView]
     ledgers: list[NodeView]
     started: float  # when the refresh began (local clock)
-    check: bool = False  # the feed's oldest entry asked, after the feed (a refresh had failed)
+    check: bool  # the feed's oldest entry asked, after the feed (a refresh had failed)
 
     @property
     def commands(self) -> int:
@@ -132,10 +132,9 @@ class NodeReads:
         if full:
             newest = res[0]
             if newest:  # what was written while the keys were read is read again (harmless:
-                ms = int(newest[0][0].split(b"-", 1)[0])  # a node's last entry is its newest)
-                self._seen = _order(newest[0][0])
+                self._seen = _order(newest[0][0])  # a node's last entry is its newest)
                 back_ms = int((now - plan.started + RESYNC_OVERLAP_S) * 1000)
-                self._feed_id = f"{max(0, ms - back_ms)}-0"
+                self._feed_id = f"{max(0, self._seen[0] - back_ms)}-0"
         else:
             if plan.check:  # the feed still reaches back to where the last good read ended?
                 oldest = res[1]
