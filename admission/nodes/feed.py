@@ -49,6 +49,7 @@ def moved(old: NodeState, new: NodeState) -> bool:
         _near(old.per_token, new.per_token, RATE_BAND)
         and _near(old.prefill_rate, new.prefill_rate, RATE_BAND)
         and _near(old.tpot_s, new.tpot_s, RATE_BAND)
+        and _near(old.decode_s or 0.0, new.decode_s or 0.0, RATE_BAND)
         and _near(old.prefix_hit_ratio or 0.0, new.prefix_hit_ratio or 0.0, RATE_BAND)
     )
 

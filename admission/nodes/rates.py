@@ -142,6 +142,46 @@ class Tpot:
         return self.tpot_s
 
 
+class DecodeTime:
+    """Seconds per output token that the node's running requests have seen over the last
+    seconds: the request-seconds they spent running over the output tokens they got, as sums
+    decaying with `HALF_S`. What a request's answer takes to finish there — the urgent class's
+    own decode guard asks that (outputs.own_decode_limit_s).
+
+    Tpot reads the last sample alone, a spiky figure by design: the lower classes' guard keeps
+    a margin for the urgent class's decode with it. On a prefill-heavy mix a 0.2 s sample that
+    holds one step with a 2,048-token chunk (~0.22 s on an A100) reads ~200 ms a token, the next
+    one, all decode steps, ~16 ms: Tpot read 40–300 ms on the llm-d-like mix's nodes while its
+    requests saw under 60 ms a token (96.7 % within realtime's tpot_ms), and the urgent class's
+    own guard, once on, held realtime off every node. A ratio of sums weighs each step by its
+    length, as the requests see it. An idle node (nothing running) reads 0 and starts over."""
+
+    HALF_S = 2.0
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._spent = 0.0  # decayed request-seconds running
+        self._tokens = 0.0  # decayed output tokens
+        self._last: tuple[float, float, int] | None = None  # (time, generated total, running)
+
+    def update(self, now: float, generated: float | None, running: int) -> float:
+        if generated is None:
+            return self.seconds
+        if self._last is not None:
+            t0, g0, r0 = self._last
+            dt = now - t0
+            if dt < PrefillRate.MIN_DT_S:
+                return self.seconds
+            decay = 0.5 ** (dt / self.HALF_S)
+            self._spent = self._spent * decay + (r0 + running) / 2 * dt
+            self._tokens = self._tokens * decay + max(0.0, generated - g0)
+        self._last = (now, generated, running)
+        if running <= 0:
+            self._spent = self._tokens = 0.0
+        self.seconds = self._spent / self._tokens if self._tokens > 0 else 0.0
+        return self.seconds
+
+
 class PrefixHits:
     """The share of prompt tokens the engine found in its prefix cache lately (None: the
     engine does not report it, or has looked nothing up yet), smoothed over samples. High on a

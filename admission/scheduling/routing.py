@@ -159,7 +159,7 @@ def why_not(
         return "measured"
     if ask.kv_limit >= 0 and booked_kv(v, ask) > ask.kv_limit:
         return "booked"  # the watermark in tokens (ask_for), as lease.lua checks it
-    if ask.decode_limit_s and v.tpot_s > ask.decode_limit_s:
+    if ask.decode_limit_s and decode_seen(v, ask.urgent) > ask.decode_limit_s:
         return "decode"  # decode already as slow as the urgent class may see: no more batch,
         # nor urgent work that would finish late there anyway (outputs.own_decode_limit_s)
     if not keeps_reserve(v, ask, now):
@@ -172,6 +172,13 @@ def why_not(
     ):
         return "prefill"
     return None
+
+
+def decode_seen(v: NodeView, urgent: bool) -> float:
+    """The node's time per output token as a guard judges it: for lower classes the last
+    sample's (Tpot: its spikes are the urgent class's margin), for the urgent class's own guard
+    what answers saw over the last seconds (DecodeTime: would this one finish in time there)."""
+    return v.decode_s if urgent and v.decode_s is not None else v.tpot_s
 
 
 def prefill_room(v: NodeView, ask: Ask) -> int:

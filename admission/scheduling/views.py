@@ -26,6 +26,7 @@ class NodeView:
     per_token: float = 0.0  # memory fraction one token of KV takes (0: unknown)
     prefill_rate: float = 0.0  # tokens/s at full load (0: not measured yet)
     tpot_s: float = 0.0  # seconds per output token running requests see now (0: unknown/idle)
+    decode_s: float | None = None  # the same over the last seconds (None: not published)
     pending: float = 0.0  # ledger: pending prefill tokens, as of `pending_at` (local clock)
     pending_at: float = 0.0
     kv_reserved: int = 0  # ledger: KV tokens reserved by live leases
@@ -49,6 +50,7 @@ class NodeView:
         self.per_token = st.per_token
         self.prefill_rate = st.prefill_rate
         self.tpot_s = st.tpot_s
+        self.decode_s = st.decode_s
         self.waiting = st.waiting
         self.prefix_hit_ratio = st.prefix_hit_ratio
         self.pool_tokens = st.kv_pool_tokens or 0
@@ -138,6 +140,7 @@ class NodeView:
             "pending_prefill_tokens": round(self.pending_now(now)),
             "prefill_rate": round(self.prefill_rate, 1),
             "tpot_ms": round(self.tpot_s * 1000, 1),
+            "decode_ms": None if self.decode_s is None else round(self.decode_s * 1000, 1),
             "kv_reserved_tokens": self.kv_reserved,
             "kv_urgent_tokens": self.kv_urgent,
             "urgent_reserve_tokens": round(self.reserve_now(now)),
