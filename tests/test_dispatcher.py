@@ -599,6 +599,15 @@ def test_the_urgent_class_that_refuses_late_waits_off_a_node_where_it_would_fini
 
     assert realtime(p, 0.070) and not realtime(p, 0.080)
     assert realtime(p, 0.080, refusing=False)  # not refused late lately: within capacity
+    # The last sample's 80 ms was a long prefill step: answers saw 30 ms a token over the last
+    # second (under half the limit), so the node serves it in time; at 40 ms it is held again.
+    # Lower classes keep judging by the last sample (the urgent class's margin).
+    v.decode_s = 0.030
+    assert realtime(p, 0.080)
+    assert not eligible([v], p, "m", "batch", 10, 20, 0.0, urgent_waiting=100, output_tokens=120)
+    v.decode_s = 0.040
+    assert not realtime(p, 0.080)
+    v.decode_s = None  # an agent that predates it: the last sample decides
     assert realtime(p, 0.080, out=0)  # nothing learned: no guard
     assert realtime(q, 0.500)  # a class that serves late is never held by decode
     gate: Counter[tuple[str, str, str]] = Counter()

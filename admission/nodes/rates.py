@@ -144,19 +144,20 @@ class Tpot:
 
 class DecodeTime:
     """Seconds per output token that the node's running requests have seen over the last
-    seconds: the request-seconds they spent running over the output tokens they got, as sums
-    decaying with `HALF_S`. What a request's answer takes to finish there — the urgent class's
-    own decode guard asks that (outputs.own_decode_limit_s).
+    second or so: the request-seconds they spent running over the output tokens they got, as
+    sums decaying with `HALF_S` — each step weighed by its length, as the requests see it.
 
-    Tpot reads the last sample alone, a spiky figure by design: the lower classes' guard keeps
-    a margin for the urgent class's decode with it. On a prefill-heavy mix a 0.2 s sample that
-    holds one step with a 2,048-token chunk (~0.22 s on an A100) reads ~200 ms a token, the next
-    one, all decode steps, ~16 ms: Tpot read 40–300 ms on the llm-d-like mix's nodes while its
-    requests saw under 60 ms a token (96.7 % within realtime's tpot_ms), and the urgent class's
-    own guard, once on, held realtime off every node. A ratio of sums weighs each step by its
-    length, as the requests see it. An idle node (nothing running) reads 0 and starts over."""
+    Tpot reads the last sample alone, a spiky figure: on a prefill-heavy mix a 0.2 s sample
+    that holds one step with a 2,048-token chunk (~0.22 s on an A100) reads ~200 ms a token,
+    the next one, all decode steps, ~16 ms. Its spikes are the lower classes' decode guard's
+    margin for the urgent class, and the urgent class's own guard needs them too (judged by
+    this figure alone, it let support at 2.0× run decode late: goodput −19 %). But on the
+    llm-d-like mix Tpot read 40–300 ms while answers saw under 60 ms a token, and the own
+    guard then held realtime off every node. So that guard holds a node only while this is
+    above half its limit too (routing.slow_decode). An idle node (nothing running) reads 0
+    and starts over."""
 
-    HALF_S = 2.0
+    HALF_S = 1.0
 
     def __init__(self) -> None:
         self.seconds = 0.0

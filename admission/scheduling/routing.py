@@ -159,7 +159,7 @@ def why_not(
         return "measured"
     if ask.kv_limit >= 0 and booked_kv(v, ask) > ask.kv_limit:
         return "booked"  # the watermark in tokens (ask_for), as lease.lua checks it
-    if ask.decode_limit_s and decode_seen(v, ask.urgent) > ask.decode_limit_s:
+    if ask.decode_limit_s and slow_decode(v, ask.urgent, ask.decode_limit_s):
         return "decode"  # decode already as slow as the urgent class may see: no more batch,
         # nor urgent work that would finish late there anyway (outputs.own_decode_limit_s)
     if not keeps_reserve(v, ask, now):
@@ -174,11 +174,17 @@ def why_not(
     return None
 
 
-def decode_seen(v: NodeView, urgent: bool) -> float:
-    """The node's time per output token as a guard judges it: for lower classes the last
-    sample's (Tpot: its spikes are the urgent class's margin), for the urgent class's own guard
-    what answers saw over the last seconds (DecodeTime: would this one finish in time there)."""
-    return v.decode_s if urgent and v.decode_s is not None else v.tpot_s
+def slow_decode(v: NodeView, urgent: bool, limit_s: float) -> bool:
+    """Whether the node's decode is past a guard's limit: the last sample's time per output
+    token (Tpot) is above it — and, for the urgent class's own guard, what answers saw over the
+    last second or so (DecodeTime) is above half of it. Tpot's spikes keep a margin for the
+    urgent class's decode against lower classes; but a long prefill step spikes it on a node
+    whose answers come fast (the llm-d-like mix: 40–300 ms read, under 60 ms seen), and there
+    the own guard held realtime off every node, refusals kept it on, and the run lost 20–30
+    points of realtime first tokens."""
+    if v.tpot_s <= limit_s:
+        return False
+    return not urgent or v.decode_s is None or v.decode_s > limit_s / 2
 
 
 def prefill_room(v: NodeView, ask: Ask) -> int:
