@@ -91,6 +91,7 @@ async def test_effective_memory_drives_hold_drain_and_recovery(
         assert st.state == "drain"
         published = json.loads(await redis.get(keys.node_state("n1")))
         assert published["state"] == "drain" and 0 < await redis.pttl(keys.node_state("n1")) <= 5000
+        assert published["decode_s"] == 0.0 and published["tpot_s"] == 0.0  # idle: nothing seen
         await fault(node, leak_bytes=150 * MiB)  # below hold, above reopen: still not open
         st = (await agent.tick(session))[0]
         assert st.state == "hold"
@@ -286,3 +287,23 @@ def test_booking_factor_follows_what_the_ledger_booked_per_token_computed() -> N
     b3.update(0.0, 0.0, 0.0, 0)
     assert b3.update(1.0, 50_000.0, 0.0, 0) == Booking.MAX  # all found cached: bounded
     assert b3.update(2.0, None, 10.0, 0) == Booking.MAX  # ledger unread: the last factor
+
+
+def test_decode_time_travels_from_the_agent_to_the_views() -> None:
+    """`decode_s` (rates.DecodeTime) is news on the feed when it moves, and a sidecar's view
+    takes it; a state from an agent that predates it reads None (the guard then judges by
+    `tpot_s` alone, as before)."""
+    from admission.nodes.feed import moved
+    from admission.policy import Node
+    from admission.scheduling.views import NodeView
+
+    old = NodeState(node="n1", seq=1, state=Status.OPEN, source="kv", healthy=True, tpot_s=0.2)
+    new = NodeState(**{**old.__dict__, "seq": 2, "decode_s": 0.03})
+    assert moved(old, new) and not moved(new, NodeState(**{**new.__dict__, "seq": 3}))
+    v = NodeView(Node(id="n1", url="http://127.0.0.1:1", models=("m",)))
+    v.observe(NodeState.from_json(new.to_json()), maintenance=False)
+    assert (v.tpot_s, v.decode_s) == (0.2, 0.03)
+    legacy = json.loads(old.to_json())
+    del legacy["decode_s"]
+    v.observe(NodeState.from_json(json.dumps(legacy)), maintenance=False)
+    assert v.decode_s is None and v.snapshot(0.0)["decode_ms"] is None
