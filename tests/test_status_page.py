@@ -51,6 +51,8 @@ async def sidecar(
         healthy=True,
         memory=0.42,
         prefix_hit_ratio=0.625,
+        tpot_s=0.08,
+        decode_s=0.03,
     )
     await redis.set(keys.node_state("n1"), st.to_json(), px=60_000)
     client = TestClient(TestServer(build_app(holder), host="127.0.0.1"))
@@ -125,6 +127,7 @@ async def check_page(client: Any, holder: PolicyHolder, tmp_path: Path) -> None:
     assert re.search(r"n1 open .*42\.0 %", text)  # node, state, measured memory
     assert "4 / 4" in text  # in flight / cap
     assert re.search(r"4 / 4 \d+ 62\.5 %", text)  # pending prefill, the engine's prefix cache hits
+    assert "62.5 % 80 / 30 ms" in text  # time per output token: last sample / last second
     assert data["nodes"][0]["prefix_cache_hit_ratio"] == 0.625
     assert "small realtime requests_per_s 1" in text  # the refusal, counted
     assert "never" not in text and "stale" not in text  # it did fetch, and recently
