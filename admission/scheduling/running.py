@@ -6,7 +6,9 @@ masters and the load on 2 cores) one pass ran 7.4 s, its leases refused one by o
 that other sidecars had filled, with no read in between (tests/test_many_sidecars.py). Two
 remedies were tried and not kept (docs/scaling.md): the reads as a task of their own, and a
 pass ended after 0.1 s. With either, llmd 1.5× (seed 7) refused realtime late in some runs
-(84, 14 and 65 requests; 3 of 8 runs) where this loop refused none in 8.
+(84, 14 and 65 requests; 3 of 8 runs) where this loop refused none in 8 — the urgent class's
+own guard feeding on its refusals, since fixed (routing.slow_decode); tried again after that
+fix, the reads as a task saw a drain under load no sooner than this loop.
 """
 
 from __future__ import annotations
