@@ -142,3 +142,23 @@ def test_calibration_and_bounds_count_a_cached_prefix_once() -> None:
     plain = (replace(shared[0], shared_prefix_tokens=0),)
     profile = "a100-40gb-llama3-8b"
     assert completed_rate(profile, 12, 40, shared) > 1.3 * completed_rate(profile, 12, 40, plain)
+
+
+def test_the_idealised_schedule_leaves_out_what_cannot_make_it() -> None:
+    """loadtest.ideal: one node, three cold prompts of ~0.64 s each sent at 0, 0 and 0.5 s, a
+    1 s target. Sending every one, the second is late and the third, behind it, too; leaving
+    the second out, the third starts at 0.64 s and is in time. A prompt whose prefix the node
+    computed is prefilled for its own part only."""
+    from loadtest.ideal import first_tokens, prefill_s
+    from loadtest.workload import Req
+
+    p = PROFILES["a100-40gb-llama3-8b"]
+    one = prefill_s(p, 6000)
+    assert 0.6 < one < 0.7 and prefill_s(p, 2048) == pytest.approx(p.step_s(2048, 0))
+    reqs = [Req(t, "chat", f"c{i}", "realtime", 6000, 10) for i, t in enumerate((0, 0, 0.5))]
+    assert first_tokens(p, reqs, 1, 1.0, leave_out=False) == (pytest.approx(1 / 3), [0, 0.5])
+    assert first_tokens(p, reqs, 1, 1.0, leave_out=True) == (pytest.approx(2 / 3), [0])
+    assert first_tokens(p, reqs, 2, 1.0, leave_out=False)[0] == 1.0  # a node each, then 0.78 s
+    # The same tenant's prefix, computed by the first: the others prefill 1,000 tokens each.
+    shared = [Req(t, "chat", "acme", "realtime", 6000, 10, prefix_tokens=5000) for t in (0, 0, 0)]
+    assert first_tokens(p, shared, 1, 1.0, leave_out=False)[0] == 1.0
