@@ -290,7 +290,7 @@ def test_booking_factor_follows_what_the_ledger_booked_per_token_computed() -> N
 
 
 def test_decode_time_travels_from_the_agent_to_the_views() -> None:
-    """`decode_s` (rates.DecodeTime) is news on the feed when it moves, and a sidecar's view
+    """`decode_s` (rates.Tpot) is news on the feed when it moves, and a sidecar's view
     takes it; a state from an agent that predates it reads None (the guard then judges by
     `tpot_s` alone, as before)."""
     from admission.nodes.feed import moved

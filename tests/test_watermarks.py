@@ -195,37 +195,42 @@ def test_prefill_speed_is_tokens_over_time_in_prefill_of_finished_requests() -> 
 def test_decode_time_is_what_requests_see_over_steps_of_unequal_length() -> None:
     """A prefill-heavy node: ten running requests, steps of 15 ms (decode only) and one of
     220 ms every 0.6 s (a 2,048-token chunk). Sampled every 0.2 s the requests see 0.6 s / 27
-    steps ≈ 22 ms a token; Tpot, the last sample's figure, reads ~200 ms after each long step."""
-    from admission.nodes.rates import DecodeTime, Tpot
+    steps ≈ 22 ms a token (`decode_s`); `tpot_s`, the last sample's figure, reads ~200 ms
+    after each long step."""
+    from admission.nodes.rates import Tpot
 
-    d, t, gen, now = DecodeTime(), Tpot(), 0.0, 0.0
-    d.update(now, gen, 10)
+    t, gen, now = Tpot(), 0.0, 0.0
     t.update(now, gen, 10)
     spikes = []
     for i in range(60):
         now = round(now + 0.2, 6)
         steps = 1 if i % 3 == 0 else 13  # the chunk step; then decode steps
         gen += 10 * steps
-        got = d.update(now, gen, 10)
         spikes.append(t.update(now, gen, 10))
-    assert got == pytest.approx(0.6 / 27, rel=0.1)
-    assert max(spikes[-6:]) > 4 * got  # what the lower classes' guard sees
+    assert t.decode_s == pytest.approx(0.6 / 27, rel=0.1)
+    assert max(spikes[-6:]) > 4 * t.decode_s  # what the lower classes' guard sees
 
 
 def test_decode_time_weighs_the_last_seconds_and_starts_over_when_idle() -> None:
-    from admission.nodes.rates import DecodeTime
+    from admission.nodes.rates import Tpot
 
-    d = DecodeTime()
-    assert d.update(0.0, None, 3) == 0.0  # no counter: unknown
+    d = Tpot()
+    d.update(0.0, None, 3)
+    assert d.decode_s == 0.0  # no counter: unknown
     d.update(0.0, 0.0, 10)
-    assert d.update(1.0, 200.0, 10) == pytest.approx(0.05)  # 10 running, 200 tokens/s: 50 ms
-    half = 0.5 ** (1 / DecodeTime.HALF_S)
-    got = d.update(2.0, 300.0, 10)  # slower since: 100 ms, weighed in
+    d.update(1.0, 200.0, 10)
+    assert d.decode_s == pytest.approx(0.05)  # 10 running, 200 tokens/s: 50 ms
+    half = 0.5 ** (1 / Tpot.HALF_S)
+    d.update(2.0, 300.0, 10)  # slower since: 100 ms, weighed in
+    got = d.decode_s
     assert got == pytest.approx((10 * half + 10) / (200 * half + 100))
-    assert d.update(2.05, 400.0, 10) == got  # too short a sample: ignored
-    assert d.update(2.2, 300.0, 0) == 0.0  # idle: nothing running sees anything
+    d.update(2.05, 400.0, 10)  # too short a sample: ignored
+    assert d.decode_s == got
+    d.update(2.2, 300.0, 0)
+    assert d.decode_s == 0.0  # idle: nothing running sees anything
     d.update(2.4, 310.0, 10)  # busy again: from this spell only
-    assert d.update(2.6, 330.0, 10) == pytest.approx(0.1)
+    d.update(2.6, 330.0, 10)
+    assert d.decode_s == pytest.approx(0.1)
 
 
 def test_tpot_is_running_over_output_rate() -> None:

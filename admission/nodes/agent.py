@@ -21,14 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from admission.nodes import memory
 from admission.nodes.feed import Publisher
 from admission.nodes.gpu import GpuReader, NvmlReader, SimulatedGpuReader
-from admission.nodes.rates import (
-    Booking,
-    DecodeTime,
-    PrefillRate,
-    PrefillSpeed,
-    PrefixHits,
-    Tpot,
-)
+from admission.nodes.rates import Booking, PrefillRate, PrefillSpeed, PrefixHits, Tpot
 from admission.nodes.state import NodeState
 from admission.nodes.watermarks import DOWN, OPEN, next_state
 from admission.policy import Node, Policy
@@ -122,7 +115,6 @@ class NodeProbe:
         self.prefill = PrefillRate()
         self.speed = PrefillSpeed()
         self.tpot = Tpot()
-        self.decode = DecodeTime()
         self.prefix = PrefixHits()
         self.booking = Booking()
         self._warned: set[str] = set()
@@ -171,7 +163,7 @@ class NodeProbe:
             base_memory=round(max(0.0, fraction - kv_in_use), 5),
             prefill_rate=round(self._prefill_rate(engine, booked), 1),
             tpot_s=round(self.tpot.update(now, engine.generation_tokens, engine.running), 5),
-            decode_s=round(self.decode.update(now, engine.generation_tokens, engine.running), 5),
+            decode_s=round(self.tpot.decode_s, 5),
             kv_usage=engine.kv_usage,
             kv_pool_tokens=engine.kv_tokens,
             prefix_hit_ratio=self.prefix.update(engine.prefix_queries, engine.prefix_hits),

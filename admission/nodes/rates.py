@@ -114,73 +114,55 @@ class PrefillSpeed:
 
 
 class Tpot:
-    """Seconds per output token that the node's running requests see now: running requests ÷
-    output tokens per second (each running request gets one token per engine step), smoothed.
-    Read from counters every sample, so it follows load within a second — unlike vLLM's
-    per-request latency histograms, observed only when a request ends."""
+    """Seconds per output token that the node's running requests see, two ways, from the same
+    counters every sample (so they follow load within a second or two — unlike vLLM's
+    per-request latency histograms, observed only when a request ends):
+
+    - `tpot_s`, now: running requests ÷ output tokens per second over the last sample,
+      smoothed (ALPHA). Spiky: on a prefill-heavy mix a 0.2 s sample that holds one step with a
+      2,048-token chunk (~0.22 s on an A100) reads ~200 ms a token, the next one, all decode
+      steps, ~16 ms. The spikes are the decode guards' margin for the urgent class: judged
+      without them, the urgent class's own guard let support at 2.0× run decode late (goodput
+      −19 %).
+    - `decode_s`, what answers saw over the last second or so: request-seconds running ÷
+      output tokens, as sums decaying with `HALF_S` — each step weighed by its length. On the
+      llm-d-like mix `tpot_s` read 40–300 ms while answers saw under 60 ms a token, and the own
+      guard held realtime off every node; so that guard holds a node only while this is above
+      half its limit too (routing.slow_decode). An idle node (nothing running) reads 0 and
+      starts over."""
 
     ALPHA = 0.5
-
-    def __init__(self) -> None:
-        self.tpot_s = 0.0
-        self._last: tuple[float, float] | None = None
-
-    def update(self, now: float, generated: float | None, running: int) -> float:
-        if generated is None:
-            return self.tpot_s
-        if self._last is not None:
-            t0, g0 = self._last
-            dt = now - t0
-            if dt < PrefillRate.MIN_DT_S:
-                return self.tpot_s
-            rate = max(0.0, generated - g0) / dt
-            seen = running / rate if rate > 0 and running > 0 else 0.0
-            self.tpot_s = (
-                seen if self.tpot_s == 0 else (self.ALPHA * seen + (1 - self.ALPHA) * self.tpot_s)
-            )
-        self._last = (now, generated)
-        return self.tpot_s
-
-
-class DecodeTime:
-    """Seconds per output token that the node's running requests have seen over the last
-    second or so: the request-seconds they spent running over the output tokens they got, as
-    sums decaying with `HALF_S` — each step weighed by its length, as the requests see it.
-
-    Tpot reads the last sample alone, a spiky figure: on a prefill-heavy mix a 0.2 s sample
-    that holds one step with a 2,048-token chunk (~0.22 s on an A100) reads ~200 ms a token,
-    the next one, all decode steps, ~16 ms. Its spikes are the lower classes' decode guard's
-    margin for the urgent class, and the urgent class's own guard needs them too (judged by
-    this figure alone, it let support at 2.0× run decode late: goodput −19 %). But on the
-    llm-d-like mix Tpot read 40–300 ms while answers saw under 60 ms a token, and the own
-    guard then held realtime off every node. So that guard holds a node only while this is
-    above half its limit too (routing.slow_decode). An idle node (nothing running) reads 0
-    and starts over."""
-
     HALF_S = 1.0
 
     def __init__(self) -> None:
-        self.seconds = 0.0
+        self.tpot_s = 0.0
+        self.decode_s = 0.0
         self._spent = 0.0  # decayed request-seconds running
         self._tokens = 0.0  # decayed output tokens
         self._last: tuple[float, float, int] | None = None  # (time, generated total, running)
 
     def update(self, now: float, generated: float | None, running: int) -> float:
+        """Take a sample; return `tpot_s` (`decode_s` beside it)."""
         if generated is None:
-            return self.seconds
+            return self.tpot_s
         if self._last is not None:
             t0, g0, r0 = self._last
             dt = now - t0
             if dt < PrefillRate.MIN_DT_S:
-                return self.seconds
+                return self.tpot_s
+            got = max(0.0, generated - g0)
+            seen = running * dt / got if got > 0 and running > 0 else 0.0
+            self.tpot_s = (
+                seen if self.tpot_s == 0 else (self.ALPHA * seen + (1 - self.ALPHA) * self.tpot_s)
+            )
             decay = 0.5 ** (dt / self.HALF_S)
             self._spent = self._spent * decay + (r0 + running) / 2 * dt
-            self._tokens = self._tokens * decay + max(0.0, generated - g0)
+            self._tokens = self._tokens * decay + got
         self._last = (now, generated, running)
         if running <= 0:
             self._spent = self._tokens = 0.0
-        self.seconds = self._spent / self._tokens if self._tokens > 0 else 0.0
-        return self.seconds
+        self.decode_s = self._spent / self._tokens if self._tokens > 0 else 0.0
+        return self.tpot_s
 
 
 class PrefixHits:

@@ -40,7 +40,7 @@ class NodeState:
     base_memory: float = 0.0  # the fraction that is not KV in use (weights, activations, leaks)
     prefill_rate: float = 0.0  # prompt tokens/s the node clears at full load (0: not measured yet)
     tpot_s: float = 0.0  # seconds per output token the running requests see now (0: idle)
-    # The same over the last seconds, steps weighed by their length (rates.DecodeTime; None:
+    # The same over the last seconds, steps weighed by their length (rates.Tpot; None:
     # an agent that predates it).
     decode_s: float | None = None
     kv_usage: float | None = None

@@ -177,7 +177,7 @@ def why_not(
 def slow_decode(v: NodeView, urgent: bool, limit_s: float) -> bool:
     """Whether the node's decode is past a guard's limit: the last sample's time per output
     token (Tpot) is above it — and, for the urgent class's own guard, what answers saw over the
-    last second or so (DecodeTime) is above half of it. Tpot's spikes keep a margin for the
+    last second or so (decode_s) is above half of it. Tpot's spikes keep a margin for the
     urgent class's decode against lower classes; but a long prefill step spikes it on a node
     whose answers come fast (the llm-d-like mix: 40–300 ms read, under 60 ms seen), and there
     the own guard held realtime off every node, refusals kept it on, and the run lost 20–30
