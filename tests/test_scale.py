@@ -4,6 +4,7 @@ and routing that examines a bounded few nodes (issue: scale)."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 from typing import Any
 
 from redis import exceptions as rex
@@ -13,7 +14,7 @@ from admission.metrics import Metrics
 from admission.nodes import feed
 from admission.nodes.feed import Publisher
 from admission.nodes.state import NodeState, Status
-from admission.policy import Policy, parse_policy
+from admission.policy import FailureMode, Policy, parse_policy
 from admission.scheduling import Dispatcher
 from admission.scheduling.candidates import EXAMINE, MAX_EXAMINE, PREFIX_NODES, Candidates
 from admission.scheduling.prefixes import Prefix
@@ -207,10 +208,12 @@ async def test_connections_closed_under_an_overloaded_sidecar_keep_its_views(
     """Reads that fail in place ("Connection closed by server.": redis-py's Cluster client
     closes connections after one timed out) on a sidecar whose loop runs late are its overload:
     the views are kept, however long, and a drained node stays drained. On time, the same is an
-    outage, and after stale_after_s the failure mode applies (fail-open: every node open)."""
+    outage, and after stale_after_s the failure mode applies (fail-open: the nodes last seen
+    taking work open; the drained one stays closed)."""
     now = [1000.0]
     a, ca, states = await published(redis, redis_server, 64, now)
     states[40] = state("n40", Status.DRAIN, 0.9)
+    states[41] = state("n41", Status.HOLD, 0.82)
     await publish(redis, Publisher(), states, now[0])
     real = a.nodes.redis.pipeline
 
@@ -240,9 +243,85 @@ async def test_connections_closed_under_an_overloaded_sidecar_keep_its_views(
         )
         a.nodes.lag.overloaded = lambda: False  # type: ignore[method-assign]
         await a.nodes.refresh()
-        assert a.nodes.get("n40").state == Status.OPEN  # an outage: fail-open
+        assert a.nodes.get("n40").state == Status.DRAIN  # an outage: fail-open, drained kept
+        assert a.nodes.get("n41").state == Status.OPEN  # held: opened (nothing measures it)
     finally:
         await ca.aclose()
+
+
+async def test_a_redis_outage_opens_what_took_work_and_keeps_closed_nodes_closed(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    """Redis gone for longer than stale_after_s: fail-open opens the nodes last seen open or
+    held, and keeps a node last seen drained, down (its agent silent) or in maintenance
+    closed, as the edge's own fail-open does; the edge's table is not rewritten. Fail-closed
+    closes every node. A sidecar that never read a node (started during the outage) opens it.
+    Redis back: the agents' states apply again."""
+    now = [1000.0]
+    a, ca, states = await published(redis, redis_server, 8, now)
+    states[1] = state("n1", Status.DRAIN, 0.9)
+    states[2] = state("n2", Status.HOLD, 0.82)
+    pipe = redis.pipeline(transaction=False)
+    Publisher().publish(pipe, [s for i, s in enumerate(states) if i != 3], now[0], 2.0)
+    pipe.delete(keys.node_state("n3"))  # its agent is silent: down
+    await pipe.execute()
+    await a.nodes.set_maintenance("n4", True)
+    seen = {n: a.nodes.get(n).state for n in ("n0", "n1", "n2", "n3", "n4")}
+    assert seen == {
+        "n0": Status.OPEN,
+        "n1": Status.DRAIN,
+        "n2": Status.HOLD,
+        "n3": Status.DOWN,
+        "n4": Status.MAINTENANCE,
+    }
+    told: list[frozenset[str]] = []
+    a.nodes.on_unusable = told.append
+    real = a.nodes.redis.pipeline
+
+    def down(*args: Any, **kw: Any) -> Any:
+        pipe = real(*args, **kw)
+
+        async def execute(*_a: Any, **_k: Any) -> Any:
+            raise rex.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+        pipe.execute = execute
+        return pipe
+
+    fresh, cf = sidecar(big_policy(redis_server.url, 8), clock=lambda: now[0])
+    try:
+        a.nodes.redis.pipeline = fresh.nodes.redis.pipeline = down
+        a.nodes.lag.overloaded = lambda: False  # type: ignore[method-assign]
+        fresh.nodes.lag.overloaded = lambda: False  # type: ignore[method-assign]
+        now[0] += 1.0
+        await a.nodes.refresh()
+        assert {n: a.nodes.get(n).state for n in seen} == seen  # a blip: the views kept
+        now[0] += 3.0
+        await a.nodes.refresh()
+        await fresh.nodes.refresh()
+        assert {n: a.nodes.get(n).state for n in seen} == {
+            "n0": Status.OPEN,
+            "n1": Status.DRAIN,
+            "n2": Status.OPEN,
+            "n3": Status.DOWN,
+            "n4": Status.MAINTENANCE,
+        }
+        assert {v.state for v in fresh.nodes.views.values()} == {Status.OPEN}
+        assert told == []
+        closed = a.nodes.policy()
+        closed = replace(closed, redis=replace(closed.redis, failure_mode=FailureMode.CLOSED))
+        a.nodes.policy = lambda: closed
+        await a.nodes.refresh()
+        assert {n: a.nodes.get(n).state for n in seen} == {
+            **{n: Status.DOWN for n in ("n0", "n1", "n2", "n3")},
+            "n4": Status.MAINTENANCE,
+        }
+        a.nodes.redis.pipeline = real  # Redis back
+        a.nodes.reads.full = True
+        await a.nodes.refresh()
+        assert {n: a.nodes.get(n).state for n in seen} == seen
+    finally:
+        await ca.aclose()
+        await cf.aclose()
 
 
 def test_candidates_are_bounded_and_keep_the_best_choice() -> None:

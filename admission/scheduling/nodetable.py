@@ -39,6 +39,7 @@ log = logging.getLogger(__name__)
 EJECT_AFTER = 3  # proxied requests that could not reach a node, within EJECT_S
 EJECT_S = 10.0  # how long it stays out; then its agent's state applies again
 SORT_EVERY_S = 0.2  # the candidates' order, re-sorted at most this often (a state moving: now)
+CLOSED = (Status.DOWN, Status.DRAIN, Status.MAINTENANCE)  # nodes that take nothing new
 _NONE: frozenset[str] = frozenset()  # no pool blocked (a policy without pools)
 
 
@@ -70,8 +71,7 @@ class NodeTable:
         self.outputs = UrgentOutputs()  # the urgent class's answer lengths: the decode guard
         self.placements = Placements(metrics, clock)  # where prompt heads went (routing)
         self.prefixes = self.placements.index
-        # Nodes that take nothing new (down, draining, in maintenance), and who is told when
-        # that set changes (the edge's table: its fail-open mode must not pick them).
+        # Nodes in CLOSED, and who is told when they change (the edge's fail-open skips them).
         self.unusable: frozenset[str] = frozenset()
         self.on_unusable: Callable[[frozenset[str]], None] | None = None
         self.set_policy(policy())
@@ -259,8 +259,7 @@ class NodeTable:
         if not states_moved:
             return
         self._by_model(now)
-        closed = (Status.DOWN, Status.DRAIN, Status.MAINTENANCE)
-        unusable = frozenset(v.node.id for v in views if v.state in closed)
+        unusable = frozenset(v.node.id for v in views if v.state in CLOSED)
         if unusable != self.unusable:
             self.unusable = unusable
             if self.on_unusable is not None:
@@ -303,19 +302,20 @@ class NodeTable:
 
     def _refresh_failed(self, exc: BaseException | None = None) -> None:
         self.reads.lost = True  # the next read checks the feed still reaches back (reading.py)
-        # Timed out by our own lateness, a pool with every connection in use, or a connection
-        # closed under us after such a timeout (redis-py's Cluster client closes them): our
-        # overload, not an outage — keep the views, never the failure mode (it reopened a
-        # drained node on an overloaded sidecar after 3 s, as fail-open opens every node).
+        # Our own lateness, a pool with every connection in use, or a connection closed after such
+        # a timeout (redis-py's Cluster client does): overload, not an outage. Keep the views.
         if isinstance(exc, REDIS_DOWN) and (self.lag.overloaded() or isinstance(exc, PoolBusy)):
             self.lag.timed_out(self.metrics, "refresh")
             return
         self.metrics.redis_errors.labels("refresh").inc()
         if self.clock() - self._last_ok < self.policy().watermarks.stale_after_s:
             return  # keep the last view through a blip
+        # Fail-open opens the nodes last seen taking work or never read, as the edge's own
+        # fail-open does (its table's `serving`): a drained node stays closed. Fail-closed: down.
         fail_open = self.policy().redis.failure_mode == FailureMode.OPEN
+        kept = CLOSED if fail_open else (Status.MAINTENANCE,)
         for v in self.views.values():
-            if v.state != Status.MAINTENANCE:
+            if v.state not in kept or not v.observed:
                 v.state = Status.OPEN if fail_open else Status.DOWN
         self.index.stale = True
 

@@ -38,9 +38,11 @@ class NodeView:
     prefix_hit_ratio: float | None = None  # the engine's prefix cache, for operators
     pool_tokens: int = 0  # the engine's KV pool in tokens (0: unknown): its prefix cache's room
     since: float = 0.0  # when this sidecar saw the state change last (epoch seconds; 0: never)
+    observed: bool = False  # a state was read (or found missing) at least once
 
     def observe(self, st: NodeState | None, maintenance: bool) -> None:
         """Take the agent's latest state (None: silent → down) and the operator's flag."""
+        self.observed = True
         if st is None:
             self.state = Status.DOWN
             return
