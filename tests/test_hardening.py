@@ -4,6 +4,8 @@ paths the edge does not serve, and answers that would outlive their lease."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
 import time
 import urllib.error
@@ -231,6 +233,59 @@ def node_requests(stack: Stack) -> list[float]:
             )
         )
     return out
+
+
+def node_states(stack: Stack) -> dict[str, str]:
+    got = json.load(urllib.request.urlopen(f"{stack.sidecar_url}/nodes", timeout=5))
+    return {n["node"]: n["state"] for n in got["nodes"]}
+
+
+def fault(stack: Stack, node: int, **body: Any) -> None:
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{stack.node_ports[node]}/sim/fault",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    urllib.request.urlopen(req, timeout=5).close()
+
+
+def wait_state(stack: Stack, node: str, want: str, within_s: float = 15) -> None:
+    deadline = time.monotonic() + within_s
+    while node_states(stack).get(node) != want:
+        assert time.monotonic() < deadline, (node, want, node_states(stack))
+        time.sleep(0.2)
+
+
+def test_a_hung_redis_keeps_a_down_node_closed_and_the_edge_serving(stack: Stack) -> None:
+    """redis-server frozen (SIGSTOP) past stale_after_s while node-1 fails its health checks
+    (its agent said down): the sidecar fails open (redis.failure_mode: open) onto node-0 only —
+    node-1, last seen down, stays closed — and every request is answered by node-0. Redis and
+    the node back: the agent's states apply again. (Fail-open used to reopen every node: the
+    six requests went to node-1, whose engine the fault also stops, and all six timed out, 504.)"""
+    redis = dict(stack.procs)["redis"]
+    fault(stack, 1, hang=True)  # /health never answers
+    try:
+        wait_state(stack, "node-1", "down")
+        os.kill(redis.pid, signal.SIGSTOP)
+        try:
+            time.sleep(4.0)  # > stale_after_s (3 s): an outage, not a blip
+            before = node_requests(stack)
+            body = {
+                "model": "llama-3-8b",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+            }
+            codes = [post(stack, "/v1/chat/completions", body)[0] for _ in range(6)]
+            after = node_requests(stack)
+            states = node_states(stack)
+        finally:
+            os.kill(redis.pid, signal.SIGCONT)
+        assert codes == [200] * 6
+        assert states == {"node-0": "open", "node-1": "down"}, states
+        assert after[0] - before[0] == 6 and after[1] == before[1], (before, after)
+    finally:
+        fault(stack, 1, hang=False)
+    wait_state(stack, "node-1", "open", 30)
 
 
 def test_zz_fail_open_skips_a_drained_node(stack: Stack) -> None:
