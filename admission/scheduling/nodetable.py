@@ -30,7 +30,7 @@ from admission.scheduling.prefixes import NO_PREFIX, Prefix
 from admission.scheduling.reading import NodeReads
 from admission.scheduling.routing import eligible, fallbacks, pool_rank, urgent
 from admission.scheduling.shares import Shares
-from admission.scheduling.views import NodeView
+from admission.scheduling.views import CLOSED, NodeView, fail_over
 from admission.store import REDIS_DOWN, PoolBusy, is_down, keys
 from admission.store.connection import on_cluster
 
@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 EJECT_AFTER = 3  # proxied requests that could not reach a node, within EJECT_S
 EJECT_S = 10.0  # how long it stays out; then its agent's state applies again
 SORT_EVERY_S = 0.2  # the candidates' order, re-sorted at most this often (a state moving: now)
-CLOSED = (Status.DOWN, Status.DRAIN, Status.MAINTENANCE)  # nodes that take nothing new
 _NONE: frozenset[str] = frozenset()  # no pool blocked (a policy without pools)
 
 
@@ -54,6 +53,7 @@ class NodeTable:
         self.views: dict[str, NodeView] = {}
         self.held_since: dict[str, float] = {}  # model → since when every live node is held
         self._last_ok = clock()
+        self._failed_over = False  # the failure mode applies to the views (an outage)
         self._read_at = float("inf")  # when the last refresh started (never: views as set)
         self._reading: asyncio.Future[None] | None = None
         self._one_read = asyncio.Lock()
@@ -236,6 +236,7 @@ class NodeTable:
         if any(isinstance(r, Exception) for r in res[reads:-1]):
             self.metrics.redis_errors.labels("prefix_feed").inc()  # not told: harmless
         now = self._last_ok = self.clock()
+        self._failed_over = False  # (the limiter logs that Redis answers again)
         secs, micros = res[0]
         redis_us = int(secs) * 1_000_000 + int(micros)
         dirty = self.reads.apply(plan, res[1:reads], redis_us, now, self.views)
@@ -310,13 +311,12 @@ class NodeTable:
         self.metrics.redis_errors.labels("refresh").inc()
         if self.clock() - self._last_ok < self.policy().watermarks.stale_after_s:
             return  # keep the last view through a blip
-        # Fail-open opens the nodes last seen taking work or never read, as the edge's own
-        # fail-open does (its table's `serving`): a drained node stays closed. Fail-closed: down.
-        fail_open = self.policy().redis.failure_mode == FailureMode.OPEN
-        kept = CLOSED if fail_open else (Status.MAINTENANCE,)
-        for v in self.views.values():
-            if v.state not in kept or not v.observed:
-                v.state = Status.OPEN if fail_open else Status.DOWN
+        mode = self.policy().redis.failure_mode
+        closed = fail_over(self.views.values(), mode == FailureMode.OPEN)
+        if not self._failed_over:  # once an outage: what this sidecar routes to now
+            self._failed_over = True
+            msg = "node views not read for %.1f s: failure mode %s; %d nodes closed: %.300s"
+            log.warning(msg, self.views_age(), mode.value, len(closed), ", ".join(closed) or "-")
         self.index.stale = True
 
     async def proxied(self, node: str, failed: bool, ticket: str) -> None:
@@ -324,8 +324,8 @@ class NodeTable:
         `EJECT_S`, counted in Redis across every sidecar, take it out of rotation everywhere for
         `EJECT_S`; then its agent's state applies again (a healthy node is back, a dead one is
         down by its failed health checks). Counted by ticket, so an edge re-sending a batch
-        counts nothing twice. Successes cost nothing: nothing is written. Redis refusing
-        (down, READONLY, OOM): not counted, and the release goes on."""
+        counts nothing twice. Successes cost nothing: nothing is written. Redis refusing (down,
+        READONLY, OOM): not counted, and the release goes on."""
         if not failed or node not in self.views:
             return
         fails_key = keys.node_fails(node)

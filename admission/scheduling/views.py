@@ -7,6 +7,7 @@ and shared parts, leases), advanced locally by what this sidecar booked since.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +16,7 @@ from admission.policy import Node
 from admission.scheduling.leases import Ask
 
 RESERVE_HALF_S = 20.0  # the urgent reserve halves in this time (lease.lua's RESERVE_HALF_US)
+CLOSED = (Status.DOWN, Status.DRAIN, Status.MAINTENANCE)  # nodes that take nothing new
 
 
 @dataclass
@@ -151,3 +153,15 @@ class NodeView:
             "waiting": self.waiting,
             "prefix_cache_hit_ratio": self.prefix_hit_ratio,
         }
+
+
+def fail_over(views: Collection[NodeView], fail_open: bool) -> list[str]:
+    """Redis gone past stale_after_s: fail-open opens the nodes last seen taking work (held ones
+    too: nobody measures them now) or never read, as the edge's own fail-open does (its table's
+    `serving`); one last seen down, draining or in maintenance stays closed. Fail-closed: every
+    node down but those in maintenance. Returns the nodes left closed."""
+    kept = CLOSED if fail_open else (Status.MAINTENANCE,)
+    for v in views:
+        if v.state not in kept or not v.observed:
+            v.state = Status.OPEN if fail_open else Status.DOWN
+    return [v.node.id for v in views if v.state != Status.OPEN]
