@@ -7,7 +7,6 @@ import random
 from dataclasses import replace
 from typing import Any
 
-import pytest
 from redis import exceptions as rex
 
 from admission.limits import Limiter
@@ -251,7 +250,7 @@ async def test_connections_closed_under_an_overloaded_sidecar_keep_its_views(
 
 
 async def test_a_redis_outage_opens_what_took_work_and_keeps_closed_nodes_closed(
-    redis: Any, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+    redis: Any, redis_server: RedisServer
 ) -> None:
     """Redis gone for longer than stale_after_s: fail-open opens the nodes last seen open or
     held, and keeps a node last seen drained, down (its agent silent) or in maintenance
@@ -308,11 +307,6 @@ async def test_a_redis_outage_opens_what_took_work_and_keeps_closed_nodes_closed
         }
         assert {v.state for v in fresh.nodes.views.values()} == {Status.OPEN}
         assert told == []
-        await a.nodes.refresh()  # the outage goes on: said once
-        said = [r.getMessage() for r in caplog.records if "node views not read" in r.getMessage()]
-        assert len(said) == 2, said  # a's and fresh's
-        assert said[0].endswith("failure mode open; 3 nodes closed: n1, n3, n4"), said
-        assert said[1].endswith("failure mode open; 0 nodes closed: -"), said
         closed = a.nodes.policy()
         closed = replace(closed, redis=replace(closed.redis, failure_mode=FailureMode.CLOSED))
         a.nodes.policy = lambda: closed

@@ -53,7 +53,6 @@ class NodeTable:
         self.views: dict[str, NodeView] = {}
         self.held_since: dict[str, float] = {}  # model → since when every live node is held
         self._last_ok = clock()
-        self._failed_over = False  # the failure mode applies to the views (an outage)
         self._read_at = float("inf")  # when the last refresh started (never: views as set)
         self._reading: asyncio.Future[None] | None = None
         self._one_read = asyncio.Lock()
@@ -236,7 +235,6 @@ class NodeTable:
         if any(isinstance(r, Exception) for r in res[reads:-1]):
             self.metrics.redis_errors.labels("prefix_feed").inc()  # not told: harmless
         now = self._last_ok = self.clock()
-        self._failed_over = False  # (the limiter logs that Redis answers again)
         secs, micros = res[0]
         redis_us = int(secs) * 1_000_000 + int(micros)
         dirty = self.reads.apply(plan, res[1:reads], redis_us, now, self.views)
@@ -311,12 +309,7 @@ class NodeTable:
         self.metrics.redis_errors.labels("refresh").inc()
         if self.clock() - self._last_ok < self.policy().watermarks.stale_after_s:
             return  # keep the last view through a blip
-        mode = self.policy().redis.failure_mode
-        closed = fail_over(self.views.values(), mode == FailureMode.OPEN)
-        if not self._failed_over:  # once an outage: what this sidecar routes to now
-            self._failed_over = True
-            msg = "node views not read for %.1f s: failure mode %s; %d nodes closed: %.300s"
-            log.warning(msg, self.views_age(), mode.value, len(closed), ", ".join(closed) or "-")
+        fail_over(self.views.values(), self.policy().redis.failure_mode == FailureMode.OPEN)
         self.index.stale = True
 
     async def proxied(self, node: str, failed: bool, ticket: str) -> None:
