@@ -54,9 +54,14 @@ def post(stack: Stack, path: str, body: Any, timeout: float = 30) -> tuple[int, 
         return e.code, e.read()
 
 
+def sidecar_nodes(stack: Stack) -> list[dict[str, Any]]:
+    """The sidecar's node views (`/nodes`)."""
+    with urllib.request.urlopen(f"{stack.sidecar_url}/nodes", timeout=5) as r:
+        return list(json.load(r)["nodes"])
+
+
 def inflight(stack: Stack) -> int:
-    nodes = json.load(urllib.request.urlopen(f"{stack.sidecar_url}/nodes", timeout=5))["nodes"]
-    return sum(int(n["inflight"]) for n in nodes)
+    return sum(int(n["inflight"]) for n in sidecar_nodes(stack))
 
 
 @pytest.mark.parametrize(
@@ -236,8 +241,7 @@ def node_requests(stack: Stack) -> list[float]:
 
 
 def node_states(stack: Stack) -> dict[str, str]:
-    got = json.load(urllib.request.urlopen(f"{stack.sidecar_url}/nodes", timeout=5))
-    return {n["node"]: n["state"] for n in got["nodes"]}
+    return {n["node"]: n["state"] for n in sidecar_nodes(stack)}
 
 
 def fault(stack: Stack, node: int, **body: Any) -> None:

@@ -317,8 +317,8 @@ class NodeTable:
         `EJECT_S`, counted in Redis across every sidecar, take it out of rotation everywhere for
         `EJECT_S`; then its agent's state applies again (a healthy node is back, a dead one is
         down by its failed health checks). Counted by ticket, so an edge re-sending a batch
-        counts nothing twice. Successes cost nothing: nothing is written. Redis refusing (down,
-        READONLY, OOM): not counted, and the release goes on."""
+        counts nothing twice. Successes cost nothing: nothing is written. Redis refusing
+        (down, READONLY, OOM): not counted, and the release goes on."""
         if not failed or node not in self.views:
             return
         fails_key = keys.node_fails(node)

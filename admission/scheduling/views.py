@@ -7,7 +7,7 @@ and shared parts, leases), advanced locally by what this sidecar booked since.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,13 +155,12 @@ class NodeView:
         }
 
 
-def fail_over(views: Collection[NodeView], fail_open: bool) -> list[str]:
+def fail_over(views: Iterable[NodeView], fail_open: bool) -> None:
     """Redis gone past stale_after_s: fail-open opens the nodes last seen taking work (held ones
     too: nobody measures them now) or never read, as the edge's own fail-open does (its table's
     `serving`); one last seen down, draining or in maintenance stays closed. Fail-closed: every
-    node down but those in maintenance. Returns the nodes left closed."""
+    node down but those in maintenance."""
     kept = CLOSED if fail_open else (Status.MAINTENANCE,)
     for v in views:
         if v.state not in kept or not v.observed:
             v.state = Status.OPEN if fail_open else Status.DOWN
-    return [v.node.id for v in views if v.state != Status.OPEN]
