@@ -776,7 +776,7 @@ async def test_memory_aware_limits_tighten_lower_classes_while_a_model_stays_hel
     nt._by_model(now[0])
     assert nt.limit_factor("m", "batch") == 0.05
     assert nt.limit_factor("m", "realtime") == 1.0
-    nt._gauge([])
+    nt.gauge_limits()
     assert metrics.limit_factor.labels("m")._value.get() == 0.05
     assert nt.pressure_snapshot()[0]["factor"] == 0.05
 

@@ -7,6 +7,7 @@ import random
 from dataclasses import replace
 from typing import Any
 
+import pytest
 from redis import exceptions as rex
 
 from admission.limits import Limiter
@@ -322,6 +323,54 @@ async def test_a_redis_outage_opens_what_took_work_and_keeps_closed_nodes_closed
     finally:
         await ca.aclose()
         await cf.aclose()
+
+
+async def test_views_read_late_while_redis_answers_leases_are_kept(
+    redis: Any, redis_server: RedisServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The reads fail past stale_after_s (a Redis slow on their pipeline) while Redis answers
+    this sidecar's leases: not an outage. The last views are kept in either failure mode (a
+    drained node stays drained, fail-closed closes nothing), logged once. No answer to the hot
+    path either for stale_after_s: the failure mode applies (here fail-closed: every node down)."""
+    now = [1000.0]
+    a, ca, states = await published(redis, redis_server, 4, now)
+    states[1] = state("n1", Status.DRAIN, 0.9)
+    await publish(redis, Publisher(), states, now[0])
+    await a.nodes.refresh()
+    seen = {n: a.nodes.get(n).state for n in ("n0", "n1", "n2", "n3")}
+    assert seen == {"n0": Status.OPEN, "n1": Status.DRAIN, "n2": Status.OPEN, "n3": Status.OPEN}
+    p = a.nodes.policy()
+    closed = replace(p, redis=replace(p.redis, failure_mode=FailureMode.CLOSED))
+    a.nodes.policy = lambda: closed
+    adm = await a.admit(p.tenants["acme"], "realtime", "m", 10, 10)  # Redis answers the lease
+    real = a.nodes.redis.pipeline
+
+    def slow(*args: Any, **kw: Any) -> Any:
+        pipe = real(*args, **kw)
+
+        async def execute(*_a: Any, **_k: Any) -> Any:
+            raise rex.TimeoutError("Timeout reading from 127.0.0.1:6379")
+
+        pipe.execute = execute
+        return pipe
+
+    a.nodes.lag.overloaded = lambda: False  # type: ignore[method-assign]
+    try:
+        a.nodes.redis.pipeline = slow
+        for _ in range(3):
+            now[0] += 1.5
+            await a.nodes.refresh()
+            assert {n: a.nodes.get(n).state for n in seen} == seen
+        assert a.nodes.views_age() >= 4.5  # the gauge (alerted) says how old they are
+        said = [r.getMessage() for r in caplog.records if "last views kept" in r.getMessage()]
+        assert len(said) == 1 and "TimeoutError" in said[0], said
+        a.store.scripts.answered_at -= 3.0  # no answer for stale_after_s (2 s)
+        await a.nodes.refresh()
+        assert {v.state for v in a.nodes.views.values()} == {Status.DOWN}
+    finally:
+        a.nodes.redis.pipeline = real
+        await a.release(adm.ticket, 20)
+        await ca.aclose()
 
 
 def test_candidates_are_bounded_and_keep_the_best_choice() -> None:

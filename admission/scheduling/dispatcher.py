@@ -66,7 +66,10 @@ class Dispatcher:
         self.store, self.limiter, self.policy, self.metrics = st, limiter, policy, metrics
         self.clock = clock
         self.queue = FairQueue(policy())
-        self.nodes = NodeTable(st.redis, policy, metrics, clock)
+        answered = st.scripts
+        self.nodes = NodeTable(
+            st.redis, policy, metrics, clock, lambda: time.monotonic() - answered.answered_at
+        )
         metrics.views_age.set_function(self.nodes.views_age)
         self.wake = asyncio.Event()
         self.ahead = Ahead(limiter, st.backlog, metrics, clock)

@@ -26,7 +26,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis import exceptions as rex
 
-from admission.store.connection import on_cluster, raise_if_down
+from admission.store.connection import is_down, on_cluster, raise_if_down
 
 NAMES = ("acquire", "settle", "lease", "unlease")
 # A caller's compensations, built only if it was cancelled (the client left) while its calls
@@ -62,6 +62,9 @@ class Scripts:
         self.redis = redis
         self.timeout_s = timeout_s  # per round trip (a client without per-reply timeouts)
         self.observe = observe  # seconds of each coalesced round trip that answered
+        # When (time.monotonic) Redis last answered a round trip with something other than
+        # "unavailable": the node views' failure mode asks it (nodetable.py).
+        self.answered_at = -1e9
         # redis-py refuses EVALSHA in cluster pipelines: there, calls run concurrently instead.
         self.cluster = isinstance(redis, aioredis.RedisCluster)
         self.source = {n: PRELUDE + _lua(n) for n in NAMES}
@@ -87,6 +90,7 @@ class Scripts:
                     self._after(out, orphan)
                 raise
             self.observe(time.perf_counter() - started)
+            self._answered(results)
             raise_if_down(results)
             return results
         fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
@@ -99,6 +103,10 @@ class Scripts:
             if orphan is not None and fut.done() and not fut.cancelled() and not fut.exception():
                 self._enqueue(orphan(), None, None)
             raise
+
+    def _answered(self, results: list[Any]) -> None:
+        if not all(is_down(r) for r in results):
+            self.answered_at = time.monotonic()
 
     def _after(
         self, out: asyncio.Future[list[Any]], orphan: Callable[[], tuple[Call, ...]]
@@ -141,6 +149,7 @@ class Scripts:
                             tuple(c for calls, _f, _o in group for c in calls)
                         )
                     self.observe(time.perf_counter() - started)
+                    self._answered(results)
                 except TimeoutError:  # redis-py dropped the connection mid-reply
                     failed = rex.TimeoutError("Redis round trip timed out")
                 except asyncio.CancelledError:
