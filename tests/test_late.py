@@ -19,7 +19,7 @@ from admission.policy import Node, OnLate, load_policy
 from admission.reload import PolicyHolder
 from admission.scheduling.routing import ask_for
 from admission.scheduling.views import NodeView
-from admission.server import build_app
+from admission.server import DISPATCHER, build_app
 from admission.store import keys
 from devstack.procs import RedisServer
 from devstack.stack import DEFAULT_POLICY
@@ -63,7 +63,8 @@ async def test_a_request_that_can_no_longer_be_in_time_is_refused_early(
     waited = asyncio.get_running_loop().time() - started
     assert r.status == 429 and int(r.headers["Retry-After"]) >= 1
     assert (await r.json())["error"]["code"] == "slo_unreachable"
-    # Refused once waiting + the soonest prefill passes the target less its margin (0.75 s),
+    # Refused once waiting + the soonest prefill passes the target less its margin (0.9 s for
+    # the class the engine runs first),
     # well before the class's 5 s queue deadline.
     assert 0.5 <= waited < 2.5, waited
     level = int(await redis.hget(keys.tenant_keys("acme", "x")[1], "l") or 0)
@@ -86,20 +87,54 @@ async def test_a_request_that_can_no_longer_be_in_time_is_refused_early(
 async def test_a_prompt_too_long_for_the_target_at_the_measured_rate_waits_its_turn(
     sidecar: Any, redis: Any
 ) -> None:
-    """Its own prefill alone passes the target at the node's measured rate (900 tokens at
-    1,000/s against 0.75 s): not refused on arrival, as a rate measured from short prompts
+    """Its own prefill alone passes the target at the node's measured rate (950 tokens at
+    1,000/s against 0.9 s): not refused on arrival, as a rate measured from short prompts
     only would have it — it waits for a slot, past the point a short one is refused, and runs."""
     client = sidecar
     await set_node(redis, "n1", prefill_rate=1_000.0)
     await asyncio.sleep(0.3)  # the sidecar's node refresh sees the new rate
     leases = [await client.post("/admit", json=admit_body()) for _ in range(4)]
     assert [r.status for r in leases] == [200] * 4
-    waiter = asyncio.ensure_future(client.post("/admit", json=admit_body(prompt_tokens=900)))
-    await asyncio.sleep(1.5)  # a 10-token request would have been refused at ~0.75 s
+    waiter = asyncio.ensure_future(client.post("/admit", json=admit_body(prompt_tokens=950)))
+    await asyncio.sleep(1.5)  # a 10-token request would have been refused at ~0.9 s
     assert not waiter.done()
     ticket = (await leases[0].json())["ticket"]
     assert (await client.post("/release", json={"ticket": ticket})).status == 200
     assert (await asyncio.wait_for(waiter, 5)).status == 200
+
+
+async def test_the_urgent_class_waits_into_the_margin_and_still_runs(
+    redis: Any, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """The most urgent class is refused only past 90 % of its target (`URGENT_MARGIN`), not
+    75 % as the others: nothing inside the engine goes before it. A request of it that waited
+    into that last quarter still runs when a slot frees there — and the class reads as past
+    capacity from then on, as if refused (the signal for the early refusals and the own decode
+    guard keeps the 75 % point). Realtime's target set to 4 s here, so that the slot frees
+    between the two points with room on each side (3.0, 3.25, 3.6 s)."""
+    text = LATE_POLICY.replace("slo: {ttft_ms: 1000}", "slo: {ttft_ms: 4000}")
+    path = tmp_path / "policies.yaml"
+    path.write_text(text.replace("REDIS_URL", redis_server.url))
+    holder = PolicyHolder(path, load_policy(path), Metrics())
+    await set_node(redis, "n1", prefill_rate=10_000.0)
+    client = TestClient(TestServer(build_app(holder, edge_table=tmp_path / "edge.json")))
+    await client.start_server()
+    try:
+        dispatcher = client.server.app[DISPATCHER]
+        leases = [await client.post("/admit", json=admit_body()) for _ in range(4)]
+        assert [r.status for r in leases] == [200] * 4
+        waiter = asyncio.ensure_future(client.post("/admit", json=admit_body()))
+        await asyncio.sleep(3.25)
+        assert not waiter.done()  # past 75 % of its target, still waiting
+        assert dispatcher.nodes.outputs.refusing("realtime", dispatcher.clock())
+        ticket = (await leases[0].json())["ticket"]
+        assert (await client.post("/release", json={"ticket": ticket})).status == 200
+        assert (await asyncio.wait_for(waiter, 5)).status == 200
+        data = await (await client.get("/status.json")).json()
+        rows = {c["class"]: c for c in data["queue"]["classes"]}
+        assert rows["realtime"]["late_refused_60s"] == 0
+    finally:
+        await client.close()
 
 
 def test_the_urgent_class_is_gated_by_its_prefill_budget_only_when_it_refuses_late() -> None:

@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from admission.errors import (
     AdmissionError,
@@ -347,7 +348,9 @@ class Dispatcher:
 
     def _refuse_late(self, now: float) -> None:
         cached = self.nodes.cached
-        for name, item in late_heads(self.policy(), self.queue, self.nodes.near, now, cached):
+        nearly = partial(self.nodes.outputs.refused_late, now=now)
+        heads = late_heads(self.policy(), self.queue, self.nodes.near, now, cached, nearly)
+        for name, item in heads:
             waiter: _Waiter = item.payload
             if not waiter.future.done():
                 exc = SloUnreachable(name, self.queue.retry_after(len(self.queue)))
