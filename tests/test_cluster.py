@@ -127,13 +127,16 @@ async def test_acquire_with_lease_and_settle_with_release_on_cluster(cluster: st
     client = connect(p.redis)
     try:
         await client.flushall()  # the module's cluster is shared with the test above
-        lim = Limiter(Store.over(client, Metrics()), lambda: p, Metrics())
+        st = Store.over(client, Metrics())
+        lim = Limiter(st, lambda: p, Metrics())
         node1 = dataclasses.replace(p.nodes["n1"], max_inflight=1)
         T1 = f"{'1' * 16}:n1:t1"
         lease = leases.take(node1, T1, 60, leases.Ask(10, 100))
         t1 = p.tenants["t1"]
         acq, res = await trip.debit(lim, t1, "a", 100, 60, lease=lease, ticket=T1)
         assert acq.mode == "redis" and int(res[0]) == 1
+        # The node views' failure mode asks when Redis last answered (nodetable.py).
+        assert time.monotonic() - st.scripts.answered_at < 5
         lease2 = leases.take(node1, f"{'2' * 16}:n1:t1", 60, leases.Ask(10, 100))
         _acq, res2 = await trip.debit(lim, t1, "b", 100, 60, lease=lease2)
         assert int(res2[0]) == 0  # cap 1 across the cluster
