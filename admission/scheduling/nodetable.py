@@ -60,7 +60,7 @@ class NodeTable:
         self.views: dict[str, NodeView] = {}
         self.held_since: dict[str, float] = {}  # model → since when every live node is held
         self._last_ok = clock()
-        self._kept_since = 0.0  # views kept past stale_after_s while the hot path is answered
+        self._kept = False  # views kept past stale_after_s while the hot path is answered (logged)
         self._read_at = float("inf")  # when the last refresh started (never: views as set)
         self._reading: asyncio.Future[None] | None = None
         self._one_read = asyncio.Lock()
@@ -242,7 +242,7 @@ class NodeTable:
         if any(isinstance(r, Exception) for r in res[reads:-1]):
             self.metrics.redis_errors.labels("prefix_feed").inc()  # not told: harmless
         now = self._last_ok = self.clock()
-        self._kept_since = 0.0
+        self._kept = False
         secs, micros = res[0]
         redis_us = int(secs) * 1_000_000 + int(micros)
         dirty = self.reads.apply(plan, res[1:reads], redis_us, now, self.views)
@@ -324,19 +324,19 @@ class NodeTable:
         if self.clock() - self._last_ok < stale_s:
             return  # keep the last view through a blip
         if self.answered_s() < stale_s:
-            self._kept(exc)
+            self._keep(exc)
             return
         fail_over(self.views.values(), self.policy().redis.failure_mode == FailureMode.OPEN)
         self.index.stale = True
 
-    def _kept(self, exc: BaseException | None) -> None:
+    def _keep(self, exc: BaseException | None) -> None:
         """The reads fail past stale_after_s, but Redis answers this sidecar's leases and debits:
         not an outage (a Redis slow on the reads' larger pipeline, seen under 8 sidecars on a
         loaded 2-core Cluster). The last views are kept, and the ledgers still bound every node;
         `admission_node_views_age_seconds` grows (alerted past 5 s). Logged once an episode."""
-        if self._kept_since:
+        if self._kept:
             return
-        self._kept_since = self.clock()
+        self._kept = True
         log.warning(
             "node views not read for %.1f s (%s), but Redis answers leases: last views kept",
             self.clock() - self._last_ok,
