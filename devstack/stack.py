@@ -76,7 +76,9 @@ class Stack:
         self.run_dir = run_dir
         self.engine = engine
         self.n_nodes = nodes
-        self.port = port or free_port()  # callers may read `url` before start: picked now
+        # Picked again at start() unless given: read `url` and `port` after start().
+        self.fixed_port = port is not None
+        self.port = port or free_port()
         self.batch_workers = batch_workers
         self.batch_claim_idle_s = batch_claim_idle_s
         self.batch_concurrency = batch_concurrency
@@ -213,8 +215,10 @@ class Stack:
         )
         # Picked again now that the nodes run: a real vLLM node binds loopback ports of its own
         # while it starts (a minute), and once took the admin port picked before it (the
-        # sidecar then failed: "address already in use").
+        # sidecar then failed: "address already in use"). The edge's port likewise.
         self.admin_port = free_port()
+        if not self.fixed_port:
+            self.port = free_port()
         sockets = [self.sock_dir / f"sidecar-{i}.sock" for i in range(self.n_sidecars)]
         edge_table = self.sock_dir / "edge.json"
         for i, sock in enumerate(sockets):

@@ -182,12 +182,12 @@ def main(argv: list[str] | None = None) -> int:
     closed.write_text(WRK_LUA.format(body=BODY, gap=0))
     paced = work / "paced.lua"  # 2 connections, each waiting 80 ms after an answer: ~20 req/s
     paced.write_text(WRK_LUA.format(body=BODY, gap=80))
-    paths = {
-        "plain NGINX": f"http://127.0.0.1:{direct_port}/v1/chat/completions",
-        "full edge": f"{stack.url}/v1/chat/completions",
-    }
     try:
-        stack.start()
+        stack.start()  # picks the edge's port: `url` is read after it
+        paths = {
+            "plain NGINX": f"http://127.0.0.1:{direct_port}/v1/chat/completions",
+            "full edge": f"{stack.url}/v1/chat/completions",
+        }
         roles = groups(stack, stub)
         for url in paths.values():  # warm-up: connections, Lua code cache, sidecar caches
             measure(url, 32, 2, closed, roles)
