@@ -678,10 +678,35 @@ def test_urgent_class_is_not_held_by_what_lower_classes_hold(redis_server: Redis
     v.ledger(0.0, 700, 2, 0.0, urgent=700, reserve=700.0)  # realtime's own KV this time
     assert not ok("realtime", 10)  # 0.86 measured, none of it preemptible
     v.ledger(0.0, 100, 1, 0.0, urgent=0, reserve=0.0)
-    v.memory = 0.96  # more than lower classes' booking explains (another process, a leak)
-    assert not ok("realtime", 10)  # 0.96 − 0.10 ≥ 0.85
+    v.memory, v.base_memory = 0.96, 0.86  # the engine's KV in use is 0.10: the rest is not KV
+    assert not ok("realtime", 10)  # (another process, a leak): 0.96 − 0.10 ≥ 0.85
+    v.memory, v.base_memory = 0.96, 0.0  # all of it KV that batch holds: preemptible
+    assert ok("realtime", 10)
     v.memory, v.state = 0.5, Status.DOWN
     assert not ok("realtime", 10)  # down is down
+
+
+def test_lower_classes_hold_their_share_of_the_kv_the_engine_measures(
+    redis_server: RedisServer,
+) -> None:
+    # The edge's estimate can be far under the engine's tokens (a real node's tiny model: 3.2
+    # for 4 characters). 1,000 KV tokens, drain 0.85; booked 100 realtime + 100 batch, while the
+    # engine reports 0.90 in use (memory 0.95, 0.05 not KV): batch holds half of it, 0.45, which
+    # vLLM preempts for realtime. Counted by its booking alone (0.10), realtime was held.
+    text = BASE_POLICY.replace("deadline_s: 5}", "deadline_s: 5, admit_until: drain}")
+    p = make_policy(redis_server.url, text)
+    v = NodeView(p.nodes["n1"], state=Status.DRAIN, memory=0.95, per_token=0.001)
+    v.base_memory = 0.05
+    v.ledger(0.0, 200, 2, 0.0, urgent=100, reserve=100.0)
+    assert v.preemptible() == pytest.approx(0.45)
+    assert eligible([v], p, "m", "realtime", 10, 10, 0.0)
+    assert not eligible([v], p, "m", "batch", 10, 10, 0.0)
+    v.ledger(0.0, 200, 2, 0.0, urgent=190, reserve=190.0)  # realtime's own, nearly all of it
+    assert v.preemptible() == pytest.approx(0.045)
+    assert not eligible([v], p, "m", "realtime", 10, 10, 0.0)  # 0.95 − 0.045 ≥ 0.85
+    v.memory = 0.15  # in use less than booked: the booking counts (0.01), not its share
+    v.ledger(0.0, 200, 2, 0.0, urgent=190, reserve=190.0)
+    assert v.preemptible() == pytest.approx(0.01)
 
 
 def test_every_node_that_says_no_is_counted_with_its_reason(redis_server: RedisServer) -> None:

@@ -116,9 +116,16 @@ class NodeView:
         return max(self.memory - self.preemptible(), own)
 
     def preemptible(self) -> float:
-        """Memory fraction of the KV lower classes have booked here (0 when unknown); shared
-        prefix blocks are not: the urgent class may hold them too."""
-        return max(0, self.kv_reserved - self.kv_urgent - self.kv_shared) * self.per_token
+        """Memory fraction of the KV lower classes hold here (0 when unknown): what they booked,
+        or their booked share of the KV measured in use if that is more — the edge's token
+        estimate can be far under what the engine's tokenizer makes of a prompt (a real node's
+        tiny model: 3.2 tokens for 4 characters), and their bookings then stand for more memory
+        than their tokens say. Shared prefix blocks are not: the urgent class may hold them."""
+        lower = max(0, self.kv_reserved - self.kv_urgent - self.kv_shared)
+        if lower == 0 or self.per_token <= 0:
+            return 0.0
+        in_use = max(0.0, self.memory - self.base_memory)
+        return max(lower * self.per_token, in_use * lower / self.kv_reserved)
 
     def booked(self, ask: Ask, now: float) -> None:
         """A lease this sidecar took: count it until the next refresh reads the ledger."""
