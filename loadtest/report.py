@@ -44,6 +44,8 @@ class Record:
     completion_tokens: int = 0
     late_s: float = 0.0  # how late the generator sent it
     asked_tokens: int = 0  # the request's max_tokens: what it would have produced if served
+    prompt_tokens: int = 0  # the engine's usage: the prompt as its tokenizer counts it
+    cached_tokens: int = -1  # of those, what its prefix cache held (-1: not reported)
 
     @property
     def ok(self) -> bool:
@@ -200,6 +202,7 @@ def summarise(
                 )
             ),
             "lost": sum(1 for r in rs if r.lost),
+            "prefix_hits": cached_share(ok),
         }
     served: dict[str, float] = defaultdict(float)
     demand: dict[str, float] = defaultdict(float)  # output tokens asked for, answered or not
@@ -251,6 +254,16 @@ def summarise(
     }
 
 
+def cached_share(records: list[Record]) -> float | None:
+    """Prompt tokens the engines' prefix caches held for these answered requests, over their
+    prompt tokens (each answer's usage.prompt_tokens_details.cached_tokens), None when no engine
+    reported them. Per class: the cluster's ratio also moves with which requests a system
+    refuses, this one with where it sent those it served."""
+    told = [r for r in records if r.cached_tokens >= 0 and r.prompt_tokens > 0]
+    prompt = sum(r.prompt_tokens for r in told)
+    return sum(r.cached_tokens for r in told) / prompt if prompt else None
+
+
 def prefix_hit_ratio(nodes: dict[str, dict[str, float]]) -> float | None:
     """The cluster's prefix-cache hit ratio from the engines' own counters (hit tokens over
     queried tokens, vllm:prefix_cache_hits / _queries), None when no engine reported them."""
@@ -266,8 +279,8 @@ def _f(x: Any, fmt: str = "{:.0f}") -> str:
 
 def markdown(summaries: list[dict[str, Any]]) -> str:
     lines = [
-        "| system | class | sent | SLO (TTFT) attainment | e2e / TPOT SLO | TTFT p50 / p99 ms | e2e p50 / p99 ms | refused | lost |",
-        "|---|---|---:|---:|---:|---:|---:|---|---:|",
+        "| system | class | sent | SLO (TTFT) attainment | e2e / TPOT SLO | TTFT p50 / p99 ms | e2e p50 / p99 ms | refused | lost | prompt cached |",
+        "|---|---|---:|---:|---:|---:|---:|---|---:|---:|",
     ]
     for s in summaries:
         for cls, c in s["classes"].items():
@@ -280,7 +293,8 @@ def markdown(summaries: list[dict[str, Any]]) -> str:
                 e2e += f" / {c['tpot_attainment']:.1%}"
             lines.append(
                 f"| {s['system']} | {cls} | {c['sent']} | {att} | {e2e} | {_f(c['ttft_p50_ms'])} / {_f(c['ttft_p99_ms'])} "
-                f"| {_f(c['e2e_p50_ms'])} / {_f(c['e2e_p99_ms'])} | {ref} | {c['lost']} |"
+                f"| {_f(c['e2e_p50_ms'])} / {_f(c['e2e_p99_ms'])} | {ref} | {c['lost']} "
+                f"| {_f(c.get('prefix_hits'), '{:.1%}')} |"
             )
     lines += [
         "",

@@ -64,6 +64,10 @@ def test_benchmark_smoke(tmp_path: Path) -> None:
         assert s["goodput_tokens_per_s"] > 0
         # Per-tenant system prompts: every system's engines found some of them cached.
         assert s["prefix_hit_ratio"] is not None and s["prefix_hit_ratio"] > 0.1
+        # ... and per class, from each answer's usage (cached_tokens): realtime's share of
+        # its prompts is at most 1, and some of it was cached.
+        hits = s["classes"]["realtime"]["prefix_hits"]
+        assert hits is not None and 0.1 < hits <= 1.0
     assert "| admission | realtime |" in (out / "report.md").read_text()
     assert "offered compute, share of the cluster at roofline cost: realtime" in proc.stdout
     assert "batch with a first token in time behind realtime: at most" in proc.stdout

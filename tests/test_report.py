@@ -136,6 +136,23 @@ def test_summary_and_markdown(tmp_path: Path) -> None:
     assert all(p.exists() and p.stat().st_size > 1000 for p in paths)
 
 
+def test_prompt_cached_per_class_counts_answers_whose_engine_reported_it() -> None:
+    told = [rec(), rec(), rec(cls="batch")]
+    for r, (prompt, cached) in zip(told, [(100, 60), (300, 0), (200, 200)], strict=True):
+        r.prompt_tokens, r.cached_tokens = prompt, cached
+    silent = rec()  # an engine that did not report cached tokens: left out, not counted as 0
+    silent.prompt_tokens = 1000
+    refused = rec(status=429, ttft=None, code="over_fair_share")
+    refused.prompt_tokens, refused.cached_tokens = 500, 500  # not answered: not counted
+    res = SystemResult("s", 10.0, [*told, silent, refused])
+    classes = report.summarise(res, {"realtime": 1.0}, {"a": 1})["classes"]
+    assert classes["realtime"]["prefix_hits"] == pytest.approx(60 / 400)
+    assert classes["batch"]["prefix_hits"] == pytest.approx(1.0)
+    none = report.summarise(SystemResult("s", 10.0, [rec()]), {}, {"a": 1})
+    assert none["classes"]["realtime"]["prefix_hits"] is None
+    assert "| – |" in report.markdown([none])
+
+
 def test_schedule_is_seeded_poisson() -> None:
     a, b = schedule(20, 30, seed=3), schedule(20, 30, seed=3)
     assert a == b
