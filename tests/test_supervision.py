@@ -7,6 +7,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -168,3 +169,24 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_ports_taken_while_the_nodes_start_are_picked_again(tmp_path: Path) -> None:
+    # A real vLLM node binds loopback ports of its own while it starts (a minute): it once took
+    # the admin port picked at construction, and the sidecar failed "address already in use".
+    # Here both ports picked at construction are taken before start(): the stack still starts.
+    s = Stack(DEFAULT_POLICY, tmp_path / "run", nodes=1, sidecars=1, profile="tiny")
+    taken = []
+    for port in (s.port, s.admin_port):
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+        taken.append(sock)
+    try:
+        s.start()
+        assert s.port not in (t.getsockname()[1] for t in taken)
+        assert chat(s) == 200
+    finally:
+        s.stop()
+        for sock in taken:
+            sock.close()
