@@ -126,7 +126,7 @@ async def one(
         body["priority"] = priority
     headers = {"Authorization": f"Bearer {key}", "X-Request-Class": req.cls}
     rec = report.Record(system, req.kind, req.tenant, req.cls, req.at_s, 0)
-    rec.asked_tokens = req.max_tokens
+    rec.asked_tokens, rec.conversation = req.max_tokens, req.conversation
     start = time.monotonic()
     rec.late_s = start - (t0 + req.at_s)
     try:

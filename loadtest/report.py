@@ -14,6 +14,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from loadtest.fair import fair_shares, shares, windowed_fair
+from loadtest.hits import after_answers, cached_share, prefix_hit_ratio
+
 POLICY_CODES = {
     "queue_timeout",
     "queue_full",
@@ -46,6 +49,7 @@ class Record:
     asked_tokens: int = 0  # the request's max_tokens: what it would have produced if served
     prompt_tokens: int = 0  # the engine's usage: the prompt as its tokenizer counts it
     cached_tokens: int = -1  # of those, what its prefix cache held (-1: not reported)
+    conversation: str = ""  # the conversation it is a turn of ("": none)
 
     @property
     def ok(self) -> bool:
@@ -83,59 +87,6 @@ def attainment(records: list[Record], ttft_target_s: float) -> float:
     ) / len(records)
 
 
-def fair_shares(
-    served: float, demand: dict[str, float], weights: dict[str, float]
-) -> dict[str, float]:
-    """Weighted max-min fair shares of `served` tokens: each tenant gets what it asked for
-    (`demand`) or its weight's part of what is left, whichever is less (water-filling). A tenant
-    that asked for less than its weight's share is owed only what it asked: its weight is not a
-    claim on work it never sent, and the rest goes to the others by their weights."""
-    out = {t: 0.0 for t in weights}
-    left, wleft = served, sum(w for t, w in weights.items() if demand.get(t, 0.0) > 0)
-    for t in sorted(
-        (t for t in weights if demand.get(t, 0.0) > 0), key=lambda t: demand[t] / weights[t]
-    ):
-        take = min(demand[t], left * weights[t] / wleft) if wleft > 0 else 0.0
-        out[t], left, wleft = take, left - take, wleft - weights[t]
-    return {t: (v / served if served else math.nan) for t, v in out.items()}
-
-
-FAIR_WINDOW_S = 10.0  # the per-window fair share: requests grouped by when they were sent
-
-
-def windowed_fair(records: list[Record], weights: dict[str, float]) -> dict[str, float]:
-    """Each tenant's weighted max-min fair share per window (`FAIR_WINDOW_S`, by send time),
-    weighted by the realtime tokens served in each. The whole-run figure counts capacity used
-    before any backlog formed as if later requests could have had it (docs/benchmarks.md)."""
-    served: dict[int, Counter[str]] = defaultdict(Counter)
-    demand: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
-    for r in records:
-        if r.cls != "realtime":
-            continue
-        w = int(r.sent_s // FAIR_WINDOW_S)
-        if r.ok:
-            served[w][r.tenant] += r.completion_tokens
-        demand[w][r.tenant] += r.completion_tokens if r.ok else r.asked_tokens
-    owed: dict[str, float] = defaultdict(float)
-    for w, got in served.items():
-        total = sum(got[t] for t in weights)
-        if total:
-            for t, f in fair_shares(total, demand[w], weights).items():
-                owed[t] += f * total
-    whole = sum(owed.values())
-    return {t: (owed[t] / whole if whole else math.nan) for t in weights}
-
-
-def shares(served: dict[str, float], weights: dict[str, float]) -> dict[str, tuple[float, float]]:
-    """tenant → (share of served tokens, share by weight), over the tenants in `weights`."""
-    total = sum(served.get(t, 0.0) for t in weights)
-    wsum = sum(weights.values())
-    return {
-        t: ((served.get(t, 0.0) / total) if total else math.nan, w / wsum)
-        for t, w in weights.items()
-    }
-
-
 @dataclass
 class SystemResult:
     system: str
@@ -171,6 +122,7 @@ def summarise(
     by_cls: dict[str, list[Record]] = defaultdict(list)
     for r in res.records:
         by_cls[r.cls].append(r)
+    followed = after_answers(res.records)
     classes = {}
     for cls, rs in sorted(by_cls.items()):
         ok = [r for r in rs if r.ok]
@@ -203,6 +155,11 @@ def summarise(
             ),
             "lost": sum(1 for r in rs if r.lost),
             "prefix_hits": cached_share(ok),
+            "prefix_hits_followed": (
+                cached_share([r for r in ok if id(r) in followed])
+                if any(r.conversation for r in rs)
+                else None
+            ),
         }
     served: dict[str, float] = defaultdict(float)
     demand: dict[str, float] = defaultdict(float)  # output tokens asked for, answered or not
@@ -254,23 +211,6 @@ def summarise(
     }
 
 
-def cached_share(records: list[Record]) -> float | None:
-    """Prompt tokens the engines' prefix caches held for these answered requests, over their
-    prompt tokens (each answer's usage.prompt_tokens_details.cached_tokens), None when no engine
-    reported them. Per class: the cluster's ratio also moves with which requests a system
-    refuses, this one with where it sent those it served."""
-    told = [r for r in records if r.cached_tokens >= 0 and r.prompt_tokens > 0]
-    prompt = sum(r.prompt_tokens for r in told)
-    return sum(r.cached_tokens for r in told) / prompt if prompt else None
-
-
-def prefix_hit_ratio(nodes: dict[str, dict[str, float]]) -> float | None:
-    """The cluster's prefix-cache hit ratio from the engines' own counters (hit tokens over
-    queried tokens, vllm:prefix_cache_hits / _queries), None when no engine reported them."""
-    queries = sum(n.get("prefix_queries", 0.0) for n in nodes.values())
-    return sum(n.get("prefix_hits", 0.0) for n in nodes.values()) / queries if queries else None
-
-
 def _f(x: Any, fmt: str = "{:.0f}") -> str:
     if x is None or (isinstance(x, float) and math.isnan(x)):
         return "–"
@@ -289,12 +229,14 @@ def markdown(summaries: list[dict[str, Any]]) -> str:
             )
             ref = ", ".join(f"{k} {v}" for k, v in sorted(c["refused"].items())) or "–"
             e2e = _f(c.get("e2e_attainment"), "{:.1%}")
+            hits = c.get("prefix_hits_followed")
+            followed = f" ({hits:.1%} after an answered turn)" if hits is not None else ""
             if c.get("tpot_attainment") is not None:
                 e2e += f" / {c['tpot_attainment']:.1%}"
             lines.append(
                 f"| {s['system']} | {cls} | {c['sent']} | {att} | {e2e} | {_f(c['ttft_p50_ms'])} / {_f(c['ttft_p99_ms'])} "
                 f"| {_f(c['e2e_p50_ms'])} / {_f(c['e2e_p99_ms'])} | {ref} | {c['lost']} "
-                f"| {_f(c.get('prefix_hits'), '{:.1%}')} |"
+                f"| {_f(c.get('prefix_hits'), '{:.1%}')}{followed} |"
             )
     lines += [
         "",

@@ -153,6 +153,29 @@ def test_prompt_cached_per_class_counts_answers_whose_engine_reported_it() -> No
     assert "| – |" in report.markdown([none])
 
 
+def test_prompt_cached_after_an_answered_turn_leaves_out_turns_after_a_refused_one() -> None:
+    # A conversation's turns 1..4 (sent in that order, listed out of order): turn 2 is refused,
+    # so turn 3 finds only turn 1 cached; turns 1, 2 (refused: not counted) and 4 (after an
+    # answered turn 3) count. Another conversation's first turn counts too.
+    def turn(conv: str, at: float, prompt: int, cached: int, status: int = 200) -> Record:
+        r = rec(status=status, ttft=0.1 if status == 200 else None)
+        r.sent_s, r.conversation, r.prompt_tokens, r.cached_tokens = at, conv, prompt, cached
+        return r
+
+    rs = [
+        turn("c", 3.0, 300, 100),  # after the refused turn 2
+        turn("c", 1.0, 100, 20),
+        turn("c", 2.0, 200, 0, status=429),
+        turn("c", 4.0, 400, 300),
+        turn("d", 1.5, 100, 50),
+    ]
+    rt = report.summarise(SystemResult("s", 10.0, rs), {"realtime": 1.0}, {"a": 1})["classes"]
+    assert rt["realtime"]["prefix_hits"] == pytest.approx(470 / 900)
+    assert rt["realtime"]["prefix_hits_followed"] == pytest.approx(370 / 600)
+    plain = report.summarise(SystemResult("s", 10.0, [rec()]), {}, {"a": 1})["classes"]
+    assert plain["realtime"]["prefix_hits_followed"] is None  # no conversations: not shown
+
+
 def test_schedule_is_seeded_poisson() -> None:
     a, b = schedule(20, 30, seed=3), schedule(20, 30, seed=3)
     assert a == b
