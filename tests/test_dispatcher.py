@@ -680,8 +680,11 @@ def test_urgent_class_is_not_held_by_what_lower_classes_hold(redis_server: Redis
     v.ledger(0.0, 100, 1, 0.0, urgent=0, reserve=0.0)
     v.memory, v.base_memory = 0.96, 0.86  # the engine's KV in use is 0.10: the rest is not KV
     assert not ok("realtime", 10)  # (another process, a leak): 0.96 − 0.10 ≥ 0.85
-    v.memory, v.base_memory = 0.96, 0.0  # all of it KV that batch holds: preemptible
-    assert ok("realtime", 10)
+    v.memory, v.base_memory = 0.96, 0.0  # all of it KV, batch's only booking: preemptible up
+    assert ok("realtime", 10)  # to 4 × its 0.10 (chars_per_token): 0.96 − 0.40 < 0.85
+    v.memory = 0.96
+    v.ledger(0.0, 20, 1, 0.0, urgent=0, reserve=0.0)  # booked 0.02: at most 0.08 is batch's,
+    assert not ok("realtime", 10)  # the rest traffic the ledger does not see: 0.88 ≥ 0.85
     v.memory, v.state = 0.5, Status.DOWN
     assert not ok("realtime", 10)  # down is down
 
@@ -691,22 +694,27 @@ def test_lower_classes_hold_their_share_of_the_kv_the_engine_measures(
 ) -> None:
     # The edge's estimate can be far under the engine's tokens (a real node's tiny model: 3.2
     # for 4 characters). 1,000 KV tokens, drain 0.85; booked 100 realtime + 100 batch, while the
-    # engine reports 0.90 in use (memory 0.95, 0.05 not KV): batch holds half of it, 0.45, which
+    # engine reports 0.70 in use (memory 0.75, 0.05 not KV): batch holds half of it, 0.35, which
     # vLLM preempts for realtime. Counted by its booking alone (0.10), realtime was held.
     text = BASE_POLICY.replace("deadline_s: 5}", "deadline_s: 5, admit_until: drain}")
     p = make_policy(redis_server.url, text)
+    assert p.edge.chars_per_token == 4.0
     v = NodeView(p.nodes["n1"], state=Status.DRAIN, memory=0.95, per_token=0.001)
     v.base_memory = 0.05
+    v.memory = 0.75
     v.ledger(0.0, 200, 2, 0.0, urgent=100, reserve=100.0)
-    assert v.preemptible() == pytest.approx(0.45)
-    assert eligible([v], p, "m", "realtime", 10, 10, 0.0)
+    assert v.preemptible(4.0) == pytest.approx(0.35)
+    assert v.preemptible() == pytest.approx(0.10)  # its booking alone
+    v.memory = 0.95  # in use 0.90: half of it is 0.45, past 4 × the booking (a token is rarely
+    assert v.preemptible(4.0) == pytest.approx(0.40)  # under a character): the rest not theirs
+    assert eligible([v], p, "m", "realtime", 10, 10, 0.0)  # 0.95 − 0.40 < 0.85
     assert not eligible([v], p, "m", "batch", 10, 10, 0.0)
     v.ledger(0.0, 200, 2, 0.0, urgent=190, reserve=190.0)  # realtime's own, nearly all of it
-    assert v.preemptible() == pytest.approx(0.045)
-    assert not eligible([v], p, "m", "realtime", 10, 10, 0.0)  # 0.95 − 0.045 ≥ 0.85
+    assert v.preemptible(4.0) == pytest.approx(0.040)
+    assert not eligible([v], p, "m", "realtime", 10, 10, 0.0)  # 0.95 − 0.04 ≥ 0.85
     v.memory = 0.15  # in use less than booked: the booking counts (0.01), not its share
     v.ledger(0.0, 200, 2, 0.0, urgent=190, reserve=190.0)
-    assert v.preemptible() == pytest.approx(0.01)
+    assert v.preemptible(4.0) == pytest.approx(0.01)
 
 
 def test_every_node_that_says_no_is_counted_with_its_reason(redis_server: RedisServer) -> None:

@@ -155,7 +155,7 @@ def why_not(
     if v.inflight >= v.node.max_inflight:
         return "inflight"
     limit = policy.watermarks.drain if hurry else policy.watermarks.hold
-    if v.memory - (v.preemptible() if hurry else 0.0) >= limit:
+    if v.memory - (v.preemptible(policy.edge.chars_per_token) if hurry else 0.0) >= limit:
         return "measured"
     if ask.kv_limit >= 0 and booked_kv(v, ask) > ask.kv_limit:
         return "booked"  # the watermark in tokens (ask_for), as lease.lua checks it

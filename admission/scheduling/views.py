@@ -115,17 +115,21 @@ class NodeView:
         own = self.base_memory + (self.kv_urgent + self.kv_shared + extra_kv) * self.per_token
         return max(self.memory - self.preemptible(), own)
 
-    def preemptible(self) -> float:
+    def preemptible(self, most: float = 1.0) -> float:
         """Memory fraction of the KV lower classes hold here (0 when unknown): what they booked,
-        or their booked share of the KV measured in use if that is more — the edge's token
-        estimate can be far under what the engine's tokenizer makes of a prompt (a real node's
-        tiny model: 3.2 tokens for 4 characters), and their bookings then stand for more memory
-        than their tokens say. Shared prefix blocks are not: the urgent class may hold them."""
+        or their booked share of the KV measured in use if that is more, up to `most` times
+        their booking. The edge's token estimate can be far under what the engine's tokenizer
+        makes of a prompt (a real node's tiny model: 3.2 tokens for 4 characters), and their
+        bookings then stand for more memory than their tokens say. `most`: the edge's
+        `chars_per_token` (a token is rarely less than one character); past it the KV in use is
+        not theirs (traffic the ledger does not see), and holds the urgent class as before.
+        Shared prefix blocks are not counted: the urgent class may hold them."""
         lower = max(0, self.kv_reserved - self.kv_urgent - self.kv_shared)
         if lower == 0 or self.per_token <= 0:
             return 0.0
+        booked = lower * self.per_token
         in_use = max(0.0, self.memory - self.base_memory)
-        return max(lower * self.per_token, in_use * lower / self.kv_reserved)
+        return max(booked, min(in_use * lower / self.kv_reserved, booked * most))
 
     def booked(self, ask: Ask, now: float) -> None:
         """A lease this sidecar took: count it until the next refresh reads the ledger."""
