@@ -159,9 +159,10 @@ async def one(
                 if line.startswith(b"data: {") and b'"usage"' in line:
                     usage = json.loads(line[6:]).get("usage") or {}
                     rec.completion_tokens = int(usage.get("completion_tokens", 0))
-                    rec.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                    details = usage.get("prompt_tokens_details") or {}
-                    rec.cached_tokens = int(details.get("cached_tokens", -1))
+                    prompt = usage.get("prompt_tokens")
+                    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+                    rec.prompt_tokens = prompt if isinstance(prompt, int) else 0
+                    rec.cached_tokens = cached if isinstance(cached, int) else -1  # -1: not told
     except (aiohttp.ClientError, TimeoutError, ConnectionError, OSError) as exc:
         rec.status = 0  # lost; what failed is kept for the report (e.g. the client's own EMFILE)
         rec.code = type(exc).__name__ + (
