@@ -210,6 +210,14 @@ class Metrics:
             buckets=(1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25),
             registry=r,
         )
+        self.prompt_ratio = Histogram(
+            "admission_prompt_tokens_ratio",
+            "The engine's prompt tokens over the edge's estimate of them (edge.chars_per_token), "
+            "per release with usage: far from 1, the ledger books prompts, prefill and KV in the "
+            "wrong size.",
+            buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.1, 1.25, 1.5, 2.0, 3.0, 4.0, 8.0),
+            registry=r,
+        )
         self.dispatch_seconds = Histogram(
             "admission_dispatch_seconds",
             "CPU time of one dispatcher pass.",

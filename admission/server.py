@@ -33,7 +33,7 @@ from admission.metrics import Metrics
 from admission.reload import PolicyHolder, write_edge_table
 from admission.scheduling import Dispatcher
 from admission.store import Store, connect_batch
-from admission.usage import release_args
+from admission.usage import prompt_ratio, release_args
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +89,12 @@ async def release(request: web.Request) -> web.Response:
     request.app[ACCESS].check_edge(request)
     body = await _json_body(request)
     dispatcher = request.app[DISPATCHER]
+    ratio = request.app[METRICS].prompt_ratio
     if not isinstance(body, list):
-        refunded = await dispatcher.release(*release_args(body, request.app[POLICY].current))
+        args = release_args(body, request.app[POLICY].current)
+        if (seen := prompt_ratio(body)) is not None:
+            ratio.observe(seen)
+        refunded = await dispatcher.release(*args)
         return _json({"released": True, "refunded_tokens": refunded})
     if len(body) > MAX_RELEASE_BATCH:
         raise BadRequest(f"at most {MAX_RELEASE_BATCH} releases per batch", code="batch_too_large")
@@ -102,6 +106,8 @@ async def release(request: web.Request) -> web.Response:
         try:
             good.append(release_args(entry, policy))
             results.append({})
+            if (seen := prompt_ratio(entry)) is not None:
+                ratio.observe(seen)
         except BadRequest as exc:
             results.append({"error": {"message": exc.message, "code": exc.code}})
     refunds = iter(await dispatcher.release_many(good))

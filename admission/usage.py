@@ -15,7 +15,7 @@ from admission.scheduling.leases import parse_ticket
 
 log = logging.getLogger(__name__)
 
-RELEASE_KEYS = {"ticket", "status", "usage", "node_failed", "header_s"}
+RELEASE_KEYS = {"ticket", "status", "usage", "node_failed", "header_s", "estimate"}
 # Without usage, what the engine did is judged by evidence, not by the status alone:
 # - no engine answered (status 0, or 502 with no response header: NGINX could not connect, or
 #   the engine closed the connection unanswered): nothing ran, nothing is charged;
@@ -72,6 +72,11 @@ def release_args(body: Any, policy: Policy) -> tuple[str, int, bool, int, int]:
     number = isinstance(header_s, int | float) and not isinstance(header_s, bool)
     if header_s is not None and not number:
         raise BadRequest("header_s must be a number or null")
+    estimate = body.get("estimate")
+    if estimate is not None and (
+        isinstance(estimate, bool) or not isinstance(estimate, int) or estimate < 0
+    ):
+        raise BadRequest("estimate must be a non-negative integer or null")
     usage = body.get("usage")
     if usage is not None and not isinstance(usage, dict):
         raise BadRequest("usage must be an object or null")
@@ -90,3 +95,14 @@ def release_args(body: Any, policy: Policy) -> tuple[str, int, bool, int, int]:
     # engine may have generated up to the cap before it failed or the proxy timed out), and
     # usage that cannot be read (the lease still goes back: a bad field loses nothing).
     return ticket, -1, failed, -1, -1
+
+
+def prompt_ratio(body: Any) -> float | None:
+    """The engine's prompt tokens over the edge's estimate of them (`estimate`, from
+    `edge.chars_per_token`) for a release `release_args` took; None when either is missing. Far
+    from 1, the ledger books prompts, prefill and KV in the wrong size (the real node's tiny
+    model: 3.2 tokens for 4 characters)."""
+    est = body.get("estimate")
+    usage = body.get("usage")
+    read = _usage(usage) if isinstance(usage, dict) else None
+    return read[0] / est if read is not None and est and read[0] > 0 else None

@@ -596,6 +596,34 @@ def refunded(stack: Stack, tenant: str) -> float:
     return total
 
 
+def ratio_figures(stack: Stack) -> tuple[float, float]:
+    """(count, sum) of admission_prompt_tokens_ratio over every sidecar."""
+    count = total = 0.0
+    for body in sidecar_bodies(stack, "/metrics"):
+        for line in body.decode().splitlines():
+            if line.startswith("admission_prompt_tokens_ratio_count "):
+                count += float(line.split()[-1])
+            elif line.startswith("admission_prompt_tokens_ratio_sum "):
+                total += float(line.split()[-1])
+    return count, total
+
+
+def test_the_edge_sends_its_prompt_estimate_beside_the_engines_count(stack: Stack) -> None:
+    """The release carries the edge's estimate (`edge.chars_per_token`); the sidecar observes
+    the engine's count over it. The emulator counts 4 characters a token, as the shipped policy
+    estimates: the ratio is near 1 (a tokenizer far from it raises AdmissionTokenEstimateOff)."""
+    before = ratio_figures(stack)
+    for i in range(3):
+        body = chat(messages=[{"role": "user", "content": f"question {i}: " + "word " * 400}])
+        assert raw(stack, body)[0] == 200
+    deadline = time.monotonic() + 10
+    while (now := ratio_figures(stack))[0] < before[0] + 3 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    count, total = now[0] - before[0], now[1] - before[1]
+    assert count >= 3
+    assert 0.9 < total / count < 1.1, total / count
+
+
 def test_usage_of_an_answer_over_a_mebibyte_is_read_and_settled(stack: Stack) -> None:
     """`top_logprobs: 20` makes a plain answer larger than the edge parses whole (1 MiB): its
     usage is found as the body passes, and the charge settled to it (an image part is booked

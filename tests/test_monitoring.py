@@ -77,6 +77,7 @@ def metric_names(expr: str) -> set[str]:
         "direction",
         "outcome",
         "model",
+        "le",
     }
     return {w for w in words if w not in FUNCS and w not in labels}
 

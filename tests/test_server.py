@@ -93,6 +93,34 @@ async def test_admit_and_release_refunds(sidecar: Any, redis: Any) -> None:
     assert (await r.json())["refunded_tokens"] == 0  # idempotent
 
 
+async def test_the_engines_prompt_count_against_the_edges_estimate_is_a_metric(
+    sidecar: Any,
+) -> None:
+    # The edge sends its estimate beside the engine's usage; the sidecar observes their ratio
+    # (one release, and a batch), and refuses an estimate that is not a count.
+    client, _h, _p = sidecar
+
+    async def ticket() -> str:
+        return str((await (await client.post("/admit", json=admit_body())).json())["ticket"])
+
+    usage = {"prompt_tokens": 320, "completion_tokens": 5}
+    one = {"ticket": await ticket(), "status": 200, "usage": usage, "estimate": 100}
+    assert (await client.post("/release", json=one)).status == 200
+    batch = [
+        {"ticket": await ticket(), "status": 200, "usage": usage, "estimate": 300},
+        {"ticket": await ticket(), "status": 200, "usage": None, "estimate": 300},  # no usage
+        {"ticket": await ticket(), "status": 200, "usage": usage},  # an older edge: no estimate
+        {"ticket": await ticket(), "status": 200, "usage": usage, "estimate": "100"},
+    ]
+    results = (await (await client.post("/release", json=batch)).json())["results"]
+    assert [r.get("error", {}).get("code") for r in results] == [None, None, None, "invalid_request"]
+    text = await (await client.get("/metrics")).text()
+    assert "admission_prompt_tokens_ratio_count 2.0" in text
+    assert "admission_prompt_tokens_ratio_sum 4.2666" in text  # 3.2 + 320 / 300
+    assert 'admission_prompt_tokens_ratio_bucket{le="1.1"} 1.0' in text
+    assert 'admission_prompt_tokens_ratio_bucket{le="4.0"} 2.0' in text
+
+
 @pytest.mark.parametrize(
     ("status", "header_s", "refunded"),
     [

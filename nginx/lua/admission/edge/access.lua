@@ -57,6 +57,7 @@ function _M.run()
   end
   local ctx = ngx.ctx
   ctx.stream = f.stream
+  ctx.estimate = f.prompt_tokens -- beside the engine's count in the release (its ratio: a metric)
   -- A client that goes away while queued aborts the subrequest, which frees its queue slot.
   ngx.on_abort(function() ngx.exit(499) end)
   -- arrived_at: when NGINX got the request, so that a request re-asked at another sidecar

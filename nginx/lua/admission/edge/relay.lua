@@ -22,7 +22,7 @@ local DELIVERY_S = 60
 -- Public side, end of the access phase: what the relay needs, as the header's value.
 function _M.route(ctx)
   ngx.var.admission_route = cjson.encode({ t = ctx.ticket, p = ctx.peers, u = ctx.lease_until,
-                                           s = ctx.stream and true or false })
+                                           s = ctx.stream and true or false, e = ctx.estimate })
 end
 
 -- Relay side, access phase: the route into ngx.ctx for the balancer, usage and release.
@@ -37,6 +37,7 @@ function _M.access()
   ctx.peers = r.p
   ctx.lease_until = tonumber(r.u)
   ctx.stream = r.s == true
+  ctx.estimate = type(r.e) == "number" and r.e or nil -- the edge's prompt estimate (release.lua)
 end
 
 -- Public side, body filter: delivery is bounded too. The engine's answer ends by the lease's
