@@ -14,6 +14,7 @@ test:
 
 lint:
 	.venv/bin/ruff check admission engine devstack tests loadtest scripts
+	.venv/bin/ruff format --check admission engine devstack tests loadtest scripts
 	.venv/bin/mypy
 
 bench:

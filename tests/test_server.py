@@ -113,7 +113,12 @@ async def test_the_engines_prompt_count_against_the_edges_estimate_is_a_metric(
         {"ticket": await ticket(), "status": 200, "usage": usage, "estimate": "100"},
     ]
     results = (await (await client.post("/release", json=batch)).json())["results"]
-    assert [r.get("error", {}).get("code") for r in results] == [None, None, None, "invalid_request"]
+    assert [r.get("error", {}).get("code") for r in results] == [
+        None,
+        None,
+        None,
+        "invalid_request",
+    ]
     text = await (await client.get("/metrics")).text()
     assert "admission_prompt_tokens_ratio_count 2.0" in text
     assert "admission_prompt_tokens_ratio_sum 4.2666" in text  # 3.2 + 320 / 300
