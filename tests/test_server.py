@@ -124,6 +124,8 @@ async def test_the_engines_prompt_count_against_the_edges_estimate_is_a_metric(
     assert "admission_prompt_tokens_ratio_sum 4.2666" in text  # 3.2 + 320 / 300
     assert 'admission_prompt_tokens_ratio_bucket{le="1.1"} 1.0' in text
     assert 'admission_prompt_tokens_ratio_bucket{le="4.0"} 2.0' in text
+    doc = await (await client.get("/status.json")).json()
+    assert doc["prefix"]["engine_prompt_ratio"] == pytest.approx(4.2667 / 2, abs=1e-3)
 
 
 @pytest.mark.parametrize(

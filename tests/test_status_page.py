@@ -18,7 +18,7 @@ from admission.metrics import Metrics
 from admission.nodes.state import NodeState, Status
 from admission.policy import load_policy
 from admission.reload import PolicyHolder
-from admission.server import build_app
+from admission.server import METRICS, build_app
 from admission.store import keys
 from devstack.procs import RedisServer
 from tests.conftest import BASE_POLICY
@@ -96,6 +96,8 @@ async def test_status_page_shows_the_live_queue_nodes_and_refusals(
         asyncio.ensure_future(client.post("/admit", json=admit(**kw)))
         for kw in ({}, {}, {"class": "batch"}, *[{"tenant": "small"}] * 3)
     ]
+    # The engines' prompt count over the edge's estimate (releases observe it: test_server).
+    client.server.app[METRICS].prompt_ratio.observe(3.2)
     try:
         await check_page(client, holder, tmp_path)
     finally:
@@ -130,6 +132,7 @@ async def check_page(client: Any, holder: PolicyHolder, tmp_path: Path) -> None:
     assert "62.5 % 80 / 30 ms" in text  # time per output token: last sample / last second
     assert data["nodes"][0]["prefix_cache_hit_ratio"] == 0.625
     assert "small realtime requests_per_s 1" in text  # the refusal, counted
+    assert "engines counted 3.20× the edge's prompt estimate" in text
     assert "never" not in text and "stale" not in text  # it did fetch, and recently
 
     shot = tmp_path / "status.png"
@@ -165,4 +168,8 @@ async def test_status_json_is_read_only_and_carries_no_secrets(sidecar: Any) -> 
     }
     assert doc["fair_shed"] == []  # no class past capacity
     # No release has reported cached tokens yet: the booking and the engines' count are unknown.
-    assert doc["prefix"] == {"booked_cached_tokens": None, "engine_cached_tokens": None}
+    assert doc["prefix"] == {
+        "booked_cached_tokens": None,
+        "engine_cached_tokens": None,
+        "engine_prompt_ratio": None,
+    }

@@ -73,14 +73,18 @@ class Placements:
 
     def snapshot(self) -> dict[str, Any]:
         """Prompt tokens booked as already computed vs what the engines found cached, over the
-        releases that reported it (None: none yet), for the status page."""
+        releases that reported it (None: none yet), and the engines' prompt tokens over the
+        edge's estimate (the mean ratio; the ledger books in the estimate), for the status page."""
         get = self.metrics.registry.get_sample_value
         booked = get("admission_prefix_predicted_tokens_total") or 0.0
         found = get("admission_prefix_engine_cached_tokens_total") or 0.0
         reported = booked > 0 or found > 0
+        n = get("admission_prompt_tokens_ratio_count") or 0.0
+        ratio = (get("admission_prompt_tokens_ratio_sum") or 0.0) / n if n else None
         return {
             "booked_cached_tokens": int(booked) if reported else None,
             "engine_cached_tokens": int(found) if reported else None,
+            "engine_prompt_ratio": None if ratio is None else round(ratio, 3),
         }
 
     def queue(self, pipe: Any) -> None:
