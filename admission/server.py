@@ -33,7 +33,7 @@ from admission.metrics import Metrics
 from admission.reload import PolicyHolder, write_edge_table
 from admission.scheduling import Dispatcher
 from admission.store import Store, connect_batch
-from admission.usage import prompt_ratio, release_args
+from admission.usage import release_args
 
 log = logging.getLogger(__name__)
 
@@ -89,12 +89,9 @@ async def release(request: web.Request) -> web.Response:
     request.app[ACCESS].check_edge(request)
     body = await _json_body(request)
     dispatcher = request.app[DISPATCHER]
-    ratio = request.app[METRICS].prompt_ratio
+    ratio = request.app[METRICS].prompt_ratio.observe
     if not isinstance(body, list):
-        args = release_args(body, request.app[POLICY].current)
-        if (seen := prompt_ratio(body)) is not None:
-            ratio.observe(seen)
-        refunded = await dispatcher.release(*args)
+        refunded = await dispatcher.release(*release_args(body, request.app[POLICY].current, ratio))
         return _json({"released": True, "refunded_tokens": refunded})
     if len(body) > MAX_RELEASE_BATCH:
         raise BadRequest(f"at most {MAX_RELEASE_BATCH} releases per batch", code="batch_too_large")
@@ -104,10 +101,8 @@ async def release(request: web.Request) -> web.Response:
     policy = request.app[POLICY].current
     for entry in body:  # a malformed entry is answered on its own
         try:
-            good.append(release_args(entry, policy))
+            good.append(release_args(entry, policy, ratio))
             results.append({})
-            if (seen := prompt_ratio(entry)) is not None:
-                ratio.observe(seen)
         except BadRequest as exc:
             results.append({"error": {"message": exc.message, "code": exc.code}})
     refunds = iter(await dispatcher.release_many(good))

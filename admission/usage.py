@@ -7,6 +7,7 @@ module turns one entry into the figures the dispatcher settles, or a BadRequest.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from admission.errors import BadRequest
@@ -48,9 +49,14 @@ def _usage(usage: dict[str, Any]) -> tuple[int, int, int] | None:
     return p, c, cached
 
 
-def release_args(body: Any, policy: Policy) -> tuple[str, int, bool, int, int]:
+def release_args(
+    body: Any, policy: Policy, ratio: Callable[[float], None] = lambda _r: None
+) -> tuple[str, int, bool, int, int]:
     """(ticket, tokens charged, node unreachable, output tokens, cached prompt tokens; -1:
-    unknown) or BadRequest. Cached prompt tokens cost the tenant's `cached_token_price`."""
+    unknown) or BadRequest. Cached prompt tokens cost the tenant's `cached_token_price`.
+    `ratio`: given the engine's prompt tokens over the edge's estimate of them (`estimate`, from
+    `edge.chars_per_token`) when the release has both. Far from 1, the ledger books prompts,
+    prefill and KV in the wrong size (the real node's tiny model: 3.2 tokens for 4 characters)."""
     if not isinstance(body, dict):
         raise BadRequest("a release must be a JSON object", code="invalid_json")
     if unknown := sorted(set(body) - RELEASE_KEYS):
@@ -85,6 +91,8 @@ def release_args(body: Any, policy: Policy) -> tuple[str, int, bool, int, int]:
         log.warning("release %s: unreadable usage %.200s; charged as booked", ticket, usage)
     if read is not None:
         p, c, cached = read
+        if estimate and p:
+            ratio(p / estimate)
         tenant = policy.tenants.get(parse_ticket(ticket)[2])
         price = tenant.limits.cached_token_price if tenant is not None else 1.0
         discount = 0 if cached < 0 else int(cached * (1.0 - price))
@@ -95,14 +103,3 @@ def release_args(body: Any, policy: Policy) -> tuple[str, int, bool, int, int]:
     # engine may have generated up to the cap before it failed or the proxy timed out), and
     # usage that cannot be read (the lease still goes back: a bad field loses nothing).
     return ticket, -1, failed, -1, -1
-
-
-def prompt_ratio(body: Any) -> float | None:
-    """The engine's prompt tokens over the edge's estimate of them (`estimate`, from
-    `edge.chars_per_token`) for a release `release_args` took; None when either is missing. Far
-    from 1, the ledger books prompts, prefill and KV in the wrong size (the real node's tiny
-    model: 3.2 tokens for 4 characters)."""
-    est = body.get("estimate")
-    usage = body.get("usage")
-    read = _usage(usage) if isinstance(usage, dict) else None
-    return read[0] / est if read is not None and est and read[0] > 0 else None
