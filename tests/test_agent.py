@@ -307,3 +307,50 @@ def test_decode_time_travels_from_the_agent_to_the_views() -> None:
     del legacy["decode_s"]
     v.observe(NodeState.from_json(json.dumps(legacy)), maintenance=False)
     assert v.decode_s is None and v.snapshot(0.0)["decode_ms"] is None
+
+
+class _Probe:
+    """A probe that reports a fixed engine state (the clamp's wiring, not the reading)."""
+
+    def __init__(self, state: NodeState) -> None:
+        self.state = state
+
+    async def sample(self, _policy: Policy, _booked: float | None = None) -> NodeState:
+        return self.state
+
+
+@pytest.mark.parametrize(("waiting", "kept"), [(0, 500), (3, 50_000)])
+async def test_a_node_with_nothing_waiting_has_its_pending_prefill_cut(
+    redis: Any, redis_server: RedisServer, waiting: int, kept: int
+) -> None:
+    """The ledger's pending prefill drains at the measured rate, which below saturation reads
+    what the node was given: it drifts. With nothing waiting in the engine, at most
+    `CLAMP_S` of the rate stays pending; with a queue there, the ledger is left alone."""
+    from admission.nodes import agent as agent_mod
+
+    policy = make(redis_server, free_port())
+    agent = Agent(redis, policy)
+    rate = 1000.0
+    st = NodeState(
+        node="n1",
+        seq=1,
+        state=Status.OPEN,
+        source="effective",
+        healthy=True,
+        memory=0.1,
+        prefill_rate=rate,
+        running=4,
+        waiting=waiting,
+    )
+    agent._probes["n1"] = _Probe(st)  # type: ignore[assignment]
+    agent._probe = lambda n, s: agent._probes[n.id]  # type: ignore[method-assign]
+    ledger = keys.node_ledger("n1")
+    sec, usec = await redis.time()
+    await redis.hset(ledger, mapping={"p": "50000", "t": str(sec * 1_000_000 + usec)})
+    async with aiohttp.ClientSession() as session:
+        await agent.tick(session)
+    p = float(await redis.hget(ledger, "p"))
+    assert waiting > 0 or kept == int(rate * agent_mod.CLAMP_S)  # the parameter says so
+    # Drained for the few ms the tick took, at the rate, and cut only with nothing waiting.
+    assert kept - 0.2 * rate <= p <= kept, p
+    await redis.delete(ledger)

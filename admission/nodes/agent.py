@@ -25,7 +25,7 @@ from admission.nodes.rates import Booking, PrefillRate, PrefillSpeed, PrefixHits
 from admission.nodes.state import NodeState
 from admission.nodes.watermarks import DOWN, OPEN, next_state
 from admission.policy import Node, Policy
-from admission.store import keys
+from admission.store import keys, scripts
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,12 @@ def computed(engine: EngineSample) -> float | None:
     # while long prompts run. The latter only for an engine without the former (older vLLM releases).
     cached = engine.prompt_cached if engine.prompt_cached is not None else engine.prefix_hits
     return engine.prompt_tokens - (cached or 0.0)
+
+
+# A node whose engine has nothing waiting has at most this long of its prefill rate pending:
+# prompts on their way there, and the rest of chunked prefills running (a 6,000-token prompt
+# takes ~0.7 s on an A100; half a second of its rate covers most of what is left of it).
+CLAMP_S = 0.5
 
 
 class NodeProbe:
@@ -205,6 +211,7 @@ class Agent:
         self._probes: dict[str, NodeProbe] = {}
         self.publisher = Publisher()  # the state keys, and what is news on the change feed
         self._pb: dict[str, float] = {}  # node → its ledger's prefill booked, as of the last tick
+        self._clamp = redis.register_script(scripts.source("pending_clamp"))
 
     def _probe(self, node: Node, session: aiohttp.ClientSession) -> NodeProbe:
         p = self._probes.get(node.id)
@@ -230,6 +237,13 @@ class Agent:
         self.publisher.publish(pipe, list(states), time.monotonic(), stale_s)
         # Each ledger's prefill booked (lease.lua's `pb`), for the next sample's rates: read in
         # the same round trip, a tick late (the estimate spans ~20 s).
+        # Engine truth for pending prefill: a node with nothing waiting has at most
+        # CLAMP_S of its rate pending (lua/pending_clamp.lua).
+        for st in states:
+            if st.healthy and st.waiting == 0 and st.prefill_rate > 0:
+                cap = int(st.prefill_rate * CLAMP_S)
+                ledger = keys.node_ledger(st.node)
+                await self._clamp(keys=[ledger], args=[st.prefill_rate, cap], client=pipe)
         for n in nodes:
             pipe.hget(keys.node_ledger(n.id), "pb")
         got = await pipe.execute()

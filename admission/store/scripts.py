@@ -43,6 +43,11 @@ def _lua(name: str) -> str:
 PRELUDE = _lua("prelude")
 
 
+def source(name: str) -> str:
+    """A script's text as it runs (the prelude first), for callers that register their own."""
+    return PRELUDE + _lua(name)
+
+
 @dataclass(frozen=True)
 class Call:
     """One command of a batch: a script (by name) or a plain Redis command (`script=None`)."""
@@ -67,7 +72,7 @@ class Scripts:
         self.answered_at = -1e9
         # redis-py refuses EVALSHA in cluster pipelines: there, calls run concurrently instead.
         self.cluster = isinstance(redis, aioredis.RedisCluster)
-        self.source = {n: PRELUDE + _lua(n) for n in NAMES}
+        self.source = {n: source(n) for n in NAMES}
         self.sha = {n: hashlib.sha1(src.encode()).hexdigest() for n, src in self.source.items()}
         # (calls, the caller's future or None, what to send if the caller left meanwhile)
         self._waiting: list[tuple[tuple[Call, ...], asyncio.Future[list[Any]] | None, Orphan]] = []
