@@ -60,7 +60,9 @@ def test_batch_api_answers_every_drawn_operation_with_a_defined_answer(stack: St
     fuzz_batch(stack.url, 300, tally)
     assert tally.cases == 300
     assert not tally.failures, tally.failures[:10]
-    assert tally.statuses[200] > 30 and tally.statuses[400] > 10 and tally.statuses[404] > 10
+    # The draw reaches every layer. Draws are random: six runs of 300 gave 37–81 answers 200
+    # (and CI once 28, which failed a bound of 30), 28–120 of 400, 78–127 of 404.
+    assert tally.statuses[200] > 15 and tally.statuses[400] > 10 and tally.statuses[404] > 10
     assert not _after(stack, set())
 
 
