@@ -120,8 +120,10 @@ def _decode_guard(dispatcher: Any) -> dict[str, Any]:
     before lower classes may go there (outputs.py; null: no tpot target), whether the
     guard acts now (the urgent class has KV booked on some node, as of this sidecar's last
     read of the ledger, or waits here), past what speed the urgent class itself waits
-    (`own_limit_ms`; null: it does not — it serves late, or its answers are not learned yet)
-    and whether that acts now (`own_active`: this sidecar refused it late lately)."""
+    (`own_limit_ms`; null: it does not — it serves late, or its answers are not learned yet),
+    whether that acts now (`own_active`: this sidecar refused it late lately), and the classes
+    it lets through now for some model, admitted less than their min_share while the urgent
+    class is refused late (`under_min_share`; Dispatcher.owed)."""
     policy = dispatcher.policy()
     mean = dispatcher.nodes.outputs.mean
     limit = decode_limit_s(policy, mean)
@@ -138,6 +140,11 @@ def _decode_guard(dispatcher: Any) -> dict[str, Any]:
         "active": active,
         "own_limit_ms": None if own is None else round(own * 1000, 1),
         "own_active": own is not None and refusing,
+        "under_min_share": sorted(
+            c
+            for c in policy.classes
+            if any(dispatcher.owed(m, c) for m in dispatcher.place.shed.models())
+        ),
     }
 
 

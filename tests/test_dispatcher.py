@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from redis import exceptions as rex
 
+from admission import status
 from admission.errors import BackendUnavailable, Throttled
 from admission.limits import Limiter
 from admission.metrics import Metrics
@@ -18,6 +19,7 @@ from admission.nodes.state import Status
 from admission.policy import Policy
 from admission.scheduling import Dispatcher
 from admission.scheduling.prefixes import NO_PREFIX
+from admission.scheduling.queue import Item
 from admission.scheduling.routing import ask_for, eligible, fallbacks
 from admission.scheduling.views import NodeView
 from admission.store import Call, Store, connect, keys
@@ -829,4 +831,56 @@ async def test_memory_aware_limits_tighten_lower_classes_while_a_model_stays_hel
     view.state = Status.OPEN  # memory recovered
     nt._by_model(now[0])
     assert nt.limit_factor("m", "batch") == 1.0 and nt.pressure_snapshot() == []
+    await client.aclose()
+
+
+async def test_a_class_under_its_min_share_is_not_held_by_the_decode_guard(
+    redis_server: RedisServer,
+) -> None:
+    """Realtime's decode is slow on the only node (the guard holds batch off it), but batch has
+    been admitted less than its min_share (0.1) of the tokens over the last seconds while
+    realtime is past capacity (refused late): the policy guarantees batch that much, so the
+    guard lets it through — until it has had its share. Within realtime's capacity the guard
+    holds as before. A class with no SLO (offline) is not owed by this rule: the queue gives it
+    its min_share."""
+    slo = "slo: {ttft_ms: 1000, e2e_ms: 10000, tpot_ms: 60}"
+    text = BASE_POLICY.replace("deadline_s: 5}", f"deadline_s: 5, admit_until: drain, {slo}}}")
+    text = text.replace("promote_after_s: 2}", "promote_after_s: 2, slo: {ttft_ms: 10000}}")
+    p = make_policy(redis_server.url, text)
+    now = [100.0]
+    client = connect(p.redis)
+    st = Store.over(client, Metrics())
+    d = Dispatcher(
+        st, Limiter(st, lambda: p, Metrics()), lambda: p, Metrics(), clock=lambda: now[0]
+    )
+    v = d.nodes.views["n1"]
+    v.state = Status.OPEN
+    v.per_token, v.prefill_rate = 0.0001, 1000.0
+    v.ledger(0.0, 50, 1, now[0], urgent=50, reserve=50.0)  # realtime runs there
+    d.nodes._urgent_nodes.add("n1")  # as the node refresh marks it
+    v.tpot_s = 1.0  # its decode far slower than 60 ms a token
+
+    def item(cls: str) -> Item:
+        return Item(
+            tenant="acme", cls=cls, cost=100, model="m", enqueued_at=now[0], deadline_at=now[0] + 10
+        )
+
+    shed = d.place.shed
+    assert d._eligible(item("batch")) == []  # nothing admitted yet: no share to be short of
+    for _ in range(20):  # realtime admitted, batch not: batch is owed its min_share
+        shed.admitted("m", "realtime", 1000, now[0])
+        now[0] += 0.05
+    assert shed.class_share("m", "batch", now[0]) == 0.0
+    assert d._eligible(item("batch")) == []  # realtime within capacity: its decode comes first
+    d.nodes.outputs.refused_late("realtime", now[0])  # past capacity: refused late
+    assert [n.node.id for n, _a in d._eligible(item("batch"))] == ["n1"]
+    assert status._decode_guard(d)["under_min_share"] == ["batch"]  # /status.json says so
+    assert d._eligible(item("offline")) == []  # no SLO: the guard holds it as before
+    for _ in range(5):  # batch admitted past its min_share: the guard holds it again
+        shed.admitted("m", "batch", 1000, now[0])
+        now[0] += 0.05
+    assert shed.class_share("m", "batch", now[0]) > 0.1
+    assert d._eligible(item("batch")) == []
+    now[0] += 60  # rates decay alike: the share is of what was admitted lately
+    assert shed.class_share("m", "batch", now[0]) == pytest.approx(0.2, abs=0.05)
     await client.aclose()

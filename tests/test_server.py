@@ -630,6 +630,7 @@ async def test_releases_teach_the_decode_guard_how_long_urgent_answers_are(
             "active": False,
             "own_limit_ms": None,
             "own_active": False,
+            "under_min_share": [],
         }
         assert data["decode_guard"] == guard  # no realtime booked anywhere: lower classes free
         await client.post("/admit", json=admit_body())  # realtime runs on n1 again

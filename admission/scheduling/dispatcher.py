@@ -42,6 +42,7 @@ from admission.scheduling.placing import Admission, Placer
 from admission.scheduling.prefixes import NO_PREFIX, Prefix
 from admission.scheduling.queue import FairQueue, Item
 from admission.scheduling.release import Released, release_many
+from admission.scheduling.routing import urgent
 from admission.scheduling.views import NodeView
 from admission.store import Store
 
@@ -257,7 +258,23 @@ class Dispatcher:
             q.waiting_kv,
             it.prefix,
             self.clock() - it.enqueued_at,
+            owed=self.owed(it.model, it.requested_cls or it.cls),
         )
+
+    def owed(self, model: str, cls: str) -> bool:
+        """Whether the decode guard lets `cls` through for `model` now (routing.eligible): the
+        urgent class is being refused late (past what any order serves), and this sidecar has
+        admitted `cls` less than its `min_share` of the model's tokens over the last seconds
+        (shedding.TAU_S). A lower class with an SLO only: one without gets its min_share from
+        the queue's order while an SLO class waits, and has no first token to be late for."""
+        policy, now = self.policy(), self.clock()
+        c = policy.classes.get(cls)
+        if c is None or not c.slo_ttft_ms or c.min_share <= 0 or urgent(policy, cls):
+            return False
+        refusing = self.nodes.outputs.refusing
+        if not any(refusing(u, now) for u in policy.classes if urgent(policy, u)):
+            return False
+        return self.place.shed.class_share(model, cls, now) < c.min_share
 
     async def submit(self, item: Item) -> Admission:
         """Queue `item` and wait for a node (or QueueFull now, or QueueTimeout at its deadline).

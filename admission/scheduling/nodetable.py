@@ -105,6 +105,7 @@ class NodeTable:
         waiting_kv: Callable[[str], int] = lambda _c: 0,
         prefix: Prefix = NO_PREFIX,
         waited_s: float = 0.0,
+        owed: bool = False,
     ) -> list[tuple[NodeView, Ask]]:
         """Nodes for this request (waited `waited_s` so far), best first. `waiting(tenant)`: how
         many of a tenant's requests wait in the queue; a pool whose owners wait is not lent.
@@ -144,6 +145,7 @@ class NodeTable:
                 live=live,
                 refusing=self.outputs.refusing(cls, now),
                 waited_s=waited_s,
+                owed=owed,
             )
 
         pools = self.index.pools(model)

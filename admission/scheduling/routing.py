@@ -20,7 +20,10 @@ Two limits, both from the node's own figures (no per-engine constant):
   class may see: its `slo.tpot_ms`, tightened to what its `slo.e2e_ms` asks of its answers as
   long as they really are (outputs.py); lower-class prefill chunks and KV slow every running
   decode. Only while the urgent class is present (KV booked on a node serving the model, or
-  waiting): with none, lower classes take the whole cluster;
+  waiting): with none, lower classes take the whole cluster. Nor for a class admitted less
+  than its `min_share` of the tokens over the last seconds (`owed`): the policy guarantees it
+  that share, and under overload the guard alone kept batch at a twentieth of the tokens
+  (support mix at 2.0×: docs/benchmarks.md);
 - urgent reserve: other classes keep their KV + the urgent class's recent peak on the node
   (or what it has now plus what of it waits) below the drain watermark, so realtime is never
   held behind work that vLLM would have to preempt for it, however few requests the band
@@ -255,6 +258,7 @@ def eligible(
     live: int | None = None,
     refusing: bool = False,
     waited_s: float = 0.0,
+    owed: bool = False,
 ) -> list[tuple[NodeView, Ask]]:
     """Nodes serving `model` that would take this request now, with their asks: the tenant's
     own pool first, then shared nodes, then idle pools on loan (`pool_rank`); within each, for
@@ -272,13 +276,14 @@ def eligible(
     serves): the urgent class's own decode guard acts (outputs.own_decode_limit_s), and its
     budget is what is left of its target after `waited_s` (ask_for). Within capacity neither:
     the ledger's estimates err long (prefix hits it did not see, a rate read low), and a request
-    past them on paper often still has its first token in time."""
+    past them on paper often still has its first token in time. `owed`: the class has been
+    admitted less than its min_share lately: the decode guard does not hold it."""
     ok = []
     # `views` may be the few candidates examined (candidates.py): whether the urgent class is
     # present and how many nodes share its waiting KV are the whole model's, when given.
     if present is None:
         present = urgent_present(views, model, urgent_waiting)
-    decode_s = decode_limit_s(policy, output_tokens) if present else None
+    decode_s = decode_limit_s(policy, output_tokens) if present and not owed else None
     own_s = (
         own_decode_limit_s(policy, cls, output_tokens)
         if refusing and cls and urgent(policy, cls)

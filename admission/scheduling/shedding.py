@@ -102,6 +102,17 @@ class FairShed:
         """A request of the class sent to a node (by any path)."""
         self._admitted.setdefault((model, cls), Rate()).add(cost, now)
 
+    def models(self) -> set[str]:
+        """The models something was admitted for."""
+        return {m for m, _c in self._admitted}
+
+    def class_share(self, model: str, cls: str, now: float) -> float:
+        """`cls`'s part of the tokens admitted for `model` (all classes), averaged over TAU_S;
+        1.0 when nothing was admitted."""
+        rates = {c: r.at(now) for (m, c), r in self._admitted.items() if m == model}
+        total = sum(rates.values())
+        return rates.get(cls, 0.0) / total if total > 0 else 1.0
+
     def arrive(
         self,
         model: str,
