@@ -25,7 +25,7 @@ from admission.nodes.rates import Booking, PrefillRate, PrefillSpeed, PrefixHits
 from admission.nodes.state import NodeState
 from admission.nodes.watermarks import DOWN, OPEN, next_state
 from admission.policy import Node, Policy
-from admission.store import keys, scripts
+from admission.store import Call, Scripts, keys
 
 log = logging.getLogger(__name__)
 
@@ -211,7 +211,7 @@ class Agent:
         self._probes: dict[str, NodeProbe] = {}
         self.publisher = Publisher()  # the state keys, and what is news on the change feed
         self._pb: dict[str, float] = {}  # node → its ledger's prefill booked, as of the last tick
-        self._clamp = redis.register_script(scripts.source("pending_clamp"))
+        self.scripts = Scripts(redis)  # the ledger's pending prefill, cut (lua/pending_clamp.lua)
 
     def _probe(self, node: Node, session: aiohttp.ClientSession) -> NodeProbe:
         p = self._probes.get(node.id)
@@ -237,18 +237,20 @@ class Agent:
         self.publisher.publish(pipe, list(states), time.monotonic(), stale_s)
         # Each ledger's prefill booked (lease.lua's `pb`), for the next sample's rates: read in
         # the same round trip, a tick late (the estimate spans ~20 s).
-        # Engine truth for pending prefill: a node with nothing waiting has at most
-        # CLAMP_S of its rate pending (lua/pending_clamp.lua).
-        for st in states:
-            if st.healthy and st.waiting == 0 and st.prefill_rate > 0:
-                cap = int(st.prefill_rate * CLAMP_S)
-                ledger = keys.node_ledger(st.node)
-                await self._clamp(keys=[ledger], args=[st.prefill_rate, cap], client=pipe)
         for n in nodes:
             pipe.hget(keys.node_ledger(n.id), "pb")
         got = await pipe.execute()
         counts = got[len(got) - len(nodes) :]
         self._pb = {n.id: float(v or 0) for n, v in zip(nodes, counts, strict=True)}
+        # Engine truth for pending prefill: a node with nothing waiting has at most CLAMP_S of
+        # its rate pending. Through Scripts (NOSCRIPT reloads, Redis Cluster), one round trip.
+        cuts = [
+            Call("pending_clamp", [keys.node_ledger(st.node)], [st.prefill_rate, cap])
+            for st in states
+            if st.healthy and st.waiting == 0 and (cap := int(st.prefill_rate * CLAMP_S)) > 0
+        ]
+        if cuts:
+            await self.scripts.run(*cuts)
         return list(states)
 
     async def run(self, stop: asyncio.Event) -> None:

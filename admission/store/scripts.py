@@ -28,7 +28,7 @@ from redis import exceptions as rex
 
 from admission.store.connection import is_down, on_cluster, raise_if_down
 
-NAMES = ("acquire", "settle", "lease", "unlease")
+NAMES = ("acquire", "settle", "lease", "unlease", "pending_clamp")
 # A caller's compensations, built only if it was cancelled (the client left) while its calls
 # were out: they ran anyway, so what they took is given back in the next round trip.
 Orphan = Callable[[], tuple["Call", ...]] | None
@@ -41,11 +41,6 @@ def _lua(name: str) -> str:
 
 # Time and bucket arithmetic, written once for every script (see lua/prelude.lua).
 PRELUDE = _lua("prelude")
-
-
-def source(name: str) -> str:
-    """A script's text as it runs (the prelude first), for callers that register their own."""
-    return PRELUDE + _lua(name)
 
 
 @dataclass(frozen=True)
@@ -72,7 +67,7 @@ class Scripts:
         self.answered_at = -1e9
         # redis-py refuses EVALSHA in cluster pipelines: there, calls run concurrently instead.
         self.cluster = isinstance(redis, aioredis.RedisCluster)
-        self.source = {n: source(n) for n in NAMES}
+        self.source = {n: PRELUDE + _lua(n) for n in NAMES}
         self.sha = {n: hashlib.sha1(src.encode()).hexdigest() for n, src in self.source.items()}
         # (calls, the caller's future or None, what to send if the caller left meanwhile)
         self._waiting: list[tuple[tuple[Call, ...], asyncio.Future[list[Any]] | None, Orphan]] = []
