@@ -54,6 +54,7 @@ DEFAULT_TARGET_TTFT_S = 1.0  # when no class sets slo.ttft_ms
 # decode, which every request running there sees on every token.
 LOAD_FACTOR = 1.25
 LOAD_SLACK = 8
+HOLDS_SHARE = 0.3  # a node holding this share of a prompt goes first (`eligible`; vllm-router's)
 
 
 def urgent(policy: Policy, cls: str | None) -> bool:
@@ -180,11 +181,9 @@ def why_not(
 def slow_decode(v: NodeView, urgent: bool, limit_s: float) -> bool:
     """Whether the node's decode is past a guard's limit: the last sample's time per output
     token (Tpot) is above it — and, for the urgent class's own guard, what answers saw over the
-    last second or so (decode_s) is above half of it. Tpot's spikes keep a margin for the
-    urgent class's decode against lower classes; but a long prefill step spikes it on a node
-    whose answers come fast (the llm-d-like mix: 40–300 ms read, under 60 ms seen), and there
-    the own guard held realtime off every node, refusals kept it on, and the run lost 20–30
-    points of realtime first tokens."""
+    last second or so (decode_s) is above half of it. Tpot's spikes keep a margin against lower
+    classes; but a long prefill step spikes it where answers come fast (llm-d-like mix: 40–300
+    ms read, under 60 ms seen): the own guard held realtime off every node, −20–30 points."""
     if v.tpot_s <= limit_s:
         return False
     return not urgent or v.decode_s is None or v.decode_s > limit_s / 2
@@ -262,22 +261,24 @@ def eligible(
 ) -> list[tuple[NodeView, Ask]]:
     """Nodes serving `model` that would take this request now, with their asks: the tenant's
     own pool first, then shared nodes, then idle pools on loan (`pool_rank`); within each, for
-    lower classes the nodes where the urgent class has no KV booked first; then the one whose
-    booked prefill clears soonest (then the least projected memory).
-    `gate`: counts (node, class, reason) of every node that said no. `output_tokens`: the
-    urgent class's mean answer length as learned (outputs.UrgentOutputs; 0: not yet).
+    lower classes the nodes where the urgent class has no KV booked first; then the prompt's
+    holders; then the soonest first token (booked prefill less what the cache saves), then the
+    least projected memory. `gate`: counts (node, class, reason) of every node that said no.
+    `output_tokens`: the urgent class's mean answer length (outputs.UrgentOutputs; 0: unknown).
     `prefix`, `hits`: the prompt's head and, per node, how many of its blocks this sidecar
-    expects there (prefixes.PrefixIndex.matches): a node's wait counts less the prefill its
-    cache saves, so a request goes where its first token comes soonest — to its prefix while
-    that node's backlog is shorter than the recompute it saves, elsewhere (spreading a hot
-    prefix) once it is not; the load limits above bound both. `present`, `live`: whether the
-    urgent class is present on the model's nodes and how many of them are live, when `views`
-    are not all of them. `refusing`: the class is being refused late (past what any order
-    serves): the urgent class's own decode guard acts (outputs.own_decode_limit_s), and its
-    budget is what is left of its target after `waited_s` (ask_for). Within capacity neither:
-    the ledger's estimates err long (prefix hits it did not see, a rate read low), and a request
-    past them on paper often still has its first token in time. `owed`: the class has been
-    admitted less than its min_share lately: the decode guard does not hold it."""
+    expects there (prefixes.PrefixIndex.matches). Nodes holding HOLDS_SHARE of the prompt, under
+    the load bound, go before any sooner node holding less: sent elsewhere, a request recomputes
+    its prefix there (work taken from everyone) and its copy crowds other prefixes out of that
+    pool (llm-d-like mix at 2.0×, sent to the soonest first token: 2 runs of 7 fell to 61–67 %
+    hits and 53–81 % realtime in time, against 72 % and ~91 %; docs/benchmarks.md). It spreads
+    when its holders say no: booked prefill past the class's budget (a late first token), the
+    load bound, memory, the decode guard. `present`, `live`: whether the urgent class is
+    present on the model's nodes and how many of them are live, when `views` are not all of
+    them. `refusing`: the class is being refused late (past what any order serves): the urgent
+    class's own decode guard acts (outputs.own_decode_limit_s), and its budget is what is left
+    of its target after `waited_s` (ask_for). Within capacity neither: the ledger's estimates
+    err long, and a request past them on paper often still has its first token in time.
+    `owed`: the class was admitted under its min_share lately: the decode guard lets it by."""
     ok = []
     # `views` may be the few candidates examined (candidates.py): whether the urgent class is
     # present and how many nodes share its waiting KV are the whole model's, when given.
@@ -322,10 +323,8 @@ def eligible(
             ok.append((rank, v, ask))
         elif gate is not None:
             gate[(v.node.id, cls or "", reason)] += 1
-    # Lower classes go first where the urgent class has no KV booked: there they take the whole
-    # prefill budget and slow no urgent decode, and the nodes where it runs keep their idle
-    # prefill for it. The urgent class goes where its prefill starts soonest. A node past the
-    # load bound is ranked as if it held none of the prompt (not `kept`).
+    # Lower classes first where the urgent class has no KV booked (they slow no urgent decode
+    # there); then the prompt's holders; past the load bound a node holds none (not `kept`).
     apart = not urgent(policy, cls)
     bound = LOAD_FACTOR * min((v.inflight for _r, v, _a in ok), default=0) + LOAD_SLACK
 
@@ -335,6 +334,7 @@ def eligible(
         return (
             rank,
             apart and v.kv_urgent > 0,
+            not (kept and ask.hit_tokens >= HOLDS_SHARE * ask.prompt_tokens > 0),
             v.wait_s(now) - (saved_s(v, ask) if kept else 0.0),
             -ask.hit_tokens if kept else 0,
             v.projected(),
