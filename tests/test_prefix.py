@@ -248,7 +248,7 @@ def test_parse_refuses_malformed_fingerprints() -> None:
 def test_routing_keeps_a_prompt_on_its_prefix_until_that_node_says_no(policy: Any) -> None:
     """A node holding at least HOLDS_SHARE of the prompt gets it over a sooner node holding less,
     as long as it takes it (sent elsewhere, the prefix is recomputed and copied: on the
-    llm-d-like mix at 2.0× that spread prefixes until realtime fell 91 → 53 %): a hot prefix
+    llm-d-like mix at 2.0× 2 runs of 11 fell to 53 / 81 % realtime in time): a hot prefix
     spreads only once its holder's booked prefill is past the class's budget. A holder of less
     than that share has no preference: the soonest first token wins."""
     from dataclasses import replace

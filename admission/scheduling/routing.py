@@ -269,7 +269,7 @@ def eligible(
     expects there (prefixes.PrefixIndex.matches). Nodes holding HOLDS_SHARE of the prompt, under
     the load bound, go before any sooner node holding less: sent elsewhere, a request recomputes
     its prefix there (work taken from everyone) and its copy crowds other prefixes out of that
-    pool (llm-d-like mix at 2.0×, sent to the soonest first token: 2 runs of 7 fell to 61–67 %
+    pool (llm-d-like mix at 2.0×, sent to the soonest first token: 2 runs of 11 fell to 61–67 %
     hits and 53–81 % realtime in time, against 72 % and ~91 %; docs/benchmarks.md). It spreads
     when its holders say no: booked prefill past the class's budget (a late first token), the
     load bound, memory, the decode guard. `present`, `live`: whether the urgent class is
