@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -28,10 +30,10 @@ from tests.conftest import BASE_POLICY, make_policy
 from tests.test_limiter import tenant_policy
 
 
-def make(p: Policy) -> tuple[Dispatcher, Any]:
+def make(p: Policy, clock: Callable[[], float] = time.monotonic) -> tuple[Dispatcher, Any]:
     client = connect(p.redis)
     st = Store.over(client, Metrics())
-    d = Dispatcher(st, Limiter(st, lambda: p, st.backlog.metrics), lambda: p, Metrics())
+    d = Dispatcher(st, Limiter(st, lambda: p, st.backlog.metrics), lambda: p, Metrics(), clock)
     v = d.nodes.views["n1"]
     v.state = Status.OPEN  # as if its agent had published: the fast path applies
     return d, client
@@ -848,13 +850,8 @@ async def test_a_class_under_its_min_share_is_not_held_by_the_decode_guard(
     text = text.replace("promote_after_s: 2}", "promote_after_s: 2, slo: {ttft_ms: 10000}}")
     p = make_policy(redis_server.url, text)
     now = [100.0]
-    client = connect(p.redis)
-    st = Store.over(client, Metrics())
-    d = Dispatcher(
-        st, Limiter(st, lambda: p, Metrics()), lambda: p, Metrics(), clock=lambda: now[0]
-    )
+    d, client = make(p, clock=lambda: now[0])  # n1 open
     v = d.nodes.views["n1"]
-    v.state = Status.OPEN
     v.per_token, v.prefill_rate = 0.0001, 1000.0
     v.ledger(0.0, 50, 1, now[0], urgent=50, reserve=50.0)  # realtime runs there
     d.nodes._urgent_nodes.add("n1")  # as the node refresh marks it
