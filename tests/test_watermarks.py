@@ -175,6 +175,34 @@ def test_prefill_rate_from_spans_reads_what_the_node_was_given_and_replaces_samp
     assert got == pytest.approx(1_500.0, rel=0.1)  # the first span replaced the 35,000
 
 
+def test_prefill_rate_of_a_node_seen_idle_is_never_above_its_speed_from_its_first_prompt() -> None:
+    """Seen idle before its first 7,000-token prompt, a node that clears 9,000 tokens/s reads
+    its rate from the idle sample on: low by the sampling's slack, never high (the single
+    sample read 35,000, kept until the first span ~3 s later)."""
+    from admission.nodes.rates import PrefillRate
+
+    r = PrefillRate()
+    assert r.update(0.0, 0.0, busy=False) == 0.0
+    t, done, nxt = 0.0, 0.0, 0.05 + 7_000 / 9_000.0  # the first prompt arrives at 0.05 s
+    seen = []
+    while t < 6.0:
+        t = round(t + 0.2, 6)
+        while nxt <= t:
+            done, nxt = done + 7_000, nxt + 7_000 / 9_000.0
+        seen.append(r.update(t, done, busy=True))
+    first = next(x for x in seen if x > 0)
+    assert 0.7 * 9_000 <= first <= 9_000.0  # 7,000 over the 1.0 s since the idle sample
+    assert max(seen) <= 9_000.0 * 1.001
+    assert seen[-1] == pytest.approx(9_000.0, rel=0.05)
+    # Idle again, then a restarted engine (counters from 0): read from its idle sample again.
+    assert r.update(t + 0.2, done, busy=False) <= 9_000.0
+    r2 = PrefillRate()
+    r2.update(0.0, 50_000.0, busy=True)  # an agent started on a busy node: no idle sample
+    assert r2.update(0.2, 57_000.0, busy=True) == pytest.approx(35_000.0)  # the sample stands
+    assert r2.update(0.4, 0.0, busy=False) == pytest.approx(35_000.0)  # engine restarted, idle
+    assert r2.update(1.4, 2_000.0, busy=True) == pytest.approx(2_000.0)  # the span replaces it
+
+
 def test_prefill_speed_is_tokens_over_time_in_prefill_of_finished_requests() -> None:
     """A lone 100-token prefill in 20 ms reads 5,000 tokens/s at any load; the sums decay so
     that a node that got slower is followed; a restarted engine starts over; no histograms

@@ -185,7 +185,7 @@ class NodeProbe:
         better of its throughput between completions and its requests' own prefill speed."""
         now, done = time.monotonic(), computed(engine)
         factor = self.booking.update(now, booked, done, engine.waiting)
-        rate = self.prefill.update(now, done)
+        rate = self.prefill.update(now, done, busy=engine.running + engine.waiting > 0)
         speed = self.speed.update(now, engine.prefill_computed, engine.prefill_s)
         return max(rate, speed) * factor
 

@@ -22,9 +22,15 @@ class PrefillRate:
     `DECAY` per sample so that it follows a node that got slower. A node given work at the
     estimated rate only (the prefill budget admits about that much) reads that rate back in
     every span: below saturation the spans say how busy it was, not how fast it is —
-    `PrefillSpeed` says that, and the agent publishes the better of the two. Before any span,
-    single samples give the estimate (a first figure for an idle node's first work); the first
-    span replaces it. Samples closer than `MIN_DT_S` are noise.
+    `PrefillSpeed` says that, and the agent publishes the better of the two.
+
+    A node's first work is read from the last sample that saw it idle (nothing running or
+    waiting): every token counted since was computed since, so that span too can read low, not
+    high, and it needs no `WINDOW_S` — it is the only figure there is until a second completion
+    follows the first by `WINDOW_S`. Before, single samples gave the first figure: 22,000 to
+    60,000 tokens/s for the first ~3 s of the llm-d-like mix, on nodes that clear ~9,700
+    (docs/benchmarks.md). They still do where no idle sample was seen (an agent started on a
+    busy node); the first span replaces them. Samples closer than `MIN_DT_S` are noise.
     """
 
     DECAY = 0.998  # per sample (0.2 s): halves in ~70 s without a new peak
@@ -38,26 +44,36 @@ class PrefillRate:
         self._last: tuple[float, float] | None = None  # (time, prompt tokens total)
         # (time of the sample before a completion, the total then): where spans may start
         self._marks: deque[tuple[float, float]] = deque()
+        self._idle: tuple[float, float] | None = None  # (time, total) of the last idle sample
 
-    def update(self, now: float, total: float | None) -> float:
-        """`total`: prompt tokens the engine computed so far (counted at each prefill's end)."""
+    def update(self, now: float, total: float | None, busy: bool = True) -> float:
+        """`total`: prompt tokens the engine computed so far (counted at each prefill's end);
+        `busy`: the engine has requests running or waiting (True where not known)."""
         if total is None:
             return self.rate
-        if self._last is None:
+        if self._last is None or total < self._last[1]:  # first sample, or engine restarted
             self._last = (now, total)
+            self._marks.clear()
+            self._idle = None if busy else (now, total)
             return self.rate
         t0, c0 = self._last
         if now - t0 < self.MIN_DT_S:
             return self.rate
         self._last = (now, total)
-        if total < c0:  # the engine restarted: its counters with it
-            self._marks.clear()
-            return self.rate
         self.rate *= self.DECAY
         self.span *= self.DECAY
         had_span = self.span > 0
+        if self._idle is not None and now - self._idle[0] > self.SPAN_S:
+            self._idle = None
         if total == c0:
+            if not busy:
+                self._idle = (now, total)
             return self.rate
+        if self._idle is not None:  # the work since the node was last seen idle
+            ti, ci = self._idle
+            self.span = max(self.span, (total - ci) / (now - ti))
+        if not busy:
+            self._idle = (now, total)
         # A prefill completed in (t0, now]: read every span from an earlier completion's mark
         # (within SPAN_S, at least WINDOW_S long) — the tokens of completions after the mark's
         # over the time since the sample before it — and keep the best.
