@@ -65,15 +65,13 @@ class PrefillRate:
         had_span = self.span > 0
         if self._idle is not None and now - self._idle[0] > self.SPAN_S:
             self._idle = None
-        if total == c0:
-            if not busy:
-                self._idle = (now, total)
-            return self.rate
-        if self._idle is not None:  # the work since the node was last seen idle
+        if total > c0 and self._idle is not None:  # the work since the node was last seen idle
             ti, ci = self._idle
             self.span = max(self.span, (total - ci) / (now - ti))
         if not busy:
             self._idle = (now, total)
+        if total == c0:
+            return self.rate
         # A prefill completed in (t0, now]: read every span from an earlier completion's mark
         # (within SPAN_S, at least WINDOW_S long) — the tokens of completions after the mark's
         # over the time since the sample before it — and keep the best.
