@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 
 from loadtest import report
-from loadtest.workload import Req, req_prompt
+from loadtest.workload import Histories, Req, req_prompt
 
 
 async def sample_nodes(
@@ -114,7 +114,10 @@ async def one(
     system: str,
     model: str,
     t0: float,
+    due_s: float | None = None,
 ) -> report.Record:
+    """Send one request at once and record how it went; `due_s`: when it was due, after the
+    run's start (its scheduled time, or a conversation's last answer: `drive`)."""
     body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": req_prompt(req, int(req.at_s * 1e6))}],
@@ -125,10 +128,11 @@ async def one(
     if priority is not None:
         body["priority"] = priority
     headers = {"Authorization": f"Bearer {key}", "X-Request-Class": req.cls}
-    rec = report.Record(system, req.kind, req.tenant, req.cls, req.at_s, 0)
+    due = req.at_s if due_s is None else due_s
+    rec = report.Record(system, req.kind, req.tenant, req.cls, due, 0)
     rec.asked_tokens, rec.conversation = req.max_tokens, req.conversation
     start = time.monotonic()
-    rec.late_s = start - (t0 + req.at_s)
+    rec.late_s = start - (t0 + due)
     try:
         async with s.post(url, json=body, headers=headers) as r:
             rec.status = r.status
@@ -191,15 +195,34 @@ async def drive(
         sample_nodes(ports, stop, series, nodes, queue_url, t0, sim, trace)
     )
     timeout = aiohttp.ClientTimeout(total=900)
+    histories = Histories()
+    last: dict[str, asyncio.Task[report.Record]] = {}  # conversation → its last turn
+
+    async def turn(
+        prev: asyncio.Task[report.Record] | None, r: Req, prio: int | None
+    ) -> report.Record:
+        # A conversation's turn goes after the last one's answer, with the history as answered.
+        due = r.at_s
+        if prev is not None and not prev.done():
+            await prev
+            due = max(due, time.monotonic() - t0)
+        sent = histories.sent(r)
+        rec = await one(s, url, sent, keys[r.tenant], prio, system, model, t0, due)
+        histories.done(r, sent, rec.ok)
+        return rec
+
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as s:
         tasks = []
         for r in reqs:
             if (d := t0 + r.at_s - time.monotonic()) > 0:
                 await asyncio.sleep(d)
             prio = prios[r.cls] if prios is not None else None
-            tasks.append(
-                asyncio.create_task(one(s, url, r, keys[r.tenant], prio, system, model, t0))
-            )
+            if r.conversation:
+                task = asyncio.create_task(turn(last.get(r.conversation), r, prio))
+                last[r.conversation] = task
+            else:
+                task = asyncio.create_task(one(s, url, r, keys[r.tenant], prio, system, model, t0))
+            tasks.append(task)
         records = await asyncio.gather(*tasks)
     # Rates are over the real makespan (first arrival to last answer), not the arrival window:
     # a system that leaves work queued past the window must not look as fast as one that is done.

@@ -3,7 +3,9 @@
 The mixed overload of the benchmark: realtime short chats from three tenants of different tiers
 (equal offered load each, so shares show the weights), long document summarisation in the batch
 class, and offline batch jobs. Arrivals are Poisson (open loop): a closed-loop generator slows
-down with the system under test and hides overload.
+down with the system under test and hides overload. A conversation's turn is the one exception:
+it is sent at its time or when the last turn's answer has come, whichever is later
+(`Histories`), as a user or an agent loop asks again only after reading the answer.
 """
 
 from __future__ import annotations
@@ -120,6 +122,41 @@ def schedule(
         out.append(req)
         t += rng.expovariate(rate_per_s)
     return out
+
+
+class Histories:
+    """What each conversation's next turn resends: its turns as answered, not as scheduled. A
+    turn follows the last one's answer (the driver waits for it), and a refused turn never
+    became history: the next turn resends the history before it and its own question, as a
+    user asks again. With every turn answered the prompts are the schedule's. Turns of one
+    conversation go one at a time (`sent`, then `done`)."""
+
+    def __init__(self) -> None:
+        self._context: dict[str, int] = {}  # tokens the next turn resends before its question
+        self._held: dict[str, int] = {}  # the last answered turn's prompt (its engine may hold it)
+        self._last: dict[str, Req] = {}  # the last turn, as scheduled
+
+    def sent(self, req: Req) -> Req:
+        """The turn as it is sent: the answered history, then its own question."""
+        prev = self._last.get(req.conversation) if req.conversation else None
+        if prev is None:
+            return req  # not a conversation, or its first turn: as scheduled
+        question = req.prompt_tokens - req.history_tokens - prev.max_tokens
+        c = req.conversation
+        return replace(
+            req, prompt_tokens=self._context[c] + question, history_tokens=self._held.get(c, 0)
+        )
+
+    def done(self, req: Req, sent: Req, answered: bool) -> None:
+        """Record how the turn ended: answered, its prompt and answer are the next one's history."""
+        if not req.conversation:
+            return
+        self._last[req.conversation] = req
+        if answered:
+            self._context[req.conversation] = sent.prompt_tokens + sent.max_tokens
+            self._held[req.conversation] = sent.prompt_tokens
+        else:
+            self._context.setdefault(req.conversation, req.prefix_tokens)
 
 
 def req_prompt(r: Req, salt: int) -> str:

@@ -3,6 +3,8 @@ admission valves (vLLM 0.32's --max-num-queued-tokens / -reqs) in the emulator."
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 
 import pytest
@@ -162,3 +164,109 @@ def test_the_idealised_schedule_leaves_out_what_cannot_make_it() -> None:
     # The same tenant's prefix, computed by the first: the others prefill 1,000 tokens each.
     shared = [Req(t, "chat", "acme", "realtime", 6000, 10, prefix_tokens=5000) for t in (0, 0, 0)]
     assert first_tokens(p, shared, 1, 1.0, leave_out=False)[0] == 1.0
+
+
+def _conversation(seed: int = 3) -> list:
+    """The turns of one conversation of the shipped conversations mix, in order (≥ 4 turns)."""
+    kinds = load_kinds(str(Path(__file__).parents[1] / "loadtest/workloads/conversations.yaml"))
+    reqs = schedule(20, 60, seed=seed, kinds=kinds)
+    by: dict[str, list] = {}
+    for r in reqs:
+        if r.conversation and r.cls == "realtime":
+            by.setdefault(r.conversation, []).append(r)
+    return next(ts for ts in by.values() if len(ts) >= 4)
+
+
+def test_a_turn_resends_the_history_as_answered_and_a_refused_turn_is_not_in_it() -> None:
+    from loadtest.workload import Histories, req_prompt
+
+    turns = _conversation()
+    h = Histories()
+    for t in turns:  # every turn answered: the prompts are the schedule's
+        sent = h.sent(t)
+        assert sent == t
+        h.done(t, sent, answered=True)
+
+    t1, t2, t3, t4 = turns[:4]
+    h = Histories()
+    s1 = h.sent(t1)
+    h.done(t1, s1, answered=True)
+    s2 = h.sent(t2)
+    h.done(t2, s2, answered=False)  # refused: never history
+    s3 = h.sent(t3)
+    q3 = t3.prompt_tokens - t3.history_tokens - t2.max_tokens  # turn 3's own question
+    assert q3 > 0 and s3.prompt_tokens == t1.prompt_tokens + t1.max_tokens + q3
+    assert s3.prompt_tokens < t3.prompt_tokens
+    assert s3.history_tokens == t1.prompt_tokens  # what the engine may hold
+    # The engine computed turn 1's prompt: turn 3 as sent begins with it.
+    assert req_prompt(s3, 0).startswith(req_prompt(s1, 0))
+    h.done(t3, s3, answered=True)
+    s4 = h.sent(t4)
+    q4 = t4.prompt_tokens - t4.history_tokens - t3.max_tokens
+    assert s4.prompt_tokens == s3.prompt_tokens + t3.max_tokens + q4
+    assert s4.history_tokens == s3.prompt_tokens
+
+
+async def test_a_conversations_next_turn_waits_for_the_last_answer() -> None:
+    """The driver sends a turn only once the last one is answered (or refused), with the history
+    as answered; other requests keep their schedule (open loop)."""
+    from dataclasses import replace
+
+    from aiohttp import web
+
+    from devstack.procs import free_port
+    from loadtest.drive import drive
+    from loadtest.workload import Req
+
+    seen: list[tuple[float, int, str]] = []  # (arrival, prompt characters, conversation tag)
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        text = body["messages"][0]["content"]
+        tag = "c" if "<conv-0>" in text else "x"
+        seen.append((time.monotonic(), len(text), tag))
+        if tag == "c" and sum(1 for s in seen if s[2] == "c") == 2:
+            return web.json_response({"error": {"code": "slo_unreachable"}}, status=429)
+        await asyncio.sleep(0.4)
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"delta": {"content": "hi"}}]}\n\n')
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        turns = [replace(t, conversation="conv-0") for t in _conversation()[:3]]
+        turns = [replace(t, at_s=0.05 * i) for i, t in enumerate(turns)]
+        other = Req(0.1, "chat", turns[0].tenant, "realtime", 50, 10)
+        t0 = time.monotonic()
+        res = await drive(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            [turns[0], turns[1], other, turns[2]],
+            {turns[0].tenant: "k"},
+            None,
+            "stub",
+            "m",
+            [],
+            None,
+        )
+    finally:
+        await runner.cleanup()
+    conv = [(at - t0, n) for at, n, tag in seen if tag == "c"]
+    plain = [at - t0 for at, _n, tag in seen if tag == "x"]
+    assert len(conv) == 3 and len(plain) == 1
+    assert conv[1][0] >= 0.4  # turn 2 after turn 1's answer (0.4 s), not at 0.05 s
+    assert plain[0] < 0.3  # the other request on its schedule
+    assert conv[2][0] - conv[1][0] < 0.3  # turn 3 right after turn 2's refusal
+    t1, t2, t3 = turns
+    q3 = t3.prompt_tokens - t3.history_tokens - t2.max_tokens
+    assert conv[0][1] == 4 * t1.prompt_tokens and conv[1][1] == 4 * t2.prompt_tokens
+    assert conv[2][1] == 4 * (t1.prompt_tokens + t1.max_tokens + q3)  # turn 2 left out
+    recs = sorted((r for r in res.records if r.conversation), key=lambda r: r.sent_s)
+    assert [r.status for r in recs] == [200, 429, 200]
+    assert recs[1].sent_s >= 0.4  # when it was due: after the answer
