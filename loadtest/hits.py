@@ -21,9 +21,10 @@ def cached_share(records: list[Record]) -> float | None:
 
 def after_answers(records: list[Record]) -> set[int]:
     """ids of the records whose conversation's previous turn was answered, or that open one.
-    A refused turn was never computed, so the next finds only the turn before it cached; the
-    workload sends it anyway (a user would have asked again). Over these, prompt cached says
-    where a system sent the turns, not what it refused."""
+    A refused turn was never computed: the driver leaves it out of the history the next turn
+    resends (workload.Histories; before, the next turn resent it and found only the turn before
+    it cached). Over these, prompt cached says where a system sent the turns, not what it
+    refused."""
     last: dict[str, Record] = {}
     out = set()
     for r in sorted((r for r in records if r.conversation), key=lambda r: r.sent_s):
