@@ -208,7 +208,7 @@ async def drive(
             due = max(due, time.monotonic() - t0)
         sent = histories.sent(r)
         rec = await one(s, url, sent, keys[r.tenant], prio, system, model, t0, due)
-        histories.done(r, sent, rec.ok)
+        histories.done(sent, rec.ok)
         return rec
 
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as s:

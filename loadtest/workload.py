@@ -46,6 +46,7 @@ class Req:
     prefix_key: str = ""  # which shared prefix ("" : the kind's and tenant's one)
     conversation: str = ""  # the conversation this turn belongs to ("": none)
     history_tokens: int = 0  # of prompt_tokens, the previous turn's prompt (its engine may hold it)
+    question_tokens: int = 0  # of prompt_tokens, a conversation turn's own question
 
 
 # Lengths are in tokens; the emulator counts one token per 4 characters of prompt.
@@ -106,6 +107,7 @@ def schedule(
                     prefix_tokens=last.prefix_tokens,
                     prompt_tokens=last.prompt_tokens + last.max_tokens + n,
                     history_tokens=last.prompt_tokens,
+                    question_tokens=n,
                 )
                 if turns + 1 >= k.turns or req.prompt_tokens + 2 * req.max_tokens > MAX_CONTEXT:
                     open_.pop(i)
@@ -117,6 +119,7 @@ def schedule(
                     conversation=f"{k.name}-{len(out)}",
                     prompt_tokens=k.shared_prefix_tokens + n,
                     prefix_tokens=k.shared_prefix_tokens,
+                    question_tokens=n,
                 )
                 open_.append((req, 1))
         out.append(req)
@@ -132,31 +135,21 @@ class Histories:
     conversation go one at a time (`sent`, then `done`)."""
 
     def __init__(self) -> None:
-        self._context: dict[str, int] = {}  # tokens the next turn resends before its question
-        self._held: dict[str, int] = {}  # the last answered turn's prompt (its engine may hold it)
-        self._last: dict[str, Req] = {}  # the last turn, as scheduled
+        # conversation → its last answered turn's (prompt, answer) tokens
+        self._answered: dict[str, tuple[int, int]] = {}
 
     def sent(self, req: Req) -> Req:
         """The turn as it is sent: the answered history, then its own question."""
-        prev = self._last.get(req.conversation) if req.conversation else None
-        if prev is None:
+        if not req.history_tokens:
             return req  # not a conversation, or its first turn: as scheduled
-        question = req.prompt_tokens - req.history_tokens - prev.max_tokens
-        c = req.conversation
-        return replace(
-            req, prompt_tokens=self._context[c] + question, history_tokens=self._held.get(c, 0)
-        )
+        held, answer = self._answered.get(req.conversation, (0, 0))
+        context = held + answer if held else req.prefix_tokens  # none answered: the system prompt
+        return replace(req, prompt_tokens=context + req.question_tokens, history_tokens=held)
 
-    def done(self, req: Req, sent: Req, answered: bool) -> None:
-        """Record how the turn ended: answered, its prompt and answer are the next one's history."""
-        if not req.conversation:
-            return
-        self._last[req.conversation] = req
-        if answered:
-            self._context[req.conversation] = sent.prompt_tokens + sent.max_tokens
-            self._held[req.conversation] = sent.prompt_tokens
-        else:
-            self._context.setdefault(req.conversation, req.prefix_tokens)
+    def done(self, sent: Req, answered: bool) -> None:
+        """An answered turn's prompt and answer are the next one's history."""
+        if answered and sent.conversation:
+            self._answered[sent.conversation] = (sent.prompt_tokens, sent.max_tokens)
 
 
 def req_prompt(r: Req, salt: int) -> str:

@@ -13,7 +13,7 @@ import yaml
 from engine.emulator import Engine
 from engine.profiles import PROFILES
 from engine.scheduler import Seq
-from loadtest.workload import load_kinds, schedule
+from loadtest.workload import Req, load_kinds, schedule
 
 
 def test_workload_file_defines_the_mix(tmp_path: Path) -> None:
@@ -166,11 +166,11 @@ def test_the_idealised_schedule_leaves_out_what_cannot_make_it() -> None:
     assert first_tokens(p, shared, 1, 1.0, leave_out=False)[0] == 1.0
 
 
-def _conversation(seed: int = 3) -> list:
+def _conversation(seed: int = 3) -> list[Req]:
     """The turns of one conversation of the shipped conversations mix, in order (≥ 4 turns)."""
     kinds = load_kinds(str(Path(__file__).parents[1] / "loadtest/workloads/conversations.yaml"))
     reqs = schedule(20, 60, seed=seed, kinds=kinds)
-    by: dict[str, list] = {}
+    by: dict[str, list[Req]] = {}
     for r in reqs:
         if r.conversation and r.cls == "realtime":
             by.setdefault(r.conversation, []).append(r)
@@ -185,26 +185,30 @@ def test_a_turn_resends_the_history_as_answered_and_a_refused_turn_is_not_in_it(
     for t in turns:  # every turn answered: the prompts are the schedule's
         sent = h.sent(t)
         assert sent == t
-        h.done(t, sent, answered=True)
+        h.done(sent, answered=True)
 
     t1, t2, t3, t4 = turns[:4]
     h = Histories()
     s1 = h.sent(t1)
-    h.done(t1, s1, answered=True)
+    h.done(s1, answered=True)
     s2 = h.sent(t2)
-    h.done(t2, s2, answered=False)  # refused: never history
+    h.done(s2, answered=False)  # refused: never history
     s3 = h.sent(t3)
     q3 = t3.prompt_tokens - t3.history_tokens - t2.max_tokens  # turn 3's own question
-    assert q3 > 0 and s3.prompt_tokens == t1.prompt_tokens + t1.max_tokens + q3
+    assert q3 == t3.question_tokens > 0
+    assert s3.prompt_tokens == t1.prompt_tokens + t1.max_tokens + q3
     assert s3.prompt_tokens < t3.prompt_tokens
     assert s3.history_tokens == t1.prompt_tokens  # what the engine may hold
     # The engine computed turn 1's prompt: turn 3 as sent begins with it.
     assert req_prompt(s3, 0).startswith(req_prompt(s1, 0))
-    h.done(t3, s3, answered=True)
+    h.done(s3, answered=True)
     s4 = h.sent(t4)
     q4 = t4.prompt_tokens - t4.history_tokens - t3.max_tokens
     assert s4.prompt_tokens == s3.prompt_tokens + t3.max_tokens + q4
     assert s4.history_tokens == s3.prompt_tokens
+    h = Histories()  # the first turn refused: the next resends the system prompt alone
+    h.done(h.sent(t1), answered=False)
+    assert h.sent(t2).prompt_tokens == t1.prefix_tokens + t2.question_tokens
 
 
 async def test_a_conversations_next_turn_waits_for_the_last_answer() -> None:
@@ -216,7 +220,6 @@ async def test_a_conversations_next_turn_waits_for_the_last_answer() -> None:
 
     from devstack.procs import free_port
     from loadtest.drive import drive
-    from loadtest.workload import Req
 
     seen: list[tuple[float, int, str]] = []  # (arrival, prompt characters, conversation tag)
 
