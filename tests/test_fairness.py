@@ -63,8 +63,16 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         s.stop()
 
 
+def _code(answer: bytes) -> str:
+    """The refusal's reason (error.code), so that a failure says which gate refused."""
+    try:
+        return str(json.loads(answer)["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return "?"
+
+
 async def _saturate(url: str, seconds: float, warmup_s: float, model: str = "tiny") -> Counter[str]:
-    """Answers per tenant inside the window; refusals as `refused:<status>`."""
+    """Answers per tenant inside the window; refusals as `refused:<status>:<code>`."""
     body = json.dumps(
         {"model": model, "messages": [{"role": "user", "content": "x" * 200}], "max_tokens": 16}
     ).encode()
@@ -79,14 +87,14 @@ async def _saturate(url: str, seconds: float, warmup_s: float, model: str = "tin
             headers = {"Authorization": f"Bearer sk-{tenant}", "Content-Type": "application/json"}
             while time.monotonic() < stop_at:
                 async with s.post(url, data=body, headers=headers) as r:
-                    await r.read()
+                    answer = await r.read()
                     done = time.monotonic()
                     # Only answers inside the window: each client's last request is answered
                     # after it, once the queue drains, and would add 48 to every tenant alike.
                     if r.status == 200 and start + warmup_s < done < stop_at:
                         served[tenant] += 1
                     elif r.status != 200:
-                        served[f"refused:{r.status}"] += 1
+                        served[f"refused:{r.status}:{_code(answer)}"] += 1
 
         await asyncio.gather(*(client(t) for t in WEIGHTS for _ in range(48)))
     return served
