@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import http.server
 import json
 import os
 import shutil
@@ -10,13 +11,17 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from devstack.stack import DEFAULT_POLICY, Stack
+from loadtest.prompts import Conversation, system_prompt, user_text
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.timeout(400)
@@ -263,3 +268,118 @@ def test_locust_headless_reports_ttft_per_class(stack: Stack, tmp_path: Path) ->
     ttft = next(r for r in rows if (r["Type"], r["Name"]) == ("TTFT", "realtime"))
     assert int(ttft["Request Count"]) > 5 and float(ttft["Median Response Time"]) > 0
     assert any(n[1].startswith("chat ") for n in names)
+    # The prompts repeat what production's do (system prompts, a conversation's history), and
+    # only that: the node's prefix cache found part of them, not all (all the same filler text
+    # once made every prompt a cache hit, and locust's capacity the cache's best case).
+    with urllib.request.urlopen(f"http://127.0.0.1:{stack.node_ports[0]}/metrics") as r:
+        metrics = r.read().decode()
+    hits, queries = (
+        sum(float(ln.split()[-1]) for ln in metrics.splitlines() if ln.startswith(f"{name}_total"))
+        for name in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries")
+    )
+    print(f"prefix cache hits: {hits / max(queries, 1):.1%} of {queries:.0f} prompt tokens")
+    assert queries > 0 and 0.2 < hits / queries < 0.9, (hits, queries)
+
+
+class _Recorder(http.server.BaseHTTPRequestHandler):
+    """An OpenAI-shaped stub that keeps every chat body it is sent, answers each with a text of
+    its own (`answer-<n>`, streamed in two pieces) and refuses every fourth with 429."""
+
+    bodies: list[dict[str, Any]] = []
+    answers: dict[str, str] = {}  # a request's last user message -> the answer it was given
+    refused: set[str] = set()
+
+    def log_message(self, *_a: object) -> None:
+        pass
+
+    def _send(self, status: int, body: bytes, kind: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", kind)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self) -> None:
+        self._send(200, json.dumps({"data": [{"id": "stub"}]}).encode())
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        n = len(self.bodies)
+        self.bodies.append(body)
+        question = body["messages"][-1]["content"]
+        if n % 4 == 3:
+            self.refused.add(question)
+            self._send(429, json.dumps({"error": {"code": "slo_unreachable"}}).encode())
+            return
+        self.answers[question] = f"answer-{n}"
+        chunks = [
+            {"choices": [{"index": 0, "delta": {"content": piece}}]}
+            for piece in ("answer", f"-{n}")
+        ]
+        sse = "".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n"
+        self._send(200, sse.encode(), "text/event-stream")
+
+
+def test_locust_chat_users_hold_conversations(tmp_path: Path) -> None:
+    """The chat users' turns, as an engine receives them: each resends the answered history
+    with the answers as they were streamed, a refused question is never resent, conversations
+    end after LOCUST_TURNS turns, and every prompt starts with one of a few system prompts."""
+    _Recorder.bodies, _Recorder.answers, _Recorder.refused = [], {}, set()
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        proc = subprocess.run(
+            [
+                *(sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / "locustfile.py")),
+                *("--host", f"http://127.0.0.1:{server.server_port}", "--headless"),
+                *("-u", "3", "-r", "3", "-t", "4s", "--only-summary", "ChatUser"),
+            ],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env={**os.environ, "LOCUST_THINK_S": "0.02", "LOCUST_TURNS": "3"},
+        )
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]  # 1: the stub's 429s count as failures
+    bodies = _Recorder.bodies
+    assert len(bodies) > 30, len(bodies)
+    later = 0
+    for body in bodies:
+        msgs = body["messages"]
+        assert msgs[0]["role"] == "system" and msgs[-1]["role"] == "user", msgs
+        assert len(msgs) <= 2 * 3, len(msgs)  # at most 2 answered turns before the third
+        for q, a in zip(msgs[1:-1:2], msgs[2:-1:2], strict=True):
+            assert q["role"] == "user" and a["role"] == "assistant"
+            assert q["content"] not in _Recorder.refused
+            assert _Recorder.answers[q["content"]] == a["content"]  # as it was streamed
+            later += 1
+    assert later > 10, later
+    systems = {b["messages"][0]["content"] for b in bodies}
+    assert len(systems) <= 4 * 3 and len(systems) < len(bodies) / 3, len(systems)
+
+
+def test_locust_prompts_repeat_what_production_repeats() -> None:
+    """System prompts are the same text every time, distinct per tenant, kind and index; a
+    user's text is new from its first characters; each turn resends the answered history, and
+    a refused turn is not in it."""
+    a = system_prompt("acme", "chat", 0, 512)
+    assert a == system_prompt("acme", "chat", 0, 512)
+    others = {system_prompt(*k, 512) for k in [("acme", "chat", 1), ("globex", "chat", 0)]}
+    assert len({a, system_prompt("acme", "summarise", 0, 512), *others}) == 4
+    assert 1900 <= len(a) <= 2200, len(a)  # ~4 characters a token, as the edge counts
+    u, v = user_text(300), user_text(300)
+    assert u[:4] != v[:4] and 1100 <= len(u) <= 1300, u[:40]
+    chat = Conversation(a)
+    first = chat.ask("q1")
+    assert first == [{"role": "system", "content": a}, {"role": "user", "content": "q1"}]
+    chat.answered("q1", "a1")
+    chat.ask("q2")  # refused: never answered
+    third = chat.ask("q3")
+    assert third == [
+        *first,
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q3"},
+    ]
+    assert chat.turns == 1
