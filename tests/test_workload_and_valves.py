@@ -92,6 +92,8 @@ async def test_queued_tokens_valve_sheds_instead_of_queueing() -> None:
 def test_bounds_follow_the_roofline_and_the_order() -> None:
     """The benchmark's header: offered compute per class, and the most of a class any order
     gives a first token in time behind the classes before it (shortest first, prefill only)."""
+    from dataclasses import replace
+
     from loadtest.capacity import bounds_line, demand, first_token_bound
     from loadtest.workload import Req
 
@@ -120,6 +122,15 @@ def test_bounds_follow_the_roofline_and_the_order() -> None:
     line = bounds_line(p.name, reqs, 2, 10, [("realtime", 1.0), ("batch", 5.0), ("offline", None)])
     assert "batch with a first token in time behind realtime: at most" in line
     assert "offline" not in line
+    # Turns that wait for their answers arrive when the system lets them: no bound is claimed.
+    talk = [
+        replace(r, conversation=f"c{i % 10}") if r.cls == "batch" else r for i, r in enumerate(reqs)
+    ]
+    line = bounds_line(p.name, talk, 2, 10, [("realtime", 1.0), ("batch", 5.0)])
+    assert "realtime with a first token in time behind nothing: at most" in line
+    assert "batch with a first token in time behind realtime: " in line
+    assert "batch with a first token in time behind realtime: at most" not in line
+    assert "not a bound" in line
 
 
 def test_calibration_and_bounds_count_a_cached_prefix_once() -> None:
