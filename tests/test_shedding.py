@@ -15,7 +15,16 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from admission.scheduling.shedding import IDLE_S, TAU_S, FairShed, Rate, fair_rate
+from admission.scheduling.shedding import (
+    CONFIRM_S,
+    FULL_S,
+    IDLE_S,
+    TAU_S,
+    YOUNG_S,
+    FairShed,
+    Rate,
+    fair_rate,
+)
 
 WEIGHTS = {"acme": 5.0, "globex": 3.0, "hobbyist": 1.0}
 
@@ -180,3 +189,28 @@ def test_the_rate_estimate_follows_a_steady_stream() -> None:
         r.add(3.0, i * 0.01)  # 300 a second
     assert r.at(60.0) == pytest.approx(300, rel=0.02)
     assert r.at(60.0 + 8 * TAU_S) < 1  # decays when nothing comes
+
+
+def test_a_short_run_of_full_arrivals_marks_the_class_full_briefly() -> None:
+    """A host's stall queues a few arrivals for a moment: the class is short of nodes for
+    YOUNG_S after the last of them. Arrivals that find no node for CONFIRM_S or longer (an
+    overload) keep it so for FULL_S after the last, through short spells of free slots."""
+    shed = FairShed()
+    assert not shed.still_full("rt", 0.0)
+    for t in (10.0, 10.2, 10.5):  # a stall: half a second of arrivals finding no node
+        shed.full("rt", t)
+    assert shed.still_full("rt", 10.5 + YOUNG_S - 0.01)
+    assert not shed.still_full("rt", 10.5 + YOUNG_S + 0.01)
+    marks = [20.0 + i / 5 for i in range(int(CONFIRM_S * 5) + 2)]  # an overload: past CONFIRM_S
+    for t in marks:
+        shed.full("rt", t)
+    last = marks[-1]
+    assert shed.still_full("rt", last + FULL_S - 0.01)
+    assert not shed.still_full("rt", last + FULL_S + 0.01)
+    shed.full("rt", 40.0)  # long after: a new run, young again
+    assert not shed.still_full("rt", 40.0 + YOUNG_S + 0.01)
+    # A run is one while its marks come within the window: a young run's gap of more than
+    # YOUNG_S starts it again, so two stalls do not add up to a confirmed spell.
+    shed.full("rt", 40.0 + YOUNG_S + 0.5)
+    shed.full("rt", 40.0 + YOUNG_S + 0.5 + CONFIRM_S - 0.1)
+    assert not shed.still_full("rt", 40.0 + YOUNG_S + 0.5 + CONFIRM_S - 0.1 + YOUNG_S + 0.01)

@@ -35,6 +35,14 @@ SHOWN_S = 5.0  # the status page shows a tenant's share refused this long after 
 # alike (support 2.0× / conversations, four paired runs: served shares 1.3–3.1 points nearer
 # the fair ones with 5 s; docs/benchmarks.md).
 FULL_S = TAU_S
+# ... once the arrivals have found no node over CONFIRM_S: a younger spell of full arrivals ends
+# YOUNG_S after its last. A stall of the host (the ledger's pending prefill ahead of the node for
+# a moment) queues a few requests and can refuse one late; with FULL_S from the first mark, the
+# early refusals went on for 5 s after on a node with room (tests/test_fairness.py's shipped
+# defaults beside other tests: 264–690 refused in 5 s). An overload queues for longer than
+# CONFIRM_S before its first late refusal, so its spell is confirmed by then.
+CONFIRM_S = 2.0
+YOUNG_S = 1.0
 
 
 @dataclass
@@ -86,17 +94,23 @@ class FairShed:
             tuple[str, str], tuple[float, float]
         ] = {}  # (class, tenant) → (share, at)
         self._full: dict[str, float] = {}  # class → when a request of it last found no node
+        self._since: dict[str, float] = {}  # class → the first such mark of the current run
 
     def full(self, cls: str, now: float) -> None:
         """A request of the class found no node with room on arrival (it queues)."""
+        if not self.still_full(cls, now):
+            self._since[cls] = now  # a new run of arrivals that find no node
         self._full[cls] = now
 
     def still_full(self, cls: str, now: float) -> bool:
         """Whether the class is still short of nodes: a shed request would not have found one.
         The early refusals keep the class marked past capacity while this holds (they take
         over from the late refusals, which then stop); once nodes have had room on arrival for
-        FULL_S, the mark runs out and the shedding with it."""
-        return now - self._full.get(cls, -math.inf) < FULL_S
+        FULL_S — YOUNG_S while the run of full arrivals is younger than CONFIRM_S —, the mark
+        runs out and the shedding with it."""
+        last = self._full.get(cls, -math.inf)
+        confirmed = last - self._since.get(cls, last) >= CONFIRM_S
+        return now - last < (FULL_S if confirmed else YOUNG_S)
 
     def admitted(self, model: str, cls: str, cost: float, now: float) -> None:
         """A request of the class sent to a node (by any path)."""
