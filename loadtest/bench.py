@@ -136,24 +136,30 @@ def trace_file(a: argparse.Namespace, work: Path, system: str) -> Path | None:
     return path
 
 
-def print_gate(sidecar_url: str) -> None:
-    """Why work waited in this run: one sidecar's `admission_node_gate_total`, by class and rule."""
+def gate_counts(sidecar_url: str) -> dict[str, dict[str, float]]:
+    """One sidecar's `admission_node_gate_total`: class → rule → node checks that said no."""
     import urllib.request
 
-    try:
-        with urllib.request.urlopen(f"{sidecar_url}/metrics", timeout=5) as r:
-            text = r.read().decode()
-    except OSError as exc:
-        print(f"(gate counts unavailable: {exc})", file=sys.stderr)
-        return
     from prometheus_client.parser import text_string_to_metric_families
 
+    with urllib.request.urlopen(f"{sidecar_url}/metrics", timeout=5) as r:
+        text = r.read().decode()
     tally: dict[str, dict[str, float]] = {}
     for fam in text_string_to_metric_families(text):
         for sample in fam.samples:
             if sample.name == "admission_node_gate_total":
                 by = tally.setdefault(sample.labels["cls"], {})
                 by[sample.labels["reason"]] = by.get(sample.labels["reason"], 0.0) + sample.value
+    return tally
+
+
+def print_gate(sidecar_url: str) -> None:
+    """Why work waited in this run: one sidecar's `admission_node_gate_total`, by class and rule."""
+    try:
+        tally = gate_counts(sidecar_url)
+    except OSError as exc:
+        print(f"(gate counts unavailable: {exc})", file=sys.stderr)
+        return
     for cls, reasons in sorted(tally.items()):
         print(
             f"  node checks that said no, sidecar 0, {cls}: "

@@ -162,15 +162,12 @@ def bounds_line(
         bound = first_token_bound(profile, reqs, cls, before, nodes, seconds, target)
         # A conversation's turn waits for the last one's answer (drive.py): sent later than
         # scheduled, its prefill may come later too, and the schedule's figure bounds nothing.
-        turns = any(r.conversation for r in reqs if r.cls == cls or r.cls in before)
+        if any(r.conversation for r in reqs if r.cls == cls or r.cls in before):
+            claim = f"{bound:.0%} if every turn went out on schedule (turns wait for answers: not a bound)"
+        else:
+            claim = f"at most {bound:.0%} (any order)"
         out.append(
-            f"{cls} with a first token in time behind {'+'.join(before) or 'nothing'}: "
-            + (
-                f"{bound:.0%} if every turn went out on schedule (turns wait for answers: "
-                "not a bound)"
-                if turns
-                else f"at most {bound:.0%} (any order)"
-            )
+            f"{cls} with a first token in time behind {'+'.join(before) or 'nothing'}: {claim}"
         )
     return "; ".join(out)
 

@@ -9,6 +9,8 @@ import random
 import string
 import uuid
 
+_OWN = random.Random()  # users' own text: unseeded, shared by every user of the process
+
 
 def words(rng: random.Random, tokens: int) -> str:
     """About `tokens` tokens of text (three letters and a space: ~4 characters, which the edge
@@ -27,7 +29,7 @@ def system_prompt(tenant: str, kind: str, i: int, tokens: int) -> str:
 def user_text(tokens: int) -> str:
     """A user's own text: different in every request from its first characters on, so nothing
     past the system prompt and the conversation's history is shared."""
-    return f"[{uuid.uuid4().hex}] " + words(random.Random(), max(0, tokens - 9))
+    return f"[{uuid.uuid4().hex}] " + words(_OWN, max(0, tokens - 9))
 
 
 class Conversation:

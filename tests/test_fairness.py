@@ -28,6 +28,7 @@ import pytest
 
 from admission.scheduling.shedding import FULL_S
 from devstack.stack import DEFAULT_POLICY, Stack
+from loadtest.bench import gate_counts
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -65,15 +66,10 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         s.stop()
 
 
-def _gates(sidecar_url: str) -> dict[str, float]:
+def _gates(sidecar_url: str) -> dict[str, object]:
     """Why a node said no to realtime, as one sidecar counted (admission_node_gate_total), and
     its view of the node: to say, when a request was refused, which rule held it."""
-    out: dict[str, float] = {}
-    with urllib.request.urlopen(f"{sidecar_url}/metrics", timeout=5) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("admission_node_gate_total{") and 'cls="realtime"' in line:
-                reason = line.split('reason="')[1].split('"')[0]
-                out[reason] = out.get(reason, 0.0) + float(line.split()[-1])
+    out: dict[str, object] = dict(gate_counts(sidecar_url).get("realtime", {}))
     with urllib.request.urlopen(f"{sidecar_url}/status.json", timeout=5) as r:
         for node in json.loads(r.read())["nodes"]:
             for k in ("prefill_rate", "pending_prefill_tokens", "tpot_ms", "inflight"):

@@ -95,7 +95,6 @@ def test_bounds_follow_the_roofline_and_the_order() -> None:
     from dataclasses import replace
 
     from loadtest.capacity import bounds_line, demand, first_token_bound
-    from loadtest.workload import Req
 
     p = PROFILES["a100-40gb-llama3-8b"]
     per_token = p.compute_s_per_token
