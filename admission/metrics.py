@@ -7,6 +7,7 @@ the policy (tenants, classes, nodes, reasons).
 from __future__ import annotations
 
 from collections import Counter as Tally
+from collections import deque
 from collections.abc import Iterator
 from typing import Any
 
@@ -15,20 +16,15 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 
-class _Gate(Collector):
-    """`admission_node_gate_total`, read from a plain tally at scrape time: the dispatcher
-    counts every node check that said no, too often for a labelled Counter's lock."""
+class _Tally(Collector):
+    """A counter family read from a plain tally at scrape time: the dispatcher counts node
+    checks too often for a labelled Counter's lock."""
 
-    def __init__(self, tally: Tally[tuple[str, str, str]]) -> None:
-        self.tally = tally
+    def __init__(self, name: str, doc: str, labels: list[str], tally: Tally[Any]) -> None:
+        self.name, self.doc, self.labels, self.tally = name, doc, labels, tally
 
     def collect(self) -> Iterator[Metric]:
-        fam = CounterMetricFamily(
-            "admission_node_gate",
-            "Node checks that said no to a request, by node, class and the rule that said no "
-            "(state, inflight, measured, booked, decode, reserve, prefill): why work waits.",
-            labels=["node", "cls", "reason"],
-        )
+        fam = CounterMetricFamily(self.name, self.doc, labels=self.labels)
         for labels, n in list(self.tally.items()):
             fam.add_metric(list(labels), n)
         yield fam
@@ -40,7 +36,27 @@ class Metrics:
         self._decided: dict[tuple[str, str, str, str], tuple[Any, Any]] = {}
         r = self.registry
         self.gate: Tally[tuple[str, str, str]] = Tally()  # (node, class, reason) → checks
-        r.register(_Gate(self.gate))
+        r.register(
+            _Tally(
+                "admission_node_gate",
+                "Node checks that said no to a request, by node, class and the rule that said "
+                "no (state, inflight, measured, booked, decode, reserve, prefill): why work waits.",
+                ["node", "cls", "reason"],
+                self.gate,
+            )
+        )
+        # (class, reason) → node checks that said no to a request that then found no node at all
+        self.held: Tally[tuple[str, str]] = Tally()
+        r.register(
+            _Tally(
+                "admission_held_checks",
+                "Node checks that said no to a queued request that found no node, by class and "
+                "rule: what keeps each class waiting (the status page's 'Why requests wait').",
+                ["cls", "reason"],
+                self.held,
+            )
+        )
+        self.held_recent = Rolling(self.held)  # the status page's last minute (running.py ticks)
         self.decisions = Counter(
             "admission_decisions_total",
             "Admission outcomes by tenant, class, outcome (admitted/throttled/rejected/timeout/"
@@ -237,3 +253,38 @@ class Metrics:
             )
         pair[0].inc()
         pair[1].observe(seconds)
+
+    def said_no(self, gate: Tally[tuple[str, str, str]], waits: str | None) -> None:
+        """Count the node checks that said no to one request, (node, class, reason) each; when
+        no node took it (`waits`: its class), also by (class, reason): what keeps its class
+        waiting. No check at all: every node was skipped as full (candidates.py)."""
+        self.gate.update(gate)
+        if waits is None:
+            return
+        if not gate:
+            self.held[(waits, "inflight")] += 1
+        for (_node, cls, reason), n in gate.items():
+            self.held[(cls, reason)] += n
+
+
+class Rolling:
+    """Copies of a tally, at most one every `every_s`, kept `keep_s`: what it counted over about
+    the last `keep_s` (`since`; over less until it has run that long), with no work added where
+    it counts. `tick` from a loop that runs at least every `every_s`."""
+
+    def __init__(self, tally: Tally[Any], keep_s: float = 60.0, every_s: float = 1.0) -> None:
+        self.tally, self.keep_s, self.every_s = tally, keep_s, every_s
+        self.copies: deque[tuple[float, Tally[Any]]] = deque()
+
+    def tick(self, now: float) -> None:
+        if not self.copies:
+            self.copies.append((now, Tally()))  # counted before the first tick: counted since
+        elif now - self.copies[-1][0] >= self.every_s:
+            self.copies.append((now, Tally(self.tally)))
+            while len(self.copies) > 1 and self.copies[1][0] <= now - self.keep_s:
+                self.copies.popleft()
+
+    def since(self, now: float) -> tuple[float, Tally[Any]]:
+        """(seconds covered, what the tally counted in them)."""
+        at, base = self.copies[0] if self.copies else (now, Tally())
+        return now - at, Tally(self.tally) - base

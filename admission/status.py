@@ -2,7 +2,9 @@
 
 Read-only, on the admin port (loopback by default). What an SRE looks at first: queue depth per
 class and tenant and how long requests waited, node states with measured and projected memory,
-memory-aware limits in force, the last 500 refusals grouped by tenant, class and reason, and the policy version in force. The page is
+memory-aware limits in force, what keeps each class waiting (the node rules that said no, in
+the policy's terms), the last 500 refusals grouped by tenant, class and reason, and the policy
+version in force. The page is
 one static HTML file (package data) that polls `/status.json` every second.
 """
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
+from admission.policy import Policy
 from admission.scheduling.outputs import decode_limit_s, own_decode_limit_s
 from admission.scheduling.routing import urgent, urgent_present
 
@@ -112,6 +115,7 @@ def snapshot(
         "fair_shed": dispatcher.place.shed.snapshot(mono),
         "prefix": dispatcher.nodes.placements.snapshot(),
         "refusals": _grouped(recent.refusals),
+        "held": _held(dispatcher, policy, mono),
     }
 
 
@@ -146,6 +150,79 @@ def _decode_guard(dispatcher: Any) -> dict[str, Any]:
             if any(dispatcher.owed(m, c) for m in dispatcher.place.shed.models())
         ),
     }
+
+
+def _held(dispatcher: Any, policy: Policy, mono: float) -> dict[str, Any]:
+    """What kept each class waiting over about the last minute: the node checks that said no to
+    its queued requests that then found no node (`admission_held_checks_total`), by rule, most
+    first, and what the first of them means in the policy's words (`waits_for`). Checks, not
+    requests: a waiting request is checked again at every pass."""
+    span, counts = dispatcher.metrics.held_recent.since(mono)
+    by_cls: dict[str, Counter[str]] = {}
+    for (cls, reason), n in counts.items():
+        by_cls.setdefault(cls, Counter())[reason] += n
+    out = []
+    order = [c for c in policy.classes if c in by_cls] + sorted(set(by_cls) - set(policy.classes))
+    for cls in order:
+        tally = by_cls[cls]
+        total = sum(tally.values())
+        ranked = tally.most_common()
+        out.append(
+            {
+                "class": cls,
+                "checks": total,
+                "reasons": [
+                    {"reason": r, "checks": n, "share": round(n / total, 3)} for r, n in ranked
+                ],
+                "why": waits_for(policy, cls, ranked[0][0]),
+            }
+        )
+    return {"span_s": round(span, 1), "classes": out}
+
+
+def waits_for(policy: Policy, cls: str, reason: str) -> str:
+    """One node rule (routing.GATE_REASONS) in plain words, with the policy setting behind it."""
+    wm = policy.watermarks
+    top = next((c for c in policy.classes if urgent(policy, c)), None)
+    own = cls == top
+    mark = f"watermarks.drain ({wm.drain:.2f})" if own else f"watermarks.hold ({wm.hold:.2f})"
+    slo = policy.classes[top] if top else None
+    if reason == "state":
+        return (
+            f"nodes held or drained by memory ({mark}), down, or in maintenance "
+            "(`admission node list`)"
+        )
+    if reason == "inflight":
+        return "nodes at their in-flight cap (nodes.<id>.max_inflight)"
+    if reason == "measured":
+        return f"measured GPU memory at or above {mark}"
+    if reason == "booked":
+        return (
+            f"KV booked on the nodes would pass {mark}: every running request counts its "
+            "prompt and its whole max_tokens until its answer ends"
+        )
+    if reason == "decode" and own:
+        return (
+            "its own decode guard while it is refused late: nodes whose decode would finish its "
+            f"answers late (classes.{top}.slo.tpot_ms / e2e_ms)"
+        )
+    if reason == "decode" and slo is not None:
+        return (
+            f"the decode guard: nodes' time per output token above what {top} may see "
+            f"(classes.{top}.slo.tpot_ms: {slo.slo_tpot_ms:g} ms, or what its e2e_ms asks); a "
+            f"looser target lets this class onto busier nodes, at {top}'s decode speed"
+        )
+    if reason == "reserve" and top:
+        return (
+            f"room kept under watermarks.drain ({wm.drain:.2f}) on each node for {top}'s "
+            "recent peak of KV (the urgent reserve)"
+        )
+    if reason == "prefill" and slo is not None and slo.slo_ttft_ms:
+        budget = f"the prefill a node clears in classes.{top}.slo.ttft_ms ({slo.slo_ttft_ms:g} ms)"
+        if own:
+            return f"nodes' pending prefill past {budget}: a first token there would be late"
+        return f"nodes' pending prefill past {budget}, and only idle prefill where {top} runs"
+    return reason
 
 
 def _grouped(refusals: deque[Refusal]) -> list[dict[str, Any]]:

@@ -136,8 +136,11 @@ def trace_file(a: argparse.Namespace, work: Path, system: str) -> Path | None:
     return path
 
 
-def gate_counts(sidecar_url: str) -> dict[str, dict[str, float]]:
-    """One sidecar's `admission_node_gate_total`: class → rule → node checks that said no."""
+def gate_counts(
+    sidecar_url: str, metric: str = "admission_node_gate_total"
+) -> dict[str, dict[str, float]]:
+    """One sidecar's `admission_node_gate_total` (or `admission_held_checks_total`: the checks of
+    requests that found no node): class → rule → node checks that said no."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -147,24 +150,27 @@ def gate_counts(sidecar_url: str) -> dict[str, dict[str, float]]:
     tally: dict[str, dict[str, float]] = {}
     for fam in text_string_to_metric_families(text):
         for sample in fam.samples:
-            if sample.name == "admission_node_gate_total":
+            if sample.name == metric:
                 by = tally.setdefault(sample.labels["cls"], {})
                 by[sample.labels["reason"]] = by.get(sample.labels["reason"], 0.0) + sample.value
     return tally
 
 
 def print_gate(sidecar_url: str) -> None:
-    """Why work waited in this run: one sidecar's `admission_node_gate_total`, by class and rule."""
-    try:
-        tally = gate_counts(sidecar_url)
-    except OSError as exc:
-        print(f"(gate counts unavailable: {exc})", file=sys.stderr)
-        return
-    for cls, reasons in sorted(tally.items()):
-        print(
-            f"  node checks that said no, sidecar 0, {cls}: "
-            + ", ".join(f"{r} {n:.0f}" for r, n in sorted(reasons.items(), key=lambda rn: -rn[1]))
-        )
+    """Why work waited in this run, by class and rule, on sidecar 0: every node check that said
+    no, and those of requests that then found no node at all (what kept them waiting)."""
+    for metric, what in (
+        ("admission_node_gate_total", "node checks that said no"),
+        ("admission_held_checks_total", "of requests that found no node"),
+    ):
+        try:
+            tally = gate_counts(sidecar_url, metric)
+        except OSError as exc:
+            print(f"(gate counts unavailable: {exc})", file=sys.stderr)
+            return
+        for cls, reasons in sorted(tally.items()):
+            ranked = sorted(reasons.items(), key=lambda rn: -rn[1])
+            print(f"  {what}, sidecar 0, {cls}: " + ", ".join(f"{r} {n:.0f}" for r, n in ranked))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -56,6 +56,7 @@ def exported() -> set[str]:
     m.node_memory.labels("n").set(0.5)
     m.node_inflight.labels("n").set(1)
     m.gate[("n", "batch", "reserve")] += 1
+    m.held[("batch", "reserve")] += 1
     text = generate_latest(m.registry).decode()
     return {
         line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and line[0] != "#"

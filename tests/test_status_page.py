@@ -132,6 +132,9 @@ async def check_page(client: Any, holder: PolicyHolder, tmp_path: Path) -> None:
     assert "62.5 % 80 / 30 ms" in text  # time per output token: last sample / last second
     assert data["nodes"][0]["prefix_cache_hit_ratio"] == 0.625
     assert "small realtime requests_per_s 1" in text  # the refusal, counted
+    # Why they wait: n1 is at its in-flight cap (checks, not requests; in policy terms).
+    assert re.search(r"realtime \d+ inflight 100\.0 % nodes at their in-flight cap", text)
+    assert re.search(r"batch \d+ inflight 100\.0 %", text)
     assert "engines counted 3.20× the edge's prompt estimate" in text
     assert "never" not in text and "stale" not in text  # it did fetch, and recently
 
@@ -165,6 +168,7 @@ async def test_status_json_is_read_only_and_carries_no_secrets(sidecar: Any) -> 
         "fair_shed",
         "prefix",
         "refusals",
+        "held",
     }
     assert doc["fair_shed"] == []  # no class past capacity
     # No release has reported cached tokens yet: the booking and the engines' count are unknown.

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -54,9 +55,7 @@ class NodeTable:
     ) -> None:
         self.redis = redis
         self.answered_s = answered_s  # seconds since Redis answered this sidecar's hot path
-        self.policy = policy
-        self.metrics = metrics
-        self.clock = clock
+        self.policy, self.metrics, self.clock = policy, metrics, clock
         self.views: dict[str, NodeView] = {}
         self.held_since: dict[str, float] = {}  # model → since when every live node is held
         self._last_ok = clock()
@@ -119,7 +118,8 @@ class NodeTable:
             else _NONE
         )
         hits = self.prefixes.matches(prefix) if prefix else None
-        now, gate, mean = self.clock(), self.metrics.gate, self.outputs.mean
+        now, mean = self.clock(), self.outputs.mean
+        gate: Counter[tuple[str, str, str]] = Counter()  # this request's no's (metrics.gate)
         present = urgent_kv > 0 or any(
             model in self.views[n].node.models for n in self._urgent_nodes if n in self.views
         )
@@ -153,7 +153,9 @@ class NodeTable:
             ranked = [(self._pool_rank(policy, tenant, model, p, blocked), p) for p in pools]
             pools = [p for r, p in sorted(ranked, key=lambda rp: rp[0] or 0) if r is not None]
         held = prefix_nodes(hits, self.views) if hits else []
-        return self.index.pick(model, pools, held, judge)
+        found = self.index.pick(model, pools, held, judge)
+        self.metrics.said_no(gate, None if found or not pools else cls or "")  # it waits
+        return found
 
     def _pool_rank(
         self, policy: Policy, tenant: str | None, model: str, pool: str | None, blocked: Any

@@ -34,6 +34,7 @@ async def run(d: Dispatcher) -> None:
     while True:
         try:
             now = d.clock()
+            d.metrics.held_recent.tick(now)
             if now >= next_refresh:
                 await d.nodes.refresh()
                 idle = not (d.place.active or len(d.queue))
