@@ -187,10 +187,12 @@ def waits_for(policy: Policy, cls: str, reason: str) -> str:
     own = cls == top
     mark = f"watermarks.drain ({wm.drain:.2f})" if own else f"watermarks.hold ({wm.hold:.2f})"
     slo = policy.classes[top] if top else None
+    if reason == "state" and own:
+        return "nodes down or in maintenance (`admission node list`)"
     if reason == "state":
         return (
-            f"nodes held or drained by memory ({mark}), down, or in maintenance "
-            "(`admission node list`)"
+            f"nodes held or drained by memory ({mark}; open again below watermarks.reopen "
+            f"({wm.reopen:.2f})), down, or in maintenance (`admission node list`)"
         )
     if reason == "inflight":
         return "nodes at their in-flight cap (nodes.<id>.max_inflight)"

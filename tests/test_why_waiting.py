@@ -130,3 +130,5 @@ def test_every_node_rule_is_said_in_the_shipped_policys_terms() -> None:
     assert "watermarks.drain (0.85)" in waits_for(policy, "realtime", "measured")
     assert "watermarks.hold (0.80)" in waits_for(policy, "batch", "booked")
     assert "only idle prefill where realtime runs" in waits_for(policy, "batch", "prefill")
+    assert "watermarks.reopen (0.75)" in waits_for(policy, "batch", "state")
+    assert "held" not in waits_for(policy, "realtime", "state")  # it goes to held nodes
