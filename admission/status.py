@@ -4,8 +4,8 @@ Read-only, on the admin port (loopback by default). What an SRE looks at first: 
 class and tenant and how long requests waited, node states with measured and projected memory,
 memory-aware limits in force, what keeps each class waiting (the node rules that said no, in
 the policy's terms), the last 500 refusals grouped by tenant, class and reason, and the policy
-version in force. The page is
-one static HTML file (package data) that polls `/status.json` every second.
+version in force. The page is one static HTML file (package data) that polls `/status.json`
+every second.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def waits_for(policy: Policy, cls: str, reason: str) -> str:
     """One node rule (routing.GATE_REASONS) in plain words, with the policy setting behind it."""
     wm = policy.watermarks
     top = next((c for c in policy.classes if urgent(policy, c)), None)
-    own = cls == top
+    own = urgent(policy, cls)  # admitted until drain: held nodes take it
     mark = f"watermarks.drain ({wm.drain:.2f})" if own else f"watermarks.hold ({wm.hold:.2f})"
     slo = policy.classes[top] if top else None
     if reason == "state" and own:
@@ -209,10 +209,11 @@ def waits_for(policy: Policy, cls: str, reason: str) -> str:
             f"answers late (classes.{top}.slo.tpot_ms / e2e_ms)"
         )
     if reason == "decode" and slo is not None:
+        tpot = f"{slo.slo_tpot_ms:g} ms" if slo.slo_tpot_ms else "none"
         return (
             f"the decode guard: nodes' time per output token above what {top} may see "
-            f"(classes.{top}.slo.tpot_ms: {slo.slo_tpot_ms:g} ms, or what its e2e_ms asks); a "
-            f"looser target lets this class onto busier nodes, at {top}'s decode speed"
+            f"(classes.{top}.slo.tpot_ms: {tpot}, or what its e2e_ms asks); a looser target "
+            f"lets this class onto busier nodes, at {top}'s decode speed"
         )
     if reason == "reserve" and top:
         return (

@@ -24,7 +24,7 @@ from admission.status import waits_for
 from admission.store import keys
 from devstack.procs import RedisServer
 from devstack.stack import DEFAULT_POLICY
-from tests.conftest import BASE_POLICY
+from tests.conftest import BASE_POLICY, make_policy
 
 # Realtime as shipped: admitted until drain, TTFT 1 s, e2e 10 s, 60 ms per output token.
 SLO = "admit_until: drain, slo: {ttft_ms: 1000, e2e_ms: 10000, tpot_ms: 60}"
@@ -132,3 +132,6 @@ def test_every_node_rule_is_said_in_the_shipped_policys_terms() -> None:
     assert "only idle prefill where realtime runs" in waits_for(policy, "batch", "prefill")
     assert "watermarks.reopen (0.75)" in waits_for(policy, "batch", "state")
     assert "held" not in waits_for(policy, "realtime", "state")  # it goes to held nodes
+    # A policy with no class admitted until drain, nor SLOs: words still, never an error.
+    bare = make_policy("redis://127.0.0.1:1/0")
+    assert all(waits_for(bare, "batch", r) for r in GATE_REASONS)
