@@ -57,6 +57,9 @@ class Metrics:
             )
         )
         self.held_recent = Rolling(self.held)  # the status page's last minute (running.py ticks)
+        # One routing decision's no's, (node, class, reason): filled by routing, then counted
+        # and cleared by said_no (one scratch tally: no allocation per decision).
+        self.noes: Tally[tuple[str, str, str]] = Tally()
         self.decisions = Counter(
             "admission_decisions_total",
             "Admission outcomes by tenant, class, outcome (admitted/throttled/rejected/timeout/"
@@ -254,17 +257,18 @@ class Metrics:
         pair[0].inc()
         pair[1].observe(seconds)
 
-    def said_no(self, gate: Tally[tuple[str, str, str]], waits: str | None) -> None:
-        """Count the node checks that said no to one request, (node, class, reason) each; when
-        no node took it (`waits`: its class), also by (class, reason): what keeps its class
-        waiting. No check at all: every node was skipped as full (candidates.py)."""
-        self.gate.update(gate)
-        if waits is None:
-            return
-        if not gate:
-            self.held[(waits, "inflight")] += 1
-        for (_node, cls, reason), n in gate.items():
-            self.held[(cls, reason)] += n
+    def said_no(self, waits: str | None) -> None:
+        """Count the node checks that said no to one request (`noes`), (node, class, reason)
+        each; when no node took it (`waits`: its class), also by (class, reason): what keeps its
+        class waiting. No check at all: every node was skipped as full (candidates.py)."""
+        noes = self.noes
+        self.gate.update(noes)
+        if waits is not None:
+            if not noes:
+                self.held[(waits, "inflight")] += 1
+            for (_node, cls, reason), n in noes.items():
+                self.held[(cls, reason)] += n
+        noes.clear()
 
 
 class Rolling:

@@ -141,12 +141,19 @@ def gate_counts(
 ) -> dict[str, dict[str, float]]:
     """One sidecar's `admission_node_gate_total` (or `admission_held_checks_total`: the checks of
     requests that found no node): class → rule → node checks that said no."""
+    return _tally(_metrics_text(sidecar_url), metric)
+
+
+def _metrics_text(sidecar_url: str) -> str:
     import urllib.request
 
+    with urllib.request.urlopen(f"{sidecar_url}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def _tally(text: str, metric: str) -> dict[str, dict[str, float]]:
     from prometheus_client.parser import text_string_to_metric_families
 
-    with urllib.request.urlopen(f"{sidecar_url}/metrics", timeout=5) as r:
-        text = r.read().decode()
     tally: dict[str, dict[str, float]] = {}
     for fam in text_string_to_metric_families(text):
         for sample in fam.samples:
@@ -159,16 +166,16 @@ def gate_counts(
 def print_gate(sidecar_url: str) -> None:
     """Why work waited in this run, by class and rule, on sidecar 0: every node check that said
     no, and those of requests that then found no node at all (what kept them waiting)."""
+    try:
+        text = _metrics_text(sidecar_url)
+    except OSError as exc:
+        print(f"(gate counts unavailable: {exc})", file=sys.stderr)
+        return
     for metric, what in (
         ("admission_node_gate_total", "node checks that said no"),
         ("admission_held_checks_total", "of requests that found no node"),
     ):
-        try:
-            tally = gate_counts(sidecar_url, metric)
-        except OSError as exc:
-            print(f"(gate counts unavailable: {exc})", file=sys.stderr)
-            return
-        for cls, reasons in sorted(tally.items()):
+        for cls, reasons in sorted(_tally(text, metric).items()):
             ranked = sorted(reasons.items(), key=lambda rn: -rn[1])
             print(f"  {what}, sidecar 0, {cls}: " + ", ".join(f"{r} {n:.0f}" for r, n in ranked))
 

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import secrets
 import time
-from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -119,7 +118,7 @@ class NodeTable:
         )
         hits = self.prefixes.matches(prefix) if prefix else None
         now, mean = self.clock(), self.outputs.mean
-        gate: Counter[tuple[str, str, str]] = Counter()  # this request's no's (metrics.gate)
+        gate = self.metrics.noes  # this decision's no's: counted by said_no below
         present = urgent_kv > 0 or any(
             model in self.views[n].node.models for n in self._urgent_nodes if n in self.views
         )
@@ -154,7 +153,7 @@ class NodeTable:
             pools = [p for r, p in sorted(ranked, key=lambda rp: rp[0] or 0) if r is not None]
         held = prefix_nodes(hits, self.views) if hits else []
         found = self.index.pick(model, pools, held, judge)
-        self.metrics.said_no(gate, None if found or not pools else cls or "")  # it waits
+        self.metrics.said_no(None if found or not pools else cls or "")  # None: it goes
         return found
 
     def _pool_rank(
