@@ -161,13 +161,15 @@ async def test_no_lending_and_no_spill(redis: Any, redis_server: RedisServer) ->
 def test_lent_work_runs_behind_the_owners_inside_the_engine() -> None:
     """On a pool's node, a borrower's request carries a vLLM priority below every class of the
     owners: vLLM schedules the owners' requests first and preempts borrowed work for them."""
-    from admission.scheduling.routing import engine_priority
+    from admission.scheduling.priority import engine_priority
 
     p = pools_policy()
     mine, shared = p.nodes["mine"], p.nodes["shared"]
+    owners = [engine_priority(p, c, c, "vip", mine, 100_000) for c in p.classes]
     assert engine_priority(p, "realtime", "realtime", "vip", mine) == 0
     assert engine_priority(p, "realtime", "realtime", "other", shared) == 0
-    assert engine_priority(p, "realtime", "realtime", "other", mine) == 1  # lent: behind
+    lent = engine_priority(p, "realtime", "realtime", "other", mine)  # the shortest prompt
+    assert lent > max(owners)  # lent: behind every class of the owners, however long
 
 
 def test_borrowers_are_held_at_hold_on_a_lent_node_owners_may_go_to_drain() -> None:

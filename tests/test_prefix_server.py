@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from admission.scheduling.priority import SIZE_BANDS, size_band
 from admission.store import keys
 from tests.test_server import admit_body, sidecar  # noqa: F401  (the fixture)
 
@@ -82,3 +83,33 @@ async def test_cached_prompt_tokens_cost_the_tenants_price(sidecar: Any, redis: 
     ticket = (await r.json())["ticket"]
     r = await client.post("/release", json={"ticket": ticket, "status": 200, "usage": bad})
     assert r.status == 200 and (await r.json())["refunded_tokens"] == 0  # unreadable: as booked
+
+
+async def test_the_engine_starts_a_cached_prompt_before_a_cold_one_of_its_class(
+    sidecar: Any,  # noqa: F811
+) -> None:
+    """vLLM orders its waiting queue by (priority, arrival): the priority sent for a prompt whose
+    head the node holds is lower (earlier) than for the same prompt cold, and every class still
+    goes before the next, whatever the sizes."""
+    client, _h, _p = sidecar
+
+    async def priority(**kw: Any) -> int:
+        r = await client.post("/admit", json=admit_body(**kw))
+        adm = await r.json()
+        assert r.status == 200, adm
+        await client.post("/release", json={"ticket": adm["ticket"], "status": 200})
+        return int(adm["priority"])
+
+    head = {"prefix": BLOCKS, "prefix_chars": 512}
+    cold = await priority(prompt_tokens=1100, max_tokens=10, **head)
+    warm = await priority(prompt_tokens=1100, max_tokens=10, **head)  # the node holds the head
+    other = await priority(prompt_tokens=1100, max_tokens=10)  # no head: all 1,100 to compute
+    assert warm < cold == other
+    longest = await priority(prompt_tokens=1500, max_tokens=10)  # the bucket's burst: 5,000
+    batch = await priority(prompt_tokens=1, max_tokens=10, **{"class": "batch"})
+    assert longest < batch
+
+
+def test_size_bands_keep_like_prompts_in_arrival_order_and_classes_apart() -> None:
+    assert [size_band(n) for n in (0, 255, 256, 1_000, 1_100, 7_000)] == [0, 0, 1, 2, 3, 5]
+    assert size_band(10**9) == SIZE_BANDS - 1  # the largest band stays below the next class

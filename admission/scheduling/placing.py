@@ -18,8 +18,8 @@ from admission.policy import FailureMode, Policy
 from admission.scheduling import leases
 from admission.scheduling.leases import Ask
 from admission.scheduling.nodetable import NodeTable
+from admission.scheduling.priority import engine_priority
 from admission.scheduling.queue import Item
-from admission.scheduling.routing import engine_priority
 from admission.scheduling.shedding import FairShed
 from admission.scheduling.views import NodeView
 from admission.store import REDIS_DOWN, Call, PoolBusy, Store, dropped, keys
@@ -144,7 +144,12 @@ class Placer:
             url=chosen.node.url,
             fallbacks=self.nodes.fallbacks([v for v, _a in nodes], item.model, item.tenant),
             priority=engine_priority(
-                self.policy(), item.requested_cls, item.cls, item.tenant, chosen.node
+                self.policy(),
+                item.requested_cls,
+                item.cls,
+                item.tenant,
+                chosen.node,
+                ask.prefill_tokens,
             ),
             cls=item.cls,
             queued_s=now - item.enqueued_at,

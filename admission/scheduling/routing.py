@@ -211,23 +211,6 @@ def pool_rank(
     return 2 if lender is not None and lender.lend and node.pool not in blocked else None
 
 
-def engine_priority(
-    policy: Policy, requested_cls: str | None, cls: str, tenant: str, node: Node
-) -> int:
-    """vLLM's `priority` (lower runs earlier): the less urgent of the class asked for and the
-    class it is in now. Aging moves a request up the *queue* only: a promoted batch request
-    must not compete with realtime inside the engine; a long request demoted by
-    `long_request_tokens` runs at the lower class there too. On a pool's node lent to another
-    tenant, behind every class of the owners: they take their capacity back inside the engine
-    at once (vLLM schedules them first and preempts, it does not kill)."""
-    classes = policy.classes
-    asked = [n for n in (requested_cls, cls) if n is not None]
-    prio = max((c.priority for n in asked if (c := classes.get(n))), default=0)
-    if node.pool is not None and policy.tenant_pool.get(tenant) != node.pool:
-        prio += 1 + max(c.priority for c in classes.values())
-    return prio
-
-
 def urgent_present(views: list[NodeView], model: str | None, urgent_waiting: int) -> bool:
     """Whether the decode guard acts: the urgent class has KV booked on a node serving `model`
     (None: any model), or waits. With neither (a quiet spell, the end of a burst) there is
