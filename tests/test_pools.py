@@ -158,18 +158,32 @@ async def test_no_lending_and_no_spill(redis: Any, redis_server: RedisServer) ->
     await client.aclose()
 
 
-def test_lent_work_runs_behind_the_owners_inside_the_engine() -> None:
+@pytest.mark.parametrize(
+    "classes",
+    [
+        "realtime: {weight: 1, priority: 0, deadline_s: 3}",
+        # Negative priorities: lent work must still go behind the owners' least urgent class.
+        "realtime: {weight: 1, priority: -5, deadline_s: 3}\n  batch: {weight: 1, priority: 0, "
+        "deadline_s: 9}",
+    ],
+)
+def test_lent_work_runs_behind_the_owners_inside_the_engine(classes: str) -> None:
     """On a pool's node, a borrower's request carries a vLLM priority below every class of the
     owners: vLLM schedules the owners' requests first and preempts borrowed work for them."""
     from admission.scheduling.priority import engine_priority
 
-    p = pools_policy()
+    p = parse_policy(
+        POLICY.replace("realtime: {weight: 1, priority: 0, deadline_s: 3}", classes)
+        .replace("REDIS_URL", "redis://127.0.0.1:1/0")
+        .replace("LEND", "true")
+        .replace("SPILL", "true")
+    )
     mine, shared = p.nodes["mine"], p.nodes["shared"]
     owners = [engine_priority(p, c, c, "vip", mine, 100_000) for c in p.classes]
-    assert engine_priority(p, "realtime", "realtime", "vip", mine) == 0
-    assert engine_priority(p, "realtime", "realtime", "other", shared) == 0
-    lent = engine_priority(p, "realtime", "realtime", "other", mine)  # the shortest prompt
-    assert lent > max(owners)  # lent: behind every class of the owners, however long
+    first = engine_priority(p, "realtime", "realtime", "vip", mine)
+    assert engine_priority(p, "realtime", "realtime", "other", shared) == first
+    for c in p.classes:  # the shortest prompt of any class
+        assert engine_priority(p, c, c, "other", mine) > max(owners)  # lent: behind the owners
 
 
 def test_borrowers_are_held_at_hold_on_a_lent_node_owners_may_go_to_drain() -> None:
