@@ -20,7 +20,7 @@ from admission.nodes.agent import CLAMP_S, Agent
 from admission.nodes.state import NodeState, Status
 from admission.policy import Policy, load_policy, parse_policy
 from admission.reload import PolicyHolder
-from admission.scheduling.priority import SIZE_BANDS
+from admission.scheduling.priority import BANDS
 from admission.server import build_app
 from admission.store import keys
 from devstack.procs import RedisServer, free_port, stop_process, wait_for
@@ -149,7 +149,7 @@ async def test_held_requests_wait_then_run_in_priority_order(sidecar: Any, node:
             "/release", json={"ticket": first["ticket"], "status": 200, "usage": None}
         )
         second = await asyncio.wait_for(batch, 5)
-        assert second["class"] == "batch" and second["priority"] // SIZE_BANDS == 1
+        assert second["class"] == "batch" and second["priority"] // BANDS == 1
         await client.post(
             "/release", json={"ticket": second["ticket"], "status": 200, "usage": None}
         )

@@ -21,7 +21,7 @@ from admission.nodes.state import Status
 from admission.policy import Policy
 from admission.scheduling import Dispatcher
 from admission.scheduling.prefixes import NO_PREFIX
-from admission.scheduling.priority import SIZE_BANDS
+from admission.scheduling.priority import BANDS
 from admission.scheduling.queue import Item
 from admission.scheduling.routing import ask_for, eligible, fallbacks
 from admission.scheduling.views import NodeView
@@ -466,9 +466,7 @@ async def test_aging_moves_the_queue_not_the_engine_priority(
     assert await d.dispatch() == 1
     adm = await task
     assert adm.cls == "realtime"  # promoted in the queue ...
-    assert (
-        adm.priority // SIZE_BANDS == p.classes["batch"].priority == 1
-    )  # ... not inside the engine
+    assert adm.priority // BANDS == p.classes["batch"].priority == 1  # ... not inside the engine
     await client.aclose()
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from admission.scheduling.priority import SIZE_BANDS, size_band
+from admission.scheduling.priority import BANDS, band
 from admission.store import keys
 from tests.test_server import admit_body, sidecar  # noqa: F401  (the fixture)
 
@@ -89,8 +89,8 @@ async def test_the_engine_starts_a_cached_prompt_before_a_cold_one_of_its_class(
     sidecar: Any,  # noqa: F811
 ) -> None:
     """vLLM orders its waiting queue by (priority, arrival): the priority sent for a prompt whose
-    head the node holds is lower (earlier) than for the same prompt cold, and every class still
-    goes before the next, whatever the sizes."""
+    head the node holds is lower (earlier) than for the same prompt cold; prompts with nothing
+    cached keep arrival order whatever their lengths; every class goes before the next."""
     client, _h, _p = sidecar
 
     async def priority(**kw: Any) -> int:
@@ -102,14 +102,16 @@ async def test_the_engine_starts_a_cached_prompt_before_a_cold_one_of_its_class(
 
     head = {"prefix": BLOCKS, "prefix_chars": 512}
     cold = await priority(prompt_tokens=1100, max_tokens=10, **head)
-    warm = await priority(prompt_tokens=1100, max_tokens=10, **head)  # the node holds the head
-    other = await priority(prompt_tokens=1100, max_tokens=10)  # no head: all 1,100 to compute
-    assert warm < cold == other
-    longest = await priority(prompt_tokens=1500, max_tokens=10)  # the bucket's burst: 5,000
-    batch = await priority(prompt_tokens=1, max_tokens=10, **{"class": "batch"})
-    assert longest < batch
+    held = await priority(prompt_tokens=1100, max_tokens=10, **head)  # the node holds the head
+    assert held < cold
+    short = await priority(prompt_tokens=20, max_tokens=10)
+    long = await priority(prompt_tokens=1500, max_tokens=10)
+    assert short == long == cold  # nothing cached: arrival order, whatever the length
+    batch = await priority(prompt_tokens=1100, max_tokens=10, **{"class": "batch"}, **head)
+    assert max(cold, held) < batch  # the bucket's burst is 5,000 tokens: this is its last
 
 
-def test_size_bands_keep_like_prompts_in_arrival_order_and_classes_apart() -> None:
-    assert [size_band(n) for n in (0, 255, 256, 1_000, 1_100, 7_000)] == [0, 0, 1, 2, 3, 5]
-    assert size_band(10**9) == SIZE_BANDS - 1  # the largest band stays below the next class
+def test_bands_split_a_class_by_what_the_node_holds_and_keep_classes_apart() -> None:
+    assert [band(1000, n) for n in (0, 250, 251, 1000)] == [0, 0, 1, 1]
+    assert band(0, 0) == 1  # nothing to hold
+    assert BANDS * 0 + (BANDS - 1) < BANDS * 1  # the last band of a class before the next

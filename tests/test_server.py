@@ -76,7 +76,8 @@ async def test_admit_and_release_refunds(sidecar: Any, redis: Any) -> None:
     r = await client.post("/admit", json=admit_body())
     assert r.status == 200
     adm = await r.json()
-    assert adm["node"] == "n1" and adm["url"] == "http://127.0.0.1:1" and adm["priority"] == 0
+    assert adm["node"] == "n1" and adm["url"] == "http://127.0.0.1:1"
+    assert adm["priority"] == 1  # realtime's (0) × 2 + 1: nothing of the prompt cached
     assert adm["class"] == "realtime"
     assert await redis.zcard(keys.node_leases("n1")) == 1
     r = await client.post(

@@ -149,6 +149,7 @@ class Placer:
                 item.cls,
                 item.tenant,
                 chosen.node,
+                ask.prompt_tokens,
                 ask.prefill_tokens,
             ),
             cls=item.cls,

@@ -1,27 +1,33 @@
 """The `priority` a request carries into vLLM (lower runs earlier). Pure.
 
 vLLM's priority scheduling orders its waiting queue by (priority, arrival). The sidecar sends
-the class's priority scaled by SIZE_BANDS, plus the request's size band: within a class, the
-engine starts the prompt with less to compute first. A prompt whose prefix the node holds
-needs a fraction of a cold one's prefill; queued behind a cold one, its first token is late
-too (the llm-d-like mix's start: docs/benchmarks.md). Shortest first maximises how many first
-tokens are in time; it cannot starve a long prompt for long, because the sidecar keeps what a
-node has waiting to what clears within the target TTFT (routing.py's prefill budget).
+the class's priority times BANDS plus the request's band: within a class, a prompt the node
+mostly holds in its prefix cache starts before one it must compute. Such a prompt needs a
+fraction of a cold one's prefill; queued behind a cold one, its first token was late too (the
+llm-d-like mix: ~1,000 tokens to compute against ~7,000; docs/benchmarks.md). Putting it first
+costs the cold one only that fraction.
+
+Only the cache decides, not the prompt's size: the prefill budget admits work in arrival order
+(what a node has waiting clears within the target TTFT, routing.py), so among prompts the node
+must compute, arrival order is the order that keeps every admitted first token in time.
+Shortest first among them put the longest prompts of a RAG mix past their target (tried:
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
 from admission.policy import Node, Policy
 
-SIZE_BANDS = 16  # bands per class: the class's priority × SIZE_BANDS + the band
-_SMALLEST = 8  # band 0: fewer than 2**8 tokens to compute; each band after doubles
+BANDS = 2  # per class: 0, the node holds most of the prompt; 1, it must compute most of it
+HELD = 0.75  # the share of the prompt the node holds that makes a prompt "held" (band 0)
 
 
-def size_band(prefill_tokens: int) -> int:
-    """0 to SIZE_BANDS - 1: the power of two of the prompt tokens the node must compute (the
-    prompt less what this sidecar expects it to hold cached), so that prompts of like size keep
-    their arrival order."""
-    return min(SIZE_BANDS - 1, max(0, max(0, prefill_tokens).bit_length() - _SMALLEST))
+def band(prompt_tokens: int, prefill_tokens: int) -> int:
+    """0 when the node is expected to hold at least HELD of the prompt (it computes the rest:
+    `prefill_tokens`, as this sidecar guesses it); 1 otherwise, and for a prompt with nothing
+    cached, whatever its length."""
+    held = prompt_tokens - prefill_tokens
+    return 0 if prompt_tokens > 0 and held >= HELD * prompt_tokens else 1
 
 
 def engine_priority(
@@ -30,9 +36,10 @@ def engine_priority(
     cls: str,
     tenant: str,
     node: Node,
+    prompt_tokens: int = 0,
     prefill_tokens: int = 0,
 ) -> int:
-    """vLLM's `priority` for a request: its class's, scaled, plus its size band.
+    """vLLM's `priority` for a request: its class's times BANDS, plus its band.
 
     The class is the less urgent of the class asked for and the class it is in now. Aging moves
     a request up the *queue* only: a promoted batch request must not compete with realtime
@@ -46,4 +53,4 @@ def engine_priority(
     if node.pool is not None and policy.tenant_pool.get(tenant) != node.pool:
         levels = [c.priority for c in classes.values()]
         prio += 1 + max(levels) - min(levels)
-    return prio * SIZE_BANDS + size_band(prefill_tokens)
+    return prio * BANDS + band(prompt_tokens, prefill_tokens)
