@@ -3,10 +3,13 @@ booked once per node, and a tenant pays `cached_token_price` for what the engine
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
-from admission.scheduling.priority import BANDS, band
+from admission.policy import load_policy
+from admission.scheduling.priority import band, engine_priority
 from admission.store import keys
+from devstack.stack import DEFAULT_POLICY
 from tests.test_server import admit_body, sidecar  # noqa: F401  (the fixture)
 
 BLOCKS = [f"{i:016x}" for i in range(1, 9)]  # 8 blocks × 512 characters = 1,024 tokens
@@ -114,4 +117,11 @@ async def test_the_engine_starts_a_cached_prompt_before_a_cold_one_of_its_class(
 def test_bands_split_a_class_by_what_the_node_holds_and_keep_classes_apart() -> None:
     assert [band(1000, n) for n in (0, 250, 251, 1000)] == [0, 0, 1, 1]
     assert band(0, 0) == 1  # nothing to hold
-    assert BANDS * 0 + (BANDS - 1) < BANDS * 1  # the last band of a class before the next
+    # On the shipped policy, a cold prompt of each class goes before a held one of the next.
+    p = load_policy(DEFAULT_POLICY)
+    node = next(iter(p.nodes.values()))
+    order = sorted(p.classes, key=lambda c: p.classes[c].priority)
+    for urgent, after in itertools.pairwise(order):
+        cold = engine_priority(p, urgent, urgent, "acme", node, 9000, 9000)
+        held = engine_priority(p, after, after, "acme", node, 9000, 0)
+        assert cold < held, (urgent, after)
