@@ -78,6 +78,9 @@ def percentile(xs: list[float], p: float) -> float:
     return s[k]
 
 
+WARM_S = 5.0  # requests sent from this second on: the nodes' prefix caches and rates are warm
+
+
 def attainment(records: list[Record], ttft_target_s: float) -> float:
     """Share of the class's requests (refused ones included) answered with TTFT within target."""
     if not records:
@@ -131,6 +134,14 @@ def summarise(
             "ok": len(ok),
             "slo_ttft_ms": slo_ttft_s[cls] * 1000 if cls in slo_ttft_s else None,
             "slo_attainment": attainment(rs, slo_ttft_s[cls]) if cls in slo_ttft_s else None,
+            # The same over the requests sent from WARM_S on: a 60 s run's first seconds are
+            # the cold start (empty prefix caches, prefill rates not yet measured) that a node
+            # serving for days goes through once; the whole-run figure above is the headline.
+            "slo_attainment_warm": (
+                attainment([r for r in rs if r.sent_s >= WARM_S], slo_ttft_s[cls])
+                if cls in slo_ttft_s
+                else None
+            ),
             "slo_e2e_ms": slo_e2e_s[cls] * 1000 if cls in slo_e2e_s else None,
             "e2e_attainment": (
                 sum(1 for r in rs if r.ok and (r.e2e_s or 0) <= slo_e2e_s[cls]) / len(rs)
@@ -224,8 +235,11 @@ def markdown(summaries: list[dict[str, Any]]) -> str:
     ]
     for s in summaries:
         for cls, c in s["classes"].items():
+            warm = c.get("slo_attainment_warm")
             att = _f(c["slo_attainment"], "{:.1%}") + (
-                f" (≤{c['slo_ttft_ms']:.0f} ms)" if c["slo_ttft_ms"] else ""
+                f" (≤{c['slo_ttft_ms']:.0f} ms; {_f(warm, '{:.1%}')} from {WARM_S:.0f} s)"
+                if c["slo_ttft_ms"]
+                else ""
             )
             ref = ", ".join(f"{k} {v}" for k, v in sorted(c["refused"].items())) or "–"
             e2e = _f(c.get("e2e_attainment"), "{:.1%}")

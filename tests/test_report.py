@@ -22,13 +22,14 @@ def rec(
     code: str = "",
     tenant: str = "a",
     tokens: int = 10,
+    sent: float = 0.0,
 ) -> Record:
     return Record(
         "s",
         "chat",
         tenant,
         cls,
-        0.0,
+        sent,
         status,
         code,
         ttft,
@@ -127,13 +128,28 @@ def test_summary_and_markdown(tmp_path: Path) -> None:
     assert s["good_tokens"] == 180
     assert s["realtime_shares"]["a"]["served"] == pytest.approx(0.5)
     table = report.markdown([s])
-    assert "| admission | realtime | 5 | 40.0% (≤1000 ms)" in table
+    assert "| admission | realtime | 5 | 40.0% (≤1000 ms; – from 5 s)" in table
     assert "81.0%" in table
     assert "| admission | 18 | 180 | 10.0 | 20 |" in table  # goodput, good tokens, makespan
     report.write_json(tmp_path / "r.json", [s], [res])
     assert (tmp_path / "r.json").read_text().startswith("{")
     paths = report.plots(tmp_path, [res], [s])
     assert all(p.exists() and p.stat().st_size > 1000 for p in paths)
+
+
+def test_the_warm_figure_counts_only_requests_sent_after_the_cold_start() -> None:
+    """Late first tokens in the first seconds (empty caches, unknown rates) count in the
+    headline but not in the figure from WARM_S; a refusal after it counts there as a miss."""
+    rs = [rec(ttft=3.0, sent=s) for s in (0.1, 1.0, 4.9)]  # the cold start: all late
+    rs += [rec(sent=5.0), rec(sent=30.0), rec(sent=59.0)]
+    rs += [rec(status=429, ttft=None, code="slo_unreachable", sent=40.0)]
+    res = SystemResult("admission", 60.0, rs)
+    rt = report.summarise(res, {"realtime": 1.0}, {"a": 1})["classes"]["realtime"]
+    assert rt["slo_attainment"] == pytest.approx(3 / 7)
+    assert rt["slo_attainment_warm"] == pytest.approx(3 / 4)
+    assert "| 42.9% (≤1000 ms; 75.0% from 5 s) |" in report.markdown(
+        [report.summarise(res, {"realtime": 1.0}, {"a": 1})]
+    )
 
 
 def test_prompt_cached_per_class_counts_answers_whose_engine_reported_it() -> None:
