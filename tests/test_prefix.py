@@ -146,19 +146,31 @@ async def test_pending_prefill_counts_only_what_the_node_has_not_computed(redis:
     assert leases.hit_blocks(res) == 6  # a third request finds them computed
 
 
-async def test_a_prefix_still_being_computed_is_not_shared(redis: Any) -> None:
-    """vLLM shares only computed blocks: a request that arrives while another is still
-    prefilling the same head computes (and holds) its own copy, so it books it as its own."""
+async def test_a_prefix_still_being_computed_is_shared_while_its_holder_computes_it(
+    redis: Any,
+) -> None:
+    """vLLM V1 caches a block when it schedules its chunk, and a request queued behind the one
+    computing a head starts once the head's last chunk is scheduled: it shares the whole head
+    (tests/test_vllm.py::test_the_same_new_prompt_sent_at_once_is_computed_once_on_both_engines).
+    So a request arriving while another still prefills the same head books neither its prefill
+    nor its KV again."""
     s = Scripts(redis)
     slow = ask(1000, 1100, SHARED, prefill_rate=100.0)  # 10 s of prefill booked
     await s.run(leases.take(NODE, ticket(1), 60, slow))
+    p1 = float((await fields(redis))["p"])
     res = (await s.run(leases.take(NODE, ticket(2), 60, slow)))[0]
-    assert leases.hit_blocks(res) == 0
+    assert leases.hit_blocks(res) == 6
     h = await fields(redis)
-    assert int(h["kv"]) == 2 * 1100  # the head twice: one copy each
-    assert int(h["k:" + ticket(2)]) == 1100 - 768 + 768  # the copy is its own
-    await s.run(leases.give_back(ticket(2), released=True))
-    assert int((await fields(redis))["kv"]) == 1100
+    assert float(h["p"]) - p1 <= 1000 - 768 + 1  # only its own tail to prefill
+    assert int(h["kv"]) == 1100 + (1100 - 768)  # the head once
+    assert int(h["k:" + ticket(2)]) == 1100 - 768
+    # The head's scores still say when it will be computed: held, not computed.
+    scores = await redis.zrange(keys.node_prefixes("n1"), 0, -1, withscores=True)
+    assert len(scores) == 6 and min(sc for _b, sc in scores) > 0
+    await s.run(
+        leases.give_back(ticket(1), released=True), leases.give_back(ticket(2), released=True)
+    )
+    assert int((await fields(redis))["kv"]) == 0
 
 
 async def test_a_lease_that_expires_lets_its_blocks_go(redis: Any) -> None:

@@ -93,26 +93,27 @@ if n == 0 then pending = 0 end
 local prompt, need = tonumber(ARGV[4]), tonumber(ARGV[5])
 local size, blocks = tonumber(ARGV[13] or '0'), {}
 for i = 15, #ARGV do blocks[#blocks + 1] = ARGV[i] end
-local hit, fresh, dup, refs, seen = 0, 0, 0, {}, {}
+local hit, fresh, refs, seen = 0, 0, {}, {}
 if size > 0 and #blocks > 0 then
-  -- A resident block's score is when it is (or will be) computed: the engine shares only
-  -- computed blocks, so the hit is the leading run computed by now.
+  -- A resident block's score is when it is (or will be) computed. The hit is the leading run
+  -- computed by now or held by a live lease that computes it: vLLM V1 caches a block when it
+  -- schedules its chunk, and a request queued behind the one computing a head starts once
+  -- that head's last chunk is scheduled, sharing all of it (tests/test_vllm.py, four copies
+  -- of a new prompt sent at once on a real node: one computed). Its prefill is booked once,
+  -- by the lease that brought it, and its KV once, as shared.
   seen = redis.call('ZMSCORE', resident, unpack(blocks))
-  while hit < #blocks and seen[hit + 1] and tonumber(seen[hit + 1]) <= now do hit = hit + 1 end
   local hkeys = {}
   for i, b in ipairs(blocks) do hkeys[i] = 'h:' .. b end
   refs = redis.call('HMGET', ledger, unpack(hkeys))
+  while hit < #blocks and seen[hit + 1]
+      and (tonumber(seen[hit + 1]) <= now or refs[hit + 1]) do
+    hit = hit + 1
+  end
   for i = 1, #blocks do
-    if not refs[i] then
-      fresh = fresh + size  -- held by nobody yet: booked once, as shared
-    elseif i > hit then
-      dup = dup + size  -- held, but still being computed: the engine computes its own copy
-    end
+    if not refs[i] then fresh = fresh + size end  -- held by nobody yet: booked once, as shared
   end
   prompt = math.max(0, prompt - hit * size)
-  -- The lease's own KV: the rest of its prompt and its output, and its copies of blocks
-  -- another request is still computing.
-  need = math.max(0, need - #blocks * size) + dup
+  need = math.max(0, need - #blocks * size)  -- the lease's own: the rest of its prompt, output
 end
 local reason = nil
 if n >= tonumber(ARGV[1]) then
@@ -173,7 +174,9 @@ if #blocks > 0 then
   for i, b in ipairs(blocks) do
     counts[#counts + 1] = 'h:' .. b
     counts[#counts + 1] = tonumber(refs[i] or '0') + 1
-    if i <= hit then
+    if i <= hit and tonumber(seen[i]) > now then
+      scores[#scores + 1] = tonumber(seen[i])  -- held and still being computed: stays so
+    elseif i <= hit then
       scores[#scores + 1] = now - i  -- the tail least recently used (prelude: prefix_unhold)
     else  -- computed once this node's prefill booked so far (this one's included) has cleared
       local wait_us = rate > 0 and math.floor(pending / rate * 1000000) or 0
