@@ -18,7 +18,14 @@ from aiohttp import web
 from prometheus_client import generate_latest
 
 from engine.emulator import Engine
-from engine.openai_api import Tokens, err_body, full_body, logprobs_json, prompt_of
+from engine.openai_api import (
+    Tokens,
+    answer_length,
+    err_body,
+    full_body,
+    logprobs_json,
+    prompt_of,
+)
 from engine.profiles import PROFILES
 from engine.scheduler import Seq, block_hashes
 
@@ -74,8 +81,18 @@ async def generate(request: web.Request) -> web.StreamResponse:
     hashes = block_hashes(text, engine.profile.block_size) if engine.sched.prefix_caching else ()
     arrival = time.monotonic()
     priority = int(body.get("priority", 0))
+    # A prompt that asks for a shorter answer than max_tokens ends there: finish_reason "stop".
+    ends = answer_length(body, chat)
+    stops = ends is not None and ends < max_tokens
     seqs = [
-        Seq(prompt, max_tokens, priority=priority, arrival=arrival, hashes=hashes)
+        Seq(
+            prompt,
+            ends if stops and ends else max_tokens,
+            priority=priority,
+            arrival=arrival,
+            hashes=hashes,
+            stops=stops,
+        )
         for _ in range(copies)
     ]
     engine.m_prio.labels(str(seqs[0].priority)).inc()

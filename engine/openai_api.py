@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from typing import Any
 
 from aiohttp import web
@@ -60,6 +61,26 @@ def prompt_of(
             return max(1, len(ids)), ids
         return max(1, len(prompt) // 4), prompt
     return max(1, len(prompt)), prompt if all(isinstance(t, int) for t in prompt) else ""
+
+
+# Where a prompt says how long its answer is: the emulator's stand-in for a model that ends its
+# answer (EOS, finish_reason "stop") before the client's max_tokens, as most answers do. The
+# load generator writes it at the end of a prompt whose kind sets a cap above its answers
+# (loadtest.workload `max_tokens`); no real model reads it.
+ANSWER_MARK = "[answer {} tokens]"
+_ANSWER = re.compile(r"\[answer (\d+) tokens\]\s*$")
+
+
+def answer_length(body: dict[str, Any], chat: bool) -> int | None:
+    """The answer length the prompt's end asks for (ANSWER_MARK), None when it asks none."""
+    if chat:
+        msgs = body.get("messages")
+        last = msgs[-1] if isinstance(msgs, list) and msgs else None
+        text = last.get("content") if isinstance(last, dict) else None
+    else:
+        text = body.get("prompt")
+    m = _ANSWER.search(text) if isinstance(text, str) else None
+    return max(1, int(m.group(1))) if m else None
 
 
 def err_body(msg: str, code: int = 400) -> str:

@@ -58,6 +58,7 @@ class Seq:
     preemptions: int = 0
     on_token: Callable[[Seq], None] | None = None
     hashes: tuple[int, ...] = ()  # chained hashes of the prompt's full blocks (prefix caching)
+    stops: bool = False  # max_tokens is where the model ends its answer (EOS), not the cap
     cached: list[int] = field(default_factory=list)  # leading blocks it shares from the cache
     cached_tokens: int = -1  # prompt tokens found cached when first scheduled (vLLM's
     # num_cached_tokens: set once, a recompute after preemption does not change it)
@@ -229,7 +230,7 @@ class Scheduler:
                 seq.first_token_at = end
                 firsts.append(seq)
             if seq.generated >= seq.max_tokens:
-                seq.finish_reason = "length"
+                seq.finish_reason = "stop" if seq.stops else "length"
                 seq.finished_at = end
                 finished.append(seq)
         # A sequence whose prompt completed this step emits its first token in this step too.
@@ -240,7 +241,7 @@ class Scheduler:
                 firsts.append(seq)
                 decoded.append(seq)
                 if seq.generated >= seq.max_tokens:
-                    seq.finish_reason = "length"
+                    seq.finish_reason = "stop" if seq.stops else "length"
                     seq.finished_at = end
                     finished.append(seq)
         for seq in finished:

@@ -12,6 +12,7 @@ from typing import Any
 
 import aiohttp
 
+from engine.openai_api import ANSWER_MARK
 from loadtest import report
 from loadtest.workload import Histories, Req, req_prompt
 
@@ -118,10 +119,14 @@ async def one(
 ) -> report.Record:
     """Send one request at once and record how it went; `due_s`: when it was due, after the
     run's start (its scheduled time, or a conversation's last answer: `drive`)."""
+    content = req_prompt(req, int(req.at_s * 1e6))
+    if req.cap:  # the answer ends before the cap: the prompt says where (the emulator reads it)
+        mark = ANSWER_MARK.format(req.max_tokens)
+        content = content[: max(0, len(content) - len(mark))] + mark
     body: dict[str, Any] = {
         "model": model,
-        "messages": [{"role": "user", "content": req_prompt(req, int(req.at_s * 1e6))}],
-        "max_tokens": req.max_tokens,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": req.cap or req.max_tokens,
         "stream": True,
         "stream_options": {"include_usage": True},
     }

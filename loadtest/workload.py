@@ -32,6 +32,12 @@ class Kind:
     # turns; a turn's prompt is the previous turn's prompt, its answer and a new question
     # (`prompt_tokens` is the question's size then), as chat clients resend the history.
     turns: int = 1
+    # The max_tokens clients send (0: each request's own answer length, as a benchmark that
+    # knows it would). Most clients set a generous cap — or none, and get the server's default —
+    # and the model ends its answer long before it: the answer is `output_tokens` long, the cap
+    # is what an admission controller sees (the prompt tells the emulator where to stop:
+    # engine.openai_api.ANSWER_MARK).
+    max_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -47,6 +53,7 @@ class Req:
     conversation: str = ""  # the conversation this turn belongs to ("": none)
     history_tokens: int = 0  # of prompt_tokens, the previous turn's prompt (its engine may hold it)
     question_tokens: int = 0  # of prompt_tokens, a conversation turn's own question
+    cap: int = 0  # max_tokens as sent, above the answer (`max_tokens`); 0: the answer's length
 
 
 # Lengths are in tokens; the emulator counts one token per 4 characters of prompt.
@@ -93,6 +100,7 @@ def schedule(
             max_tokens=rng.randint(*k.output_tokens),
             prefix_tokens=min(k.shared_prefix_tokens, n),
             prefix_key=key,
+            cap=k.max_tokens,
         )
         if k.turns > 1:
             open_ = talks.setdefault(k.name, [])
@@ -203,8 +211,11 @@ def load_kinds(path: str) -> tuple[Kind, ...]:
                     int(k.get("shared_prefix_tokens", 0)),
                     int(k.get("prefixes", 1)),
                     int(k.get("turns", 1)),
+                    int(k.get("max_tokens", 0)),
                 )
             )
+            if 0 < kinds[-1].max_tokens < kinds[-1].output_tokens[1]:
+                raise ValueError("max_tokens is below the longest answer (output_tokens)")
         except (KeyError, TypeError, ValueError) as exc:
             raise SystemExit(f"{path}: kinds[{i}]: {exc!r}") from None
     if not kinds:
