@@ -247,12 +247,17 @@ class Dispatcher:
         """Nodes that would take `it` now, best first. Memory and prefill rules follow the class
         a request asked for: aging moves it up the queue, but does not let a long batch request
         use what is kept for realtime."""
-        q = self.queue
+        q, cls = self.queue, it.requested_cls or it.cls
+        # KV booked: the prompt and what its tenant's answers of the class run to, at most the
+        # request's max_tokens (outputs.answer_kv); the limits and the queue charge the cap.
+        kv = it.cost
+        if it.prompt > 0:
+            kv = it.prompt + self.nodes.outputs.answer_kv(it.model, cls, it.tenant, kv - it.prompt)
         return self.nodes.eligible(
             it.model,
-            it.requested_cls or it.cls,
+            cls,
             it.prompt,
-            it.cost,
+            kv,
             it.tenant,
             q.tenant_depth,
             q.waiting_kv,

@@ -12,7 +12,7 @@ that is not one lower classes could buy back by waiting, and they must not starv
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 from admission.policy import Policy
 
@@ -22,6 +22,16 @@ ALPHA = 0.05  # EWMA weight of one answer (≈ the last 20–40 answers)
 # serves: its own decode guard acts (own_decode_limit_s) — which of its requests go on is then
 # the choice, and those that would finish late anyway wait (and are refused early) instead.
 REFUSING_S = 5.0
+# What a request books for its answer (KV, in the node ledger): not the client's max_tokens, which
+# is a cap — most clients send a generous one, or none and get edge.default_max_tokens —, but
+# the most its tenant's answers of the class lately ran to: a high quantile of the engine's
+# usage.completion_tokens over the last ANSWERS releases, and the cap itself until MIN_ANSWERS
+# came back. vLLM takes an answer's KV as it is generated, never the cap: booking the cap held
+# nodes at the watermarks with their real memory a fraction of it (docs/benchmarks.md).
+ANSWERS = 200
+MIN_ANSWERS = 20
+QUANTILE = 0.98
+MAX_KEYS = 10_000  # (model, class, tenant) keys remembered, least recently answered out first
 
 
 class UrgentOutputs:
@@ -30,9 +40,12 @@ class UrgentOutputs:
     each learns from a sample)."""
 
     def __init__(self) -> None:
-        self._open: OrderedDict[str, None] = OrderedDict()
+        # ticket → (urgent, (model, class, tenant)) of requests admitted here, until released
+        self._open: OrderedDict[str, tuple[bool, tuple[str, str, str]]] = OrderedDict()
         self.mean = 0.0  # 0: nothing learned yet
         self._late: dict[str, float] = {}  # class → when this sidecar last refused it late
+        self._lengths: OrderedDict[tuple[str, str, str], deque[int]] = OrderedDict()
+        self._high: dict[tuple[str, str, str], int] = {}  # key → QUANTILE of its lengths
 
     def refused_late(self, cls: str, now: float) -> None:
         self._late[cls] = now
@@ -41,19 +54,41 @@ class UrgentOutputs:
         """Whether `cls` was refused late within the last REFUSING_S seconds."""
         return cls is not None and now - self._late.get(cls, -1e18) < REFUSING_S
 
-    def admitted(self, ticket: str, urgent: bool) -> None:
-        """A request sent to a node; only the urgent class's answers are learned."""
-        if not urgent:
-            return
-        self._open[ticket] = None
+    def admitted(
+        self, ticket: str, urgent: bool, model: str = "", cls: str = "", tenant: str = ""
+    ) -> None:
+        """A request sent to a node: its answer's length is learned at its release (the urgent
+        class's mean, and every class's answer lengths per tenant)."""
+        self._open[ticket] = (urgent, (model, cls, tenant))
         if len(self._open) > MAX_OPEN:
             self._open.popitem(last=False)  # its release went to another sidecar, or was lost
 
     def answered(self, ticket: str, completion_tokens: int) -> None:
         """A release; `completion_tokens` < 0: the engine reported no usage (not counted)."""
-        if self._open.pop(ticket, 0) is None and completion_tokens >= 0:
+        opened = self._open.pop(ticket, None)
+        if opened is None or completion_tokens < 0:
+            return
+        urgent, key = opened
+        if urgent:
             n = float(completion_tokens)
             self.mean = n if self.mean == 0 else ALPHA * n + (1 - ALPHA) * self.mean
+        seen = self._lengths.pop(key, None) or deque(maxlen=ANSWERS)
+        self._lengths[key] = seen  # the most recently answered key last
+        seen.append(completion_tokens)
+        if len(self._lengths) > MAX_KEYS:
+            gone, _ = self._lengths.popitem(last=False)
+            self._high.pop(gone, None)
+        # The quantile again every few answers (a sort of at most ANSWERS), and as they come
+        # while few are known.
+        if len(seen) >= MIN_ANSWERS and (len(seen) < ANSWERS or len(seen) % 8 == 0):
+            ordered = sorted(seen)
+            self._high[key] = ordered[min(len(ordered) - 1, int(QUANTILE * len(ordered)))]
+
+    def answer_kv(self, model: str, cls: str, tenant: str, cap: int) -> int:
+        """Output tokens a request books KV for: `cap` (its max_tokens), or less once its
+        tenant's answers of the class are known to stop short of it (ANSWERS)."""
+        high = self._high.get((model, cls, tenant))
+        return cap if high is None else min(cap, max(1, high))
 
 
 def decode_limit_s(policy: Policy, mean_output: float = 0.0) -> float | None:
