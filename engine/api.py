@@ -273,14 +273,14 @@ def build_app(engine: Engine, tokenizer: str = "") -> web.Application:
     app.router.add_post("/v1/chat/completions", generate)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
-    app.router.add_get("/version", lambda _r: _version())
+    app.router.add_get("/version", version)
     app.router.add_get("/metrics", metrics)
     app.router.add_get("/sim/device", device)
     app.router.add_post("/sim/fault", fault)
     return app
 
 
-async def _version() -> web.Response:
+async def version(_request: web.Request) -> web.Response:
     return web.json_response({"version": "emulated"})
 
 

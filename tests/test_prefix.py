@@ -146,6 +146,36 @@ async def test_pending_prefill_counts_only_what_the_node_has_not_computed(redis:
     assert leases.hit_blocks(res) == 6  # a third request finds them computed
 
 
+async def test_blocks_a_lease_brought_leave_the_node_when_its_request_never_ran(
+    redis: Any,
+) -> None:
+    """A lease given back before its request ran (its tenant's limits said no after the lease
+    rode along, it was refused or timed out, or it was only an undo): the blocks it brought were
+    never computed, and a later request must not be booked a hit the engine does not have.
+    Blocks resident before it, or another lease's, stay."""
+    s = Scripts(redis)
+    head = ask(1000, 1100, SHARED[:4], prefill_rate=20_000.0)
+    await s.run(leases.take(NODE, ticket(1), 60, head))
+    await asyncio.sleep(0.1)  # its prefill has cleared
+    await s.run(leases.give_back(ticket(1), released=True))  # it ran: 4 blocks computed
+    longer = ask(1000, 1100, SHARED, prefill_rate=20_000.0)  # the same head and 2 more blocks
+    for i, undo in ((2, leases.give_back(ticket(2), final=True)), (3, leases.give_back(ticket(3)))):
+        res = (await s.run(leases.take(NODE, ticket(i), 60, longer)))[0]
+        assert leases.hit_blocks(res) == 4
+        await asyncio.sleep(0.1)  # when it would have been computed, had it run
+        await s.run(undo)
+        assert await redis.zcard(keys.node_prefixes("n1")) == 4  # the 2 it brought: gone
+    # Held by another lease too, a block it brought stays when it goes: the other computes it.
+    await s.run(leases.take(NODE, ticket(4), 60, longer), leases.take(NODE, ticket(5), 60, longer))
+    await s.run(leases.give_back(ticket(4), final=True))
+    assert await redis.zcard(keys.node_prefixes("n1")) == 6
+    await s.run(leases.give_back(ticket(5), released=True))
+    res = (await s.run(leases.take(NODE, ticket(6), 60, longer)))[0]
+    assert leases.hit_blocks(res) == 6
+    await s.run(leases.give_back(ticket(6), released=True))
+    assert int((await fields(redis))["kv"]) == 0
+
+
 async def test_a_prefix_still_being_computed_is_shared_while_its_holder_computes_it(
     redis: Any,
 ) -> None:

@@ -194,6 +194,9 @@ class Dispatcher:
         prefix: Prefix,
     ) -> Item:
         arrived = self.clock() - waited_s
+        # KV booked: the prompt and what its tenant's answers of the class run to, at most the
+        # request's max_tokens (outputs.answer_kv); the limits and the queue charge the cap.
+        kv = prompt + self.nodes.outputs.answer_kv(model, cls, tenant.id, cost - prompt)
         return Item(
             tenant=tenant.id,
             cls=cls,
@@ -203,6 +206,7 @@ class Dispatcher:
             deadline_at=arrived + self.policy().classes[cls].deadline_s,
             rid=rid,
             prompt=prompt,
+            kv=kv if prompt > 0 else cost,
             prefix=prefix,
         )
 
@@ -247,17 +251,12 @@ class Dispatcher:
         """Nodes that would take `it` now, best first. Memory and prefill rules follow the class
         a request asked for: aging moves it up the queue, but does not let a long batch request
         use what is kept for realtime."""
-        q, cls = self.queue, it.requested_cls or it.cls
-        # KV booked: the prompt and what its tenant's answers of the class run to, at most the
-        # request's max_tokens (outputs.answer_kv); the limits and the queue charge the cap.
-        kv = it.cost
-        if it.prompt > 0:
-            kv = it.prompt + self.nodes.outputs.answer_kv(it.model, cls, it.tenant, kv - it.prompt)
+        q = self.queue
         return self.nodes.eligible(
             it.model,
-            cls,
+            it.requested_cls or it.cls,
             it.prompt,
-            kv,
+            it.kv or it.cost,
             it.tenant,
             q.tenant_depth,
             q.waiting_kv,

@@ -49,6 +49,7 @@ class Item:
     class_since: float = 0.0
     rid: str = ""
     prompt: int = 0  # prompt tokens (estimate): the prefill this request books on a node
+    kv: int = 0  # KV tokens it books on a node: prompt + what its answer will take (0: cost)
     prefix: Prefix = NO_PREFIX  # the prompt's head (prefixes.py): routing and booking use it
     requested_cls: str = ""
     held_at: float = 0.0  # when fairness across sidecars first held it back (shares.py; 0: never)
@@ -375,7 +376,7 @@ class FairQueue:
             pair.pop(item.tenant, None)
             if not pair:
                 del self._pairs[(item.model, item.requested_cls)]
-        kv = self._kv.get(item.requested_cls, 0) + n * item.cost
+        kv = self._kv.get(item.requested_cls, 0) + n * (item.kv or item.cost)
         if kv > 0:
             self._kv[item.requested_cls] = kv
         else:

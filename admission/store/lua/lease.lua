@@ -57,7 +57,7 @@ local reserve = tonumber(f[3] or '0')
 if f[4] then reserve = reserve * 0.5 ^ ((now - tonumber(f[4])) / RESERVE_HALF_US) end
 for _, t in ipairs(expired) do
   redis.call('ZREM', leases, t)
-  local freed = prefix_unhold(ledger, resident, t, now)
+  local freed = prefix_unhold(ledger, resident, t, now, true)  -- lost release: it may have run
   kv, shared = kv - freed, shared - freed
   local k = tonumber(redis.call('HGET', ledger, 'k:' .. t) or '0')
   if k ~= 0 then
@@ -71,7 +71,7 @@ local n = redis.call('ZCARD', leases)
 -- The same ticket again (a retry after a round trip that may have run) replaces its booking:
 -- checked and booked as if it were not there yet (refused, it is left with none).
 -- Its prefix blocks are let go first (taken again if granted).
-local freed = prefix_unhold(ledger, resident, ticket, now)
+local freed = prefix_unhold(ledger, resident, ticket, now, false)
 kv, shared = math.max(0, kv - freed), math.max(0, shared - freed)
 local again = tonumber(redis.call('HGET', ledger, 'k:' .. ticket) or '0')
 local kv_others = math.max(0, kv - math.abs(again))
@@ -170,8 +170,9 @@ redis.call('HSET', ledger, 'p', tostring(pending), 't', now, 'kv', kv, 'u', u,
 if prompt > 0 then redis.call('HINCRBY', ledger, 'pb', math.floor(prompt)) end
 local ttl_ms = math.ceil(tonumber(ARGV[2]) / 1000)
 if #blocks > 0 then
-  local counts, scores = {}, {}
+  local counts, scores, named = {}, {}, {}
   for i, b in ipairs(blocks) do
+    named[i] = (refs[i] or seen[i]) and b or '+' .. b  -- '+': brought here (prelude)
     counts[#counts + 1] = 'h:' .. b
     counts[#counts + 1] = tonumber(refs[i] or '0') + 1
     if i <= hit and tonumber(seen[i]) > now then
@@ -186,7 +187,7 @@ if #blocks > 0 then
     end
     scores[#scores + 1] = b
   end
-  redis.call('HSET', ledger, 'b:' .. ticket, size .. ' ' .. table.concat(blocks, ' '),
+  redis.call('HSET', ledger, 'b:' .. ticket, size .. ' ' .. table.concat(named, ' '),
              unpack(counts))
   redis.call('ZADD', resident, unpack(scores))
   -- The engine keeps unheld blocks only in the part of its pool that running requests leave

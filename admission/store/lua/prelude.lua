@@ -35,12 +35,15 @@ end
 
 
 -- Prefix blocks a node lease holds (lease.lua): ledger field b:<ticket> = "<tokens per block>
--- <hash> <hash> …", reference counts in ledger fields h:<hash>, residency in the node's
--- prefixes zset (hash → µs last used). Let go of a ticket's blocks: each count goes down; a
--- block nobody holds any more stays resident (the engine keeps computed blocks until it needs
--- the room, least recently released first) and its tokens leave the ledger's kv, where the
--- lease that first held it had booked them. Returns the KV tokens freed.
-local function prefix_unhold(ledger, resident, ticket, now)
+-- <hash> <hash> …", a hash marked '+' where the lease brought the block to the node (neither
+-- resident nor held before it), reference counts in ledger fields h:<hash>, residency in the
+-- node's prefixes zset (hash → µs last used). Let go of a ticket's blocks: each count goes
+-- down; a block nobody holds any more stays resident (the engine keeps computed blocks until it
+-- needs the room, least recently released first) and its tokens leave the ledger's kv, where
+-- the lease that first held it had booked them. `ran` false: the request never ran on this
+-- lease (refused, given back, booked again): a block it brought that nobody else took was never
+-- computed, and leaves the node's resident set. Returns the KV tokens freed.
+local function prefix_unhold(ledger, resident, ticket, now, ran)
   local held = redis.call('HGET', ledger, 'b:' .. ticket)
   if not held then return 0 end
   redis.call('HDEL', ledger, 'b:' .. ticket)
@@ -49,11 +52,17 @@ local function prefix_unhold(ledger, resident, ticket, now)
     if size == nil then
       size = tonumber(w)
     else
+      local brought = string.sub(w, 1, 1) == '+'
+      if brought then w = string.sub(w, 2) end
       local n = redis.call('HINCRBY', ledger, 'h:' .. w, -1)
       if n <= 0 then
         redis.call('HDEL', ledger, 'h:' .. w)
-        -- A prompt's tail is the least shared part: it goes first (vLLM frees blocks tail first).
-        redis.call('ZADD', resident, 'XX', now - i, w)
+        if brought and not ran then
+          redis.call('ZREM', resident, w)
+        else
+          -- A prompt's tail is the least shared part: it goes first (vLLM frees tail first).
+          redis.call('ZADD', resident, 'XX', now - i, w)
+        end
         freed = freed + size
       end
       i = i + 1

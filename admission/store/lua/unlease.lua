@@ -24,7 +24,8 @@ if ARGV[2] == '2' or (ARGV[2] == '1' and (removed == 0 or string.sub(ARGV[1], -2
   redis.call('ZADD', KEYS[3], now + GONE_US, ARGV[1])
   redis.call('PEXPIRE', KEYS[3], GONE_US / 1000)
 end
-local freed = prefix_unhold(KEYS[2], KEYS[4], ARGV[1], now)
+-- Only a request's release ('1') may have run: its blocks were computed (kept resident).
+local freed = prefix_unhold(KEYS[2], KEYS[4], ARGV[1], now, ARGV[2] == '1')
 local k = tonumber(redis.call('HGET', KEYS[2], 'k:' .. ARGV[1]) or '0')
 local f = redis.call('HMGET', KEYS[2], 'kv', 'u', 's')
 local kv = tonumber(f[1] or '0')

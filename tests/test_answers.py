@@ -1,0 +1,117 @@
+"""What a request books for its answer: what its tenant's answers of the class run to, not the
+client's max_tokens cap — and the emulator and load generator that let the benchmark show it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from admission.scheduling.outputs import ANSWERS, MIN_ANSWERS, UrgentOutputs
+from admission.store import keys
+from devstack.procs import RedisServer
+from engine.api import build_app
+from engine.emulator import Engine
+from engine.openai_api import ANSWER_MARK
+from engine.profiles import PROFILES
+from loadtest.workload import load_kinds, schedule
+from tests.test_dispatcher import make
+from tests.test_limiter import tenant_policy
+
+
+def answer(o: UrgentOutputs, ticket: str, n: int, tenant: str = "acme") -> None:
+    o.admitted(ticket, True, "m", "realtime", tenant)
+    o.answered(ticket, n)
+
+
+def test_a_request_books_what_its_tenants_answers_run_to_never_more_than_its_cap() -> None:
+    o = UrgentOutputs()
+    assert o.answer_kv("m", "realtime", "acme", 1024) == 1024  # nothing known: the cap
+    for i in range(MIN_ANSWERS - 1):
+        answer(o, f"a{i}", 100 + i)
+    assert o.answer_kv("m", "realtime", "acme", 1024) == 1024  # too few answers yet
+    answer(o, "last", 150)
+    high = o.answer_kv("m", "realtime", "acme", 1024)
+    assert 100 + MIN_ANSWERS - 2 <= high <= 150  # the longest answers, not the cap
+    assert o.answer_kv("m", "realtime", "acme", 60) == 60  # never above the request's cap
+    # Another tenant, class or model books its own cap until its own answers are known.
+    assert o.answer_kv("m", "realtime", "globex", 1024) == 1024
+    assert o.answer_kv("m", "batch", "acme", 1024) == 1024
+    assert o.answer_kv("other", "realtime", "acme", 1024) == 1024
+    # A release without usage, or of a request admitted elsewhere, teaches nothing.
+    o.admitted("nousage", True, "m", "realtime", "globex")
+    o.answered("nousage", -1)
+    o.answered("elsewhere", 5)
+    assert o.answer_kv("m", "realtime", "globex", 1024) == 1024
+    # Answers that run to their cap again are booked whole again, within the window.
+    for i in range(ANSWERS):
+        answer(o, f"long{i}", 1024)
+    assert o.answer_kv("m", "realtime", "acme", 1024) == 1024
+    # The urgent class's mean (the decode guard's) is still learned from the same releases.
+    assert o.mean > 500
+
+
+async def test_the_ledger_books_the_learned_answer_not_the_cap(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    """Through the dispatcher and lease.lua on a real Redis: a tenant whose answers run to about
+    100 tokens under a max_tokens of 2,000 books its prompt and about 100 on the node."""
+    p = tenant_policy(redis_server.url, "{requests_per_s: 1000, tokens_per_min: 100000000}")
+    d, client = make(p)
+    ledger = keys.node_ledger("n1")
+
+    async def booked(ticket: str) -> int:
+        await d.ahead.settled([ticket])  # a booking answered ahead runs in the background
+        return abs(int(await redis.hget(ledger, f"k:{ticket}")))
+
+    first = await d.admit(p.tenants["t1"], "realtime", "m", 10, 2000)
+    assert await booked(first.ticket) == 10 + 2000  # nothing learned yet: the cap
+    await d.release(first.ticket, 10 + 90, out=90)
+    for i in range(MIN_ANSWERS):
+        adm = await d.admit(p.tenants["t1"], "realtime", "m", 10, 2000)
+        await d.release(adm.ticket, 10 + 80 + i, out=80 + i)
+    adm = await d.admit(p.tenants["t1"], "realtime", "m", 10, 2000)
+    assert 10 + 90 <= await booked(adm.ticket) <= 10 + 80 + MIN_ANSWERS
+    await d.release(adm.ticket, 10 + 90, out=90)
+    await d.store.backlog.flush()
+    assert await redis.hget(ledger, "kv") in (None, b"0")  # all given back
+    await client.aclose()
+
+
+async def test_the_emulator_ends_an_answer_where_the_prompt_says_before_the_cap() -> None:
+    engine = Engine(PROFILES["tiny"])
+    client = TestClient(TestServer(build_app(engine)))
+    await client.start_server()
+    try:
+        for content, cap, tokens, finish in (
+            ("hello " * 20 + ANSWER_MARK.format(7), 100, 7, "stop"),
+            ("hello " * 20 + ANSWER_MARK.format(70), 20, 20, "length"),  # the cap ends it
+            ("hello " * 20, 12, 12, "length"),  # no mark: to the cap, as before
+        ):
+            body = {"model": engine.model, "max_tokens": cap}
+            body["messages"] = [{"role": "user", "content": content}]
+            r = await client.post("/v1/chat/completions", json=body)
+            doc = await r.json()
+            assert r.status == 200, doc
+            assert doc["usage"]["completion_tokens"] == tokens
+            assert doc["choices"][0]["finish_reason"] == finish
+    finally:
+        await client.close()
+
+
+def test_a_workload_kind_sends_its_cap_above_its_answers(tmp_path: Path) -> None:
+    f = tmp_path / "mix.yaml"
+    f.write_text(
+        "kinds:\n"
+        "  - {name: chat, class: realtime, tenants: [acme], share: 1.0,\n"
+        "     prompt_tokens: [100, 200], output_tokens: [20, 40], max_tokens: 1024}\n"
+    )
+    reqs = schedule(10, 5, seed=1, kinds=load_kinds(str(f)))
+    assert reqs and all(r.cap == 1024 and 20 <= r.max_tokens <= 40 for r in reqs)
+    f.write_text(f.read_text().replace("1024", "30"))  # below the longest answer
+    with pytest.raises(SystemExit, match="max_tokens is below"):
+        load_kinds(str(f))
+    shipped = load_kinds(str(Path(__file__).parents[1] / "loadtest/workloads/capped.yaml"))
+    assert all(k.max_tokens > k.output_tokens[1] for k in shipped)
