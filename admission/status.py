@@ -112,6 +112,9 @@ def snapshot(
         "nodes": dispatcher.nodes.snapshot(),
         "pressure": dispatcher.nodes.pressure_snapshot(),
         "decode_guard": _decode_guard(dispatcher),
+        # KV a request books for its answer, where its tenant's answers are known (outputs.py);
+        # elsewhere its max_tokens.
+        "answers_booked": dispatcher.nodes.outputs.booked_answers(),
         "fair_shed": dispatcher.place.shed.snapshot(mono),
         "prefix": dispatcher.nodes.placements.snapshot(),
         "refusals": _grouped(recent.refusals),

@@ -74,6 +74,9 @@ async def test_the_ledger_books_the_learned_answer_not_the_cap(
         await d.release(adm.ticket, 10 + 80 + i, out=80 + i)
     adm = await d.admit(p.tenants["t1"], "realtime", "m", 10, 2000)
     assert 10 + 90 <= await booked(adm.ticket) <= 10 + 80 + MIN_ANSWERS
+    assert d.nodes.outputs.booked_answers() == [  # /status.json's answers_booked
+        {"model": "m", "class": "realtime", "tenant": "t1", "tokens": await booked(adm.ticket) - 10}
+    ]
     await d.release(adm.ticket, 10 + 90, out=90)
     await d.store.backlog.flush()
     assert await redis.hget(ledger, "kv") in (None, b"0")  # all given back

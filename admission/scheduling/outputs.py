@@ -84,6 +84,15 @@ class UrgentOutputs:
             ordered = sorted(seen)
             self._high[key] = ordered[min(len(ordered) - 1, int(QUANTILE * len(ordered)))]
 
+    def booked_answers(self, most: int = 50) -> list[dict[str, object]]:
+        """For the status page: the answer lengths requests book now, the most recently
+        answered (model, class, tenant) first."""
+        keys = [k for k in reversed(self._lengths) if k in self._high][:most]
+        return [
+            {"model": m, "class": c, "tenant": t, "tokens": self._high[(m, c, t)]}
+            for m, c, t in keys
+        ]
+
     def answer_kv(self, model: str, cls: str, tenant: str, cap: int) -> int:
         """Output tokens a request books KV for: `cap` (its max_tokens), or less once its
         tenant's answers of the class are known to stop short of it (ANSWERS)."""
