@@ -57,7 +57,8 @@ async def test_the_ledger_books_the_learned_answer_not_the_cap(
     redis: Any, redis_server: RedisServer
 ) -> None:
     """Through the dispatcher and lease.lua on a real Redis: a tenant whose answers run to about
-    100 tokens under a max_tokens of 2,000 books its prompt and about 100 on the node."""
+    100 tokens under a max_tokens of 2,000 books its prompt and about 100 on the node, and is
+    charged as much by the fair queue; its token bucket still reserves the cap until release."""
     p = tenant_policy(redis_server.url, "{requests_per_s: 1000, tokens_per_min: 100000000}")
     d, client = make(p)
     ledger = keys.node_ledger("n1")
@@ -74,6 +75,8 @@ async def test_the_ledger_books_the_learned_answer_not_the_cap(
         await d.release(adm.ticket, 10 + 80 + i, out=80 + i)
     adm = await d.admit(p.tenants["t1"], "realtime", "m", 10, 2000)
     assert 10 + 90 <= await booked(adm.ticket) <= 10 + 80 + MIN_ANSWERS
+    # Fairness charges the tenant the same, not its cap (a generous cap costs it no turns).
+    assert d.nodes.shares._pairs[("m", "realtime")].cost["t1"] == await booked(adm.ticket)
     assert d.nodes.outputs.booked_answers() == [  # /status.json's answers_booked
         {"model": "m", "class": "realtime", "tenant": "t1", "tokens": await booked(adm.ticket) - 10}
     ]

@@ -106,11 +106,15 @@ class Dispatcher:
         """
         policy = self.policy()
         ttl_s = policy.queue.lease_ttl_s
-        cost = prompt_tokens + max_tokens
+        cost = prompt_tokens + max_tokens  # what the tenant's limits reserve (settled at release)
+        # What the node books and fairness counts: the prompt and the answer as long as the
+        # tenant's answers of the class run (outputs.answer_kv), at most max_tokens — a tenant
+        # sending a generous cap is neither booked nor charged its turn for tokens it never gets.
+        expected = prompt_tokens + self.nodes.outputs.answer_kv(model, cls, tenant.id, max_tokens)
         rid = rid or leases.new_request_id()
-        self._shed(policy, tenant, cls, model, cost)
+        self._shed(policy, tenant, cls, model, expected)
         await self.nodes.fresh(2 * running.REFRESH_S)  # after a quiet spell; busy, the loop polls
-        item = self._item(tenant, cls, cost, model, waited_s, rid, prompt_tokens, prefix)
+        item = self._item(tenant, cls, expected, model, waited_s, rid, prompt_tokens, prefix)
         nodes = self._fast_path(item)
         if not nodes:
             self.place.shed.full(cls, self.clock())
@@ -194,9 +198,6 @@ class Dispatcher:
         prefix: Prefix,
     ) -> Item:
         arrived = self.clock() - waited_s
-        # KV booked: the prompt and what its tenant's answers of the class run to, at most the
-        # request's max_tokens (outputs.answer_kv); the limits and the queue charge the cap.
-        kv = prompt + self.nodes.outputs.answer_kv(model, cls, tenant.id, cost - prompt)
         return Item(
             tenant=tenant.id,
             cls=cls,
@@ -206,7 +207,6 @@ class Dispatcher:
             deadline_at=arrived + self.policy().classes[cls].deadline_s,
             rid=rid,
             prompt=prompt,
-            kv=kv if prompt > 0 else cost,
             prefix=prefix,
         )
 
@@ -256,7 +256,7 @@ class Dispatcher:
             it.model,
             it.requested_cls or it.cls,
             it.prompt,
-            it.kv or it.cost,
+            it.cost,
             it.tenant,
             q.tenant_depth,
             q.waiting_kv,

@@ -38,7 +38,9 @@ MAX_DONE = 4096  # tenants' last finish tags kept per class before those now beh
 
 @dataclass(eq=False)
 class Item:
-    """One waiting request. `cost` is in tokens (prompt estimate + max_tokens)."""
+    """One waiting request. `cost` is in tokens: the prompt estimate and its answer as long as
+    its tenant's answers of the class run, at most max_tokens (Dispatcher.admit): what the node
+    books for it and what fairness charges."""
 
     tenant: str
     cls: str
@@ -49,7 +51,6 @@ class Item:
     class_since: float = 0.0
     rid: str = ""
     prompt: int = 0  # prompt tokens (estimate): the prefill this request books on a node
-    kv: int = 0  # KV tokens it books on a node: prompt + what its answer will take (0: cost)
     prefix: Prefix = NO_PREFIX  # the prompt's head (prefixes.py): routing and booking use it
     requested_cls: str = ""
     held_at: float = 0.0  # when fairness across sidecars first held it back (shares.py; 0: never)
@@ -376,7 +377,7 @@ class FairQueue:
             pair.pop(item.tenant, None)
             if not pair:
                 del self._pairs[(item.model, item.requested_cls)]
-        kv = self._kv.get(item.requested_cls, 0) + n * (item.kv or item.cost)
+        kv = self._kv.get(item.requested_cls, 0) + n * item.cost
         if kv > 0:
             self._kv[item.requested_cls] = kv
         else:
