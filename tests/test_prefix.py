@@ -50,7 +50,7 @@ def ask(prompt: int, kv: int, blocks: tuple[str, ...], **kw: Any) -> leases.Ask:
 
 ops = st.lists(
     st.tuples(
-        st.sampled_from(["take", "give"]),
+        st.sampled_from(["take", "give", "drop", "undo"]),
         st.integers(0, 9),
         st.integers(0, 1),
         st.integers(0, len(FAMILIES) - 1),
@@ -93,9 +93,15 @@ def test_shared_blocks_are_booked_once_counted_exactly_and_cleared(
                         assert leases.over(res) == "released"
                     else:
                         live[t] = (blocks, kv - len(blocks) * SIZE)
-                else:
+                elif op == "give":  # the request's release: it ran
                     await scripts[who].run(leases.give_back(t, released=True))
                     if live.pop(t, None) is None:
+                        gone.add(t)
+                else:  # given back without having run: refused after its grant, or an undo
+                    final = op == "drop"
+                    await scripts[who].run(leases.give_back(t, final=final))
+                    live.pop(t, None)
+                    if final:
                         gone.add(t)
                 h = await fields(clients[1 - who])  # the other sidecar's view
                 refs = {k[2:]: int(v) for k, v in h.items() if k.startswith("h:")}
@@ -104,6 +110,10 @@ def test_shared_blocks_are_booked_once_counted_exactly_and_cleared(
                     for b in blocks:
                         want[b] = want.get(b, 0) + 1
                 assert refs == want  # never negative, never a block nobody holds
+                if want:  # every held block is resident (one a lease that never ran brought
+                    # leaves only when nobody holds it)
+                    seen = await clients[who].zmscore(keys.node_prefixes("n1"), list(want))
+                    assert None not in seen
                 own = sum(o for _b, o in live.values())
                 assert int(h.get("kv", 0)) == own + SIZE * len(want)  # each held block once
                 assert int(h.get("s", 0)) == SIZE * len(want)  # ... and known as shared
