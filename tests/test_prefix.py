@@ -160,7 +160,8 @@ async def test_blocks_a_lease_brought_leave_the_node_when_its_request_never_ran(
     redis: Any,
 ) -> None:
     """A lease given back before its request ran (its tenant's limits said no after the lease
-    rode along, it was refused or timed out, or it was only an undo): the blocks it brought were
+    rode along, it was refused or timed out, it was only an undo, or the edge could not reach
+    the node): the blocks it brought were
     never computed, and a later request must not be booked a hit the engine does not have.
     Blocks resident before it, or another lease's, stay."""
     s = Scripts(redis)
@@ -169,7 +170,11 @@ async def test_blocks_a_lease_brought_leave_the_node_when_its_request_never_ran(
     await asyncio.sleep(0.1)  # its prefill has cleared
     await s.run(leases.give_back(ticket(1), released=True))  # it ran: 4 blocks computed
     longer = ask(1000, 1100, SHARED, prefill_rate=20_000.0)  # the same head and 2 more blocks
-    for i, undo in ((2, leases.give_back(ticket(2), final=True)), (3, leases.give_back(ticket(3)))):
+    for i, undo in (
+        (2, leases.give_back(ticket(2), final=True)),
+        (3, leases.give_back(ticket(3))),
+        (7, leases.give_back(ticket(7), released=True, ran=False)),  # its node unreachable
+    ):
         res = (await s.run(leases.take(NODE, ticket(i), 60, longer)))[0]
         assert leases.hit_blocks(res) == 4
         await asyncio.sleep(0.1)  # when it would have been computed, had it run

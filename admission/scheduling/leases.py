@@ -110,7 +110,7 @@ def take(node: Node, ticket: str, ttl_s: float, ask: Ask, force: bool = False) -
     )
 
 
-def give_back(ticket: str, released: bool = False, final: bool = False) -> Call:
+def give_back(ticket: str, released: bool = False, final: bool = False, ran: bool = True) -> Call:
     """Give a ticket's lease and its KV reservation back (idempotent: harmless if never taken).
     `released`: no booking of this ticket may follow — the request ended, or the round trip
     that carried its lease failed and the request will not run on this ticket's booking: a
@@ -120,7 +120,9 @@ def give_back(ticket: str, released: bool = False, final: bool = False) -> Call:
     timed out or left: a copy of its round trip that Redis runs late (a round trip our late
     loop timed out and asked again: the first copy, on another connection, may run last) books
     nothing. Neither: the undo of a lease whose reply came while the request may still take
-    that ticket."""
+    that ticket. `ran` false with `released`: the request ended without reaching its engine
+    (the node was unreachable): the prompt blocks its lease brought were never computed there.
+    Only a release that may have run keeps them resident as computed."""
     _rid, node, _tenant = parse_ticket(ticket)
     return Call(
         "unlease",
@@ -130,7 +132,7 @@ def give_back(ticket: str, released: bool = False, final: bool = False) -> Call:
             keys.node_gone(node),
             keys.node_prefixes(node),
         ],
-        [ticket, b"2" if final else b"1" if released else b"0"],
+        [ticket, b"2" if final else (b"1" if ran else b"3") if released else b"0"],
     )
 
 

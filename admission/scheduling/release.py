@@ -38,7 +38,7 @@ async def release_many(d: Dispatcher, entries: list[Released]) -> list[int]:
         # Released (it ended): so may any lease's, whose reply the sidecar timed out on and ran
         # the request without — Redis may run that booking after this (a lease left to its TTL:
         # tests/test_many_sidecars.py, now and then on a loaded machine).
-        backs.append(leases.give_back(ticket, released=True))
+        backs.append(leases.give_back(ticket, released=True, ran=not failed))
         nodes.append(node)
     try:
         return await trip.settle(d.limiter, items, backs)

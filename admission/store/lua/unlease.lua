@@ -2,7 +2,8 @@
 --
 -- KEYS: 1 node leases zset  2 node ledger hash  3 released-first zset (ticket → expiry µs)
 --       4 node prefixes zset (lease.lua): the ticket's prefix blocks are let go
--- ARGV: 1 ticket  2 '1' when this is the request's release (not the undo of a lease that may
+-- ARGV: 1 ticket  2 '1' (or '3': it never reached its engine, the node unreachable) when this
+--       is the request's release (not the undo of a lease that may
 --       not have been taken): finding no lease — or releasing one answered ahead —, it leaves
 --       a mark for GONE_US, so that a forced booking still on its way, or asked again, books
 --       nothing; '2' when the request will never run on this ticket (refused, timed out or
@@ -19,12 +20,14 @@ local removed = redis.call('ZREM', KEYS[1], ARGV[1])
 -- A ticket answered ahead (':a') is marked even when its lease was found: its forced booking
 -- may be asked again after this (a round trip the sidecar's late loop timed out, retried), and
 -- must then book nothing (9 leases left after 1,024 clients on a loaded machine, until TTL).
-if ARGV[2] == '2' or (ARGV[2] == '1' and (removed == 0 or string.sub(ARGV[1], -2) == ':a')) then
+local released = ARGV[2] == '1' or ARGV[2] == '3'
+if ARGV[2] == '2' or (released and (removed == 0 or string.sub(ARGV[1], -2) == ':a')) then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
   redis.call('ZADD', KEYS[3], now + GONE_US, ARGV[1])
   redis.call('PEXPIRE', KEYS[3], GONE_US / 1000)
 end
--- Only a request's release ('1') may have run: its blocks were computed (kept resident).
+-- Only a request's release that reached its engine ('1') may have run: the blocks its lease
+-- brought were computed (kept resident); otherwise they leave the node (prelude: prefix_unhold).
 local freed = prefix_unhold(KEYS[2], KEYS[4], ARGV[1], now, ARGV[2] == '1')
 local k = tonumber(redis.call('HGET', KEYS[2], 'k:' .. ARGV[1]) or '0')
 local f = redis.call('HMGET', KEYS[2], 'kv', 'u', 's')
