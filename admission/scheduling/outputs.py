@@ -32,12 +32,14 @@ ANSWERS = 200
 MIN_ANSWERS = 20
 QUANTILE = 0.98
 MAX_KEYS = 10_000  # (model, class, tenant) keys remembered, least recently answered out first
+RESORT = 8  # with a full window, its quantile is taken again every this many answers
 
 
 class UrgentOutputs:
-    """Mean output tokens of the urgent class's answers: of the requests this sidecar admitted
-    as urgent, those whose release it receives (the edge spreads releases over the sidecars:
-    each learns from a sample)."""
+    """How long answers are, from the engine's usage at release: the mean of the urgent class's
+    (the decode guard) and, per model, class and tenant, the recent lengths a request books KV
+    for (`answer_kv`). Of the requests this sidecar admitted, those whose release it receives
+    (the edge spreads releases over the sidecars: each learns from a sample)."""
 
     def __init__(self) -> None:
         # ticket → (urgent, (model, class, tenant)) of requests admitted here, until released
@@ -46,6 +48,7 @@ class UrgentOutputs:
         self._late: dict[str, float] = {}  # class → when this sidecar last refused it late
         self._lengths: OrderedDict[tuple[str, str, str], deque[int]] = OrderedDict()
         self._high: dict[tuple[str, str, str], int] = {}  # key → QUANTILE of its lengths
+        self._since: dict[tuple[str, str, str], int] = {}  # key → answers since that was taken
 
     def refused_late(self, cls: str, now: float) -> None:
         self._late[cls] = now
@@ -78,11 +81,15 @@ class UrgentOutputs:
         if len(self._lengths) > MAX_KEYS:
             gone, _ = self._lengths.popitem(last=False)
             self._high.pop(gone, None)
-        # The quantile again every few answers (a sort of at most ANSWERS), and as they come
-        # while few are known.
-        if len(seen) >= MIN_ANSWERS and (len(seen) < ANSWERS or len(seen) % 8 == 0):
+            self._since.pop(gone, None)
+        # The quantile again every RESORT answers (a sort of at most ANSWERS), and at each
+        # while fewer than ANSWERS are known.
+        since = self._since.get(key, 0) + 1
+        if len(seen) >= MIN_ANSWERS and (len(seen) < ANSWERS or since >= RESORT):
             ordered = sorted(seen)
             self._high[key] = ordered[min(len(ordered) - 1, int(QUANTILE * len(ordered)))]
+            since = 0
+        self._since[key] = since
 
     def booked_answers(self, most: int = 50) -> list[dict[str, object]]:
         """For the status page: the answer lengths requests book now, the most recently
