@@ -121,3 +121,49 @@ def test_a_workload_kind_sends_its_cap_above_its_answers(tmp_path: Path) -> None
         load_kinds(str(f))
     shipped = load_kinds(str(Path(__file__).parents[1] / "loadtest/workloads/capped.yaml"))
     assert all(k.max_tokens > k.output_tokens[1] for k in shipped)
+
+
+async def test_the_edges_releases_teach_what_a_tenant_books_through_the_sidecar(
+    redis: Any, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Over the sidecar's HTTP API, as the edge drives it: releases carrying the engine's usage
+    teach what a batch tenant's answers run to under a max_tokens of 4,000; /status.json shows
+    it, and the next admission books it on the node, not the cap."""
+    from admission.metrics import Metrics
+    from admission.policy import load_policy
+    from admission.reload import PolicyHolder
+    from admission.server import DISPATCHER
+    from admission.server import build_app as sidecar_app
+    from tests.conftest import BASE_POLICY
+    from tests.test_server import admit_body, set_node
+
+    path = tmp_path / "policies.yaml"
+    text = BASE_POLICY.replace(  # acme's limits lifted: 21 requests of a 4,000-token cap
+        "{requests_per_s: 10, request_burst: 10, tokens_per_min: 60000, token_burst: 5000}",
+        "{requests_per_s: 1000, request_burst: 1000, tokens_per_min: 10000000}",
+    )
+    path.write_text(text.replace("REDIS_URL", redis_server.url))
+    await set_node(redis, "n1")
+    app = sidecar_app(PolicyHolder(path, load_policy(path), Metrics()), edge_table=tmp_path / "e")
+    client = TestClient(TestServer(app))
+    await client.start_server()
+    body = admit_body(**{"class": "batch", "max_tokens": 4000})
+    try:
+        for i in range(MIN_ANSWERS):
+            answer = await (await client.post("/admit", json=body)).json()
+            assert "ticket" in answer, answer
+            ticket = answer["ticket"]
+            usage = {"prompt_tokens": 10, "completion_tokens": 100 + i}
+            r = await client.post(
+                "/release", json={"ticket": ticket, "status": 200, "usage": usage}
+            )
+            assert r.status == 200
+        doc = await (await client.get("/status.json")).json()
+        want = [{"model": "m", "class": "batch", "tenant": "acme", "tokens": 100 + MIN_ANSWERS - 1}]
+        assert doc["answers_booked"] == want
+        ticket = (await (await client.post("/admit", json=body)).json())["ticket"]
+        await app[DISPATCHER].ahead.settled([ticket])  # a booking answered ahead: background
+        booked = await redis.hget(keys.node_ledger("n1"), f"k:{ticket}")
+        assert abs(int(booked)) == 10 + 100 + MIN_ANSWERS - 1
+    finally:
+        await client.close()
