@@ -82,16 +82,15 @@ async def generate(request: web.Request) -> web.StreamResponse:
     arrival = time.monotonic()
     priority = int(body.get("priority", 0))
     # A prompt that asks for a shorter answer than max_tokens ends there: finish_reason "stop".
-    ends = answer_length(body, chat)
-    stops = ends is not None and ends < max_tokens
+    length = min(max_tokens, answer_length(body, chat) or max_tokens)
     seqs = [
         Seq(
             prompt,
-            ends if stops and ends else max_tokens,
+            length,
             priority=priority,
             arrival=arrival,
             hashes=hashes,
-            stops=stops,
+            stops=length < max_tokens,
         )
         for _ in range(copies)
     ]

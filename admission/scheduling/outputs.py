@@ -13,6 +13,7 @@ that is not one lower classes could buy back by waiting, and they must not starv
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 
 from admission.policy import Policy
 
@@ -35,6 +36,27 @@ MAX_KEYS = 10_000  # (model, class, tenant) keys remembered, least recently answ
 RESORT = 8  # with a full window, its quantile is taken again every this many answers
 
 
+@dataclass
+class _Window:
+    """One (model, class, tenant)'s recent answer lengths and their QUANTILE (0: too few)."""
+
+    lengths: deque[int] = field(default_factory=lambda: deque(maxlen=ANSWERS))
+    high: int = 0
+    since: int = 0  # answers since `high` was taken
+
+    def add(self, n: int) -> None:
+        self.lengths.append(n)
+        self.since += 1
+        # Taken again every RESORT answers once the window is full (a sort of ANSWERS), at each
+        # answer before.
+        if len(self.lengths) >= MIN_ANSWERS and (
+            len(self.lengths) < ANSWERS or self.since >= RESORT
+        ):
+            ordered = sorted(self.lengths)
+            self.high = ordered[min(len(ordered) - 1, int(QUANTILE * len(ordered)))]
+            self.since = 0
+
+
 class UrgentOutputs:
     """How long answers are, from the engine's usage at release: the mean of the urgent class's
     (the decode guard) and, per model, class and tenant, the recent lengths a request books KV
@@ -46,9 +68,8 @@ class UrgentOutputs:
         self._open: OrderedDict[str, tuple[bool, tuple[str, str, str]]] = OrderedDict()
         self.mean = 0.0  # 0: nothing learned yet
         self._late: dict[str, float] = {}  # class → when this sidecar last refused it late
-        self._lengths: OrderedDict[tuple[str, str, str], deque[int]] = OrderedDict()
-        self._high: dict[tuple[str, str, str], int] = {}  # key → QUANTILE of its lengths
-        self._since: dict[tuple[str, str, str], int] = {}  # key → answers since that was taken
+        # (model, class, tenant) → its answers, the most recently answered last
+        self._windows: OrderedDict[tuple[str, str, str], _Window] = OrderedDict()
 
     def refused_late(self, cls: str, now: float) -> None:
         self._late[cls] = now
@@ -75,36 +96,23 @@ class UrgentOutputs:
         if urgent:
             n = float(completion_tokens)
             self.mean = n if self.mean == 0 else ALPHA * n + (1 - ALPHA) * self.mean
-        seen = self._lengths.pop(key, None) or deque(maxlen=ANSWERS)
-        self._lengths[key] = seen  # the most recently answered key last
-        seen.append(completion_tokens)
-        if len(self._lengths) > MAX_KEYS:
-            gone, _ = self._lengths.popitem(last=False)
-            self._high.pop(gone, None)
-            self._since.pop(gone, None)
-        # The quantile again every RESORT answers (a sort of at most ANSWERS), and at each
-        # while fewer than ANSWERS are known.
-        since = self._since.get(key, 0) + 1
-        if len(seen) >= MIN_ANSWERS and (len(seen) < ANSWERS or since >= RESORT):
-            ordered = sorted(seen)
-            self._high[key] = ordered[min(len(ordered) - 1, int(QUANTILE * len(ordered)))]
-            since = 0
-        self._since[key] = since
+        window = self._windows.pop(key, None) or _Window()
+        self._windows[key] = window
+        window.add(completion_tokens)
+        if len(self._windows) > MAX_KEYS:
+            self._windows.popitem(last=False)
 
     def booked_answers(self, most: int = 50) -> list[dict[str, object]]:
         """For the status page: the answer lengths requests book now, the most recently
         answered (model, class, tenant) first."""
-        keys = [k for k in reversed(self._lengths) if k in self._high][:most]
-        return [
-            {"model": m, "class": c, "tenant": t, "tokens": self._high[(m, c, t)]}
-            for m, c, t in keys
-        ]
+        known = [(k, w.high) for k, w in reversed(self._windows.items()) if w.high][:most]
+        return [{"model": m, "class": c, "tenant": t, "tokens": high} for (m, c, t), high in known]
 
     def answer_kv(self, model: str, cls: str, tenant: str, cap: int) -> int:
         """Output tokens a request books KV for: `cap` (its max_tokens), or less once its
         tenant's answers of the class are known to stop short of it (ANSWERS)."""
-        high = self._high.get((model, cls, tenant))
-        return cap if high is None else min(cap, max(1, high))
+        window = self._windows.get((model, cls, tenant))
+        return min(cap, max(1, window.high)) if window and window.high else cap
 
 
 def decode_limit_s(policy: Policy, mean_output: float = 0.0) -> float | None:
