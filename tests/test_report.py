@@ -192,6 +192,25 @@ def test_prompt_cached_after_an_answered_turn_leaves_out_turns_after_a_refused_o
     assert plain["realtime"]["prefix_hits_followed"] is None  # no conversations: not shown
 
 
+def test_the_busiest_spell_of_conversation_turns_is_counted_and_shown() -> None:
+    # Turns wait for answers: what a system is sent per second is its own. The busiest 10 s
+    # holds the turns sent at 20.0–29.9 s (4), not the spread-out ones before; a class without
+    # conversations (open-loop arrivals: the schedule's for every system) shows none.
+    def turn(at: float) -> Record:
+        r = rec()
+        r.sent_s, r.conversation = at, "c"
+        return r
+
+    rs = [turn(t) for t in (0.0, 9.0, 18.0, 20.0, 25.0, 29.0, 29.9, 30.0)]
+    summary = report.summarise(SystemResult("s", 40.0, rs), {"realtime": 1.0}, {"a": 1})
+    assert summary["classes"]["realtime"]["sent_busiest"] == 4
+    assert report.busiest(rs, 5.0) == 3  # 25.0, 29.0, 29.9
+    assert "| s | realtime | 8 (4 in 10 s) |" in report.markdown([summary])
+    plain = report.summarise(SystemResult("s", 10.0, [rec()]), {}, {"a": 1})
+    assert plain["classes"]["realtime"]["sent_busiest"] is None
+    assert "| s | realtime | 1 |" in report.markdown([plain])
+
+
 def test_schedule_is_seeded_poisson() -> None:
     a, b = schedule(20, 30, seed=3), schedule(20, 30, seed=3)
     assert a == b
