@@ -16,7 +16,17 @@ from admission.scheduling.leases import parse_ticket
 
 log = logging.getLogger(__name__)
 
-RELEASE_KEYS = {"ticket", "status", "usage", "node_failed", "header_s", "estimate"}
+RELEASE_KEYS = {
+    "ticket",
+    "status",
+    "usage",
+    "node_failed",
+    "header_s",
+    "estimate",
+    "model",
+    "class",
+}
+MAX_NAME = 256  # characters of a release's model or class name
 # Without usage, what the engine did is judged by evidence, not by the status alone:
 # - no engine answered (status 0, or 502 with no response header: NGINX could not connect, or
 #   the engine closed the connection unanswered): nothing ran, nothing is charged;
@@ -83,6 +93,10 @@ def release_args(
         isinstance(estimate, bool) or not isinstance(estimate, int) or estimate < 0
     ):
         raise BadRequest("estimate must be a non-negative integer or null")
+    for key in ("model", "class"):
+        name = body.get(key)
+        if name is not None and (not isinstance(name, str) or not 0 < len(name) <= MAX_NAME):
+            raise BadRequest(f"{key} must be a string of 1 to {MAX_NAME} characters, or null")
     usage = body.get("usage")
     if usage is not None and not isinstance(usage, dict):
         raise BadRequest("usage must be an object or null")
@@ -103,3 +117,11 @@ def release_args(
     # engine may have generated up to the cap before it failed or the proxy timed out), and
     # usage that cannot be read (the lease still goes back: a bad field loses nothing).
     return ticket, -1, failed, -1, -1
+
+
+def release_names(body: dict[str, Any]) -> tuple[str, str] | None:
+    """The (model, class) a release names (the request as the edge read it), or None: a sidecar
+    learns from them what the tenant's answers run to when another sidecar admitted it.
+    Only after `release_args` accepted the body."""
+    model, cls = body.get("model"), body.get("class")
+    return (model, cls) if isinstance(model, str) and isinstance(cls, str) else None

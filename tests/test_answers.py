@@ -53,6 +53,27 @@ def test_a_request_books_what_its_tenants_answers_run_to_never_more_than_its_cap
     assert o.mean > 500
 
 
+def test_a_release_of_a_request_admitted_elsewhere_teaches_by_the_names_it_carries() -> None:
+    # The edge spreads releases over the sidecars: one admitted by another sidecar names its
+    # model and class (the tenant is in the ticket), and this one learns from it as from its own.
+    o = UrgentOutputs()
+    named = (True, ("m", "realtime", "acme"))
+    for i in range(MIN_ANSWERS - 1):
+        o.answered(f"b{i}", 100 + i, named)
+    assert o.answer_kv("m", "realtime", "acme", 1024) == 1024  # too few yet: the cap
+    assert o.booked_answers() == [
+        {"model": "m", "class": "realtime", "tenant": "acme", "tokens": None, "answers": 19}
+    ]
+    o.answered("last", 150, named)
+    assert 100 <= o.answer_kv("m", "realtime", "acme", 1024) <= 150
+    assert o.mean > 100  # the urgent class's answers: the decode guard's mean too
+    # A request this sidecar admitted is learned under its own key, whatever the release names.
+    o.admitted("mine", False, "m", "batch", "globex")
+    o.answered("mine", 7, (True, ("m", "realtime", "acme")))
+    assert [a["answers"] for a in o.booked_answers()] == [1, MIN_ANSWERS]
+    assert o.booked_answers()[0]["class"] == "batch"
+
+
 async def test_the_ledger_books_the_learned_answer_not_the_cap(
     redis: Any, redis_server: RedisServer
 ) -> None:
@@ -78,7 +99,13 @@ async def test_the_ledger_books_the_learned_answer_not_the_cap(
     # Fairness charges the tenant the same, not its cap (a generous cap costs it no turns).
     assert d.nodes.shares._pairs[("m", "realtime")].cost["t1"] == await booked(adm.ticket)
     assert d.nodes.outputs.booked_answers() == [  # /status.json's answers_booked
-        {"model": "m", "class": "realtime", "tenant": "t1", "tokens": await booked(adm.ticket) - 10}
+        {
+            "model": "m",
+            "class": "realtime",
+            "tenant": "t1",
+            "tokens": await booked(adm.ticket) - 10,
+            "answers": MIN_ANSWERS + 1,
+        }
     ]
     await d.release(adm.ticket, 10 + 90, out=90)
     await d.store.backlog.flush()
@@ -159,7 +186,15 @@ async def test_the_edges_releases_teach_what_a_tenant_books_through_the_sidecar(
             )
             assert r.status == 200
         doc = await (await client.get("/status.json")).json()
-        want = [{"model": "m", "class": "batch", "tenant": "acme", "tokens": 100 + MIN_ANSWERS - 1}]
+        want = [
+            {
+                "model": "m",
+                "class": "batch",
+                "tenant": "acme",
+                "tokens": 100 + MIN_ANSWERS - 1,
+                "answers": MIN_ANSWERS,
+            }
+        ]
         assert doc["answers_booked"] == want
         ticket = (await (await client.post("/admit", json=body)).json())["ticket"]
         await app[DISPATCHER].ahead.settled([ticket])  # a booking answered ahead: background
@@ -167,3 +202,63 @@ async def test_the_edges_releases_teach_what_a_tenant_books_through_the_sidecar(
         assert abs(int(booked)) == 10 + 100 + MIN_ANSWERS - 1
     finally:
         await client.close()
+
+
+async def test_a_sidecar_learns_from_releases_of_requests_another_admitted(
+    redis: Any, redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Two sidecars on one Redis, over their HTTP API: requests admitted by A and released at B
+    (the edge spreads releases) teach B when the release names the model and class; a release
+    without them, or naming a class the policy lacks, teaches nothing; a name that is not a
+    string is refused on its own entry of a batch."""
+    from admission.metrics import Metrics
+    from admission.policy import load_policy
+    from admission.reload import PolicyHolder
+    from admission.server import build_app as sidecar_app
+    from tests.conftest import BASE_POLICY
+    from tests.test_server import admit_body, set_node
+
+    path = tmp_path / "policies.yaml"
+    text = BASE_POLICY.replace(
+        "{requests_per_s: 10, request_burst: 10, tokens_per_min: 60000, token_burst: 5000}",
+        "{requests_per_s: 1000, request_burst: 1000, tokens_per_min: 10000000}",
+    )
+    path.write_text(text.replace("REDIS_URL", redis_server.url))
+    await set_node(redis, "n1")
+    clients = []
+    for name in ("a", "b"):
+        app = sidecar_app(
+            PolicyHolder(path, load_policy(path), Metrics()), edge_table=tmp_path / name
+        )
+        clients.append(TestClient(TestServer(app)))
+        await clients[-1].start_server()
+    a, b = clients
+    body = admit_body(**{"class": "batch", "max_tokens": 4000})
+
+    async def released_at_b(entries: list[dict[str, Any]]) -> list[Any]:
+        codes = []
+        for e in entries:  # one at a time: the node takes a few at once
+            got = await (await a.post("/admit", json=body)).json()
+            assert "ticket" in got, got
+            e["ticket"] = got["ticket"]
+            e.setdefault("usage", {"prompt_tokens": 10, "completion_tokens": 100})
+            r = await b.post("/release", json=[e])
+            assert r.status == 200
+            codes += [x.get("error", {}).get("code") for x in (await r.json())["results"]]
+        return codes
+
+    async def learned(client: TestClient[Any, Any]) -> list[tuple[str, str, str, int]]:
+        doc = await (await client.get("/status.json")).json()
+        return [(x["model"], x["class"], x["tenant"], x["answers"]) for x in doc["answers_booked"]]
+
+    try:
+        named = {"model": "m", "class": "batch"}
+        assert await released_at_b([{}, {"model": "m"}, {**named, "class": "gold"}]) == [None] * 3
+        assert await learned(b) == []  # not named, half named, a class the policy lacks
+        codes = await released_at_b([dict(named) for _ in range(MIN_ANSWERS)] + [{"model": 5}])
+        assert codes == [None] * MIN_ANSWERS + ["invalid_request"]
+        assert await learned(b) == [("m", "batch", "acme", MIN_ANSWERS)]
+        assert await learned(a) == []  # A admitted them; the releases went to B
+    finally:
+        for c in clients:
+            await c.close()

@@ -3,6 +3,7 @@ emulated vLLM nodes, driven by the official openai SDK and raw HTTP."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import socket
 import subprocess
@@ -625,6 +626,42 @@ def test_the_edge_sends_its_prompt_estimate_beside_the_engines_count(stack: Stac
     count, total = now[0] - before[0], now[1] - before[1]
     assert count >= 3
     assert 0.9 < total / count < 1.1, total / count
+
+
+def learned(stack: Stack, model: str, cls: str, tenant: str) -> int:
+    """Answers of (model, class, tenant) the sidecars learned from, all of them together (each
+    one's /status.json over its unix socket, as NGINX reaches it)."""
+    total = 0
+    for i in range(stack.n_sidecars):
+        conn = http.client.HTTPConnection("sidecar")
+        conn.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.sock.connect(str(stack.sock_dir / f"sidecar-{i}.sock"))
+        conn.request("GET", "/status.json")
+        doc = json.loads(conn.getresponse().read())
+        conn.close()
+        for a in doc["answers_booked"]:
+            if (a["model"], a["class"], a["tenant"]) == (model, cls, tenant):
+                total += a["answers"]
+    return total
+
+
+def test_every_release_teaches_the_sidecar_it_reaches_whichever_admitted_it(stack: Stack) -> None:
+    """The edge spreads releases over the two sidecars; each names the request's model and
+    class, so the sidecar that takes it learns the answer's length even when the other one
+    admitted it. Without the names, only the releases that reached their own sidecar (about
+    half) would be learned."""
+    key = ("llama-3-8b", "batch", "globex")
+    before, sent = learned(stack, *key), 24
+    for i in range(sent):
+        body = chat(messages=[{"role": "user", "content": f"teach {i}"}], max_tokens=6)
+        status, _h, _b = raw(
+            stack, body, key="sk-demo-globex", headers={"X-Request-Class": "batch"}
+        )
+        assert status == 200
+    deadline = time.monotonic() + 15
+    while (got := learned(stack, *key) - before) < sent and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert got == sent
 
 
 def test_usage_of_an_answer_over_a_mebibyte_is_read_and_settled(stack: Stack) -> None:

@@ -218,10 +218,12 @@ class Dispatcher:
         prompt tokens it found in its prefix cache (-1: unknown), beside what was booked so."""
         return (await self.release_many([(ticket, actual, failed, out, cached)]))[0]
 
-    async def release_many(self, entries: list[Released]) -> list[int]:
+    async def release_many(
+        self, entries: list[Released], names: list[tuple[str, str] | None] | None = None
+    ) -> list[int]:
         """`release` for an edge's batch of (ticket, tokens, node failed, output, cached): one
-        round trip."""
-        return await release_many(self, entries)
+        round trip. `names`: each one's (model, class) as the edge sent them, or None."""
+        return await release_many(self, entries, names)
 
     # -- the queue ---------------------------------------------------------------------------
     def _fast_path(self, item: Item) -> list[tuple[NodeView, Ask]] | None:

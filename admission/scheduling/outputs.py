@@ -60,8 +60,8 @@ class _Window:
 class UrgentOutputs:
     """How long answers are, from the engine's usage at release: the mean of the urgent class's
     (the decode guard) and, per model, class and tenant, the recent lengths a request books KV
-    for (`answer_kv`). Of the requests this sidecar admitted, those whose release it receives
-    (the edge spreads releases over the sidecars: each learns from a sample)."""
+    for (`answer_kv`). From every release this sidecar receives (the edge spreads releases over
+    the sidecars: each learns from a sample), whichever sidecar admitted the request."""
 
     def __init__(self) -> None:
         # ticket → (urgent, (model, class, tenant)) of requests admitted here, until released
@@ -87,9 +87,17 @@ class UrgentOutputs:
         if len(self._open) > MAX_OPEN:
             self._open.popitem(last=False)  # its release went to another sidecar, or was lost
 
-    def answered(self, ticket: str, completion_tokens: int) -> None:
-        """A release; `completion_tokens` < 0: the engine reported no usage (not counted)."""
-        opened = self._open.pop(ticket, None)
+    def answered(
+        self,
+        ticket: str,
+        completion_tokens: int,
+        elsewhere: tuple[bool, tuple[str, str, str]] | None = None,
+    ) -> None:
+        """A release; `completion_tokens` < 0: the engine reported no usage (not counted).
+        `elsewhere`: (urgent, (model, class, tenant)) as the edge's release names them, for a
+        request another sidecar admitted: the edge spreads releases over the sidecars, so of
+        k sidecars each would otherwise learn from 1/k² of the answers instead of 1/k."""
+        opened = self._open.pop(ticket, None) or elsewhere
         if opened is None or completion_tokens < 0:
             return
         urgent, key = opened
@@ -103,10 +111,19 @@ class UrgentOutputs:
             self._windows.popitem(last=False)
 
     def booked_answers(self, most: int = 50) -> list[dict[str, object]]:
-        """For the status page: the answer lengths requests book now, the most recently
-        answered (model, class, tenant) first."""
-        known = [(k, w.high) for k, w in reversed(self._windows.items()) if w.high][:most]
-        return [{"model": m, "class": c, "tenant": t, "tokens": high} for (m, c, t), high in known]
+        """For the status page: the answer lengths requests book now (`tokens`; None: still
+        their cap, fewer than MIN_ANSWERS known) and how many answers that is learned from,
+        the most recently answered (model, class, tenant) first."""
+        return [
+            {
+                "model": m,
+                "class": c,
+                "tenant": t,
+                "tokens": w.high or None,
+                "answers": len(w.lengths),
+            }
+            for (m, c, t), w in list(reversed(self._windows.items()))[:most]
+        ]
 
     def answer_kv(self, model: str, cls: str, tenant: str, cap: int) -> int:
         """Output tokens a request books KV for: `cap` (its max_tokens), or less once its

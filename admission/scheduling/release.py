@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from admission.limits.buckets import Settling
 from admission.scheduling import leases, trip
+from admission.scheduling.routing import urgent
 from admission.store import Call
 
 if TYPE_CHECKING:
@@ -22,16 +23,25 @@ if TYPE_CHECKING:
 Released = tuple[str, int, bool, int, int]
 
 
-async def release_many(d: Dispatcher, entries: list[Released]) -> list[int]:
-    """Settle a batch of releases in one round trip; the tokens refunded to each."""
+async def release_many(
+    d: Dispatcher, entries: list[Released], names: list[tuple[str, str] | None] | None = None
+) -> list[int]:
+    """Settle a batch of releases in one round trip; the tokens refunded to each. `names`:
+    each release's (model, class) as the edge sent them (None: not sent), from which a sidecar
+    learns the answers of requests another one admitted."""
     items: list[Settling] = []
     backs: list[Call] = []
-    nodes, tenants = [], d.policy().tenants
+    policy = d.policy()
+    nodes, tenants = [], policy.tenants
     await d.ahead.settled(ticket for ticket, *_rest in entries)  # booked before released
-    for ticket, actual, failed, out, cached in entries:
-        d.nodes.outputs.answered(ticket, out)
-        d.nodes.placements.engine_cached(ticket, cached)
+    for i, (ticket, actual, failed, out, cached) in enumerate(entries):
         rid, node, tid = leases.parse_ticket(ticket)
+        named = names[i] if names else None
+        elsewhere = None
+        if named is not None and named[1] in policy.classes:
+            elsewhere = (urgent(policy, named[1]), (named[0], named[1], tid))
+        d.nodes.outputs.answered(ticket, out, elsewhere)
+        d.nodes.placements.engine_cached(ticket, cached)
         await d.nodes.proxied(node, failed, ticket)
         first = leases.answered_ahead(ticket)  # its release may come before its booking
         items.append((tenants.get(tid), rid, actual, first))

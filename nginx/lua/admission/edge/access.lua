@@ -58,6 +58,9 @@ function _M.run()
   local ctx = ngx.ctx
   ctx.stream = f.stream
   ctx.estimate = f.prompt_tokens -- beside the engine's count in the release (its ratio: a metric)
+  -- Named in the release (relay.lua); a sidecar takes names of at most 256 characters.
+  ctx.model = #f.model <= 256 and f.model or nil
+  ctx.class = type(class) == "string" and #class <= 256 and class or nil
   -- A client that goes away while queued aborts the subrequest, which frees its queue slot.
   ngx.on_abort(function() ngx.exit(499) end)
   -- arrived_at: when NGINX got the request, so that a request re-asked at another sidecar

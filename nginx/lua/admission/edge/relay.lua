@@ -22,7 +22,8 @@ local DELIVERY_S = 60
 -- Public side, end of the access phase: what the relay needs, as the header's value.
 function _M.route(ctx)
   ngx.var.admission_route = cjson.encode({ t = ctx.ticket, p = ctx.peers, u = ctx.lease_until,
-                                           s = ctx.stream and true or false, e = ctx.estimate })
+                                           s = ctx.stream and true or false, e = ctx.estimate,
+                                           m = ctx.model, c = ctx.class })
 end
 
 -- Relay side, access phase: the route into ngx.ctx for the balancer, usage and release.
@@ -38,6 +39,10 @@ function _M.access()
   ctx.lease_until = tonumber(r.u)
   ctx.stream = r.s == true
   ctx.estimate = type(r.e) == "number" and r.e or nil -- the edge's prompt estimate (release.lua)
+  -- The model and class as the edge read them: the release names them, so that whichever
+  -- sidecar takes it learns what the tenant's answers run to (scheduling/outputs.py).
+  ctx.model = type(r.m) == "string" and r.m or nil
+  ctx.class = type(r.c) == "string" and r.c or nil
 end
 
 -- Public side, body filter: delivery is bounded too. The engine's answer ends by the lease's

@@ -140,8 +140,8 @@ function _M.log()
   -- The sidecar believes a quick 4xx did no work, not a slow one (admission/usage.py).
   _M.queue({ ticket = ctx.ticket, status = last or 0,
              node_failed = first == 502 and not first_header,
-             header_s = last_header, estimate = ctx.estimate,
-             usage = usage.extract(ctx) or cjson.null })
+             header_s = last_header, estimate = ctx.estimate, model = ctx.model,
+             class = ctx.class, usage = usage.extract(ctx) or cjson.null })
 end
 
 -- Queue one release for the drainers (any phase).
