@@ -136,7 +136,10 @@ async def check_page(client: Any, holder: PolicyHolder, tmp_path: Path) -> None:
     assert re.search(r"realtime \d+ inflight 100\.0 % nodes at their in-flight cap", text)
     assert re.search(r"batch \d+ inflight 100\.0 %", text)
     assert "engines counted 3.20× the edge's prompt estimate" in text
-    assert "Answers booked model class tenant tokens learned from none learned yet: requests book" in text
+    assert (
+        "Answers booked model class tenant tokens learned from none learned yet: requests book"
+        in text
+    )
     assert "never" not in text and "stale" not in text  # it did fetch, and recently
 
     shot = tmp_path / "status.png"
