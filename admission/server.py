@@ -108,6 +108,11 @@ async def release(request: web.Request) -> web.Response:
             results.append({})
         except BadRequest as exc:
             results.append({"error": {"message": exc.message, "code": exc.code}})
+            # The edge takes the batch's 200 as delivered: this lease waits out its TTL, charged
+            # as booked. An edge newer than this sidecar (fields it does not know) shows here.
+            log.warning(
+                "release refused (%s): %s; its lease waits out its TTL", exc.code, exc.message
+            )
     refunds = iter(await dispatcher.release_many(good, names))
     for r in results:
         if "error" not in r:

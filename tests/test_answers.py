@@ -205,7 +205,7 @@ async def test_the_edges_releases_teach_what_a_tenant_books_through_the_sidecar(
 
 
 async def test_a_sidecar_learns_from_releases_of_requests_another_admitted(
-    redis: Any, redis_server: RedisServer, tmp_path: Path
+    redis: Any, redis_server: RedisServer, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Two sidecars on one Redis, over their HTTP API: requests admitted by A and released at B
     (the edge spreads releases) teach B when the release names the model and class; a release
@@ -257,6 +257,11 @@ async def test_a_sidecar_learns_from_releases_of_requests_another_admitted(
         assert await learned(b) == []  # not named, half named, a class the policy lacks
         codes = await released_at_b([dict(named) for _ in range(MIN_ANSWERS)] + [{"model": 5}])
         assert codes == [None] * MIN_ANSWERS + ["invalid_request"]
+        refused = [r.getMessage() for r in caplog.records if "release refused" in r.getMessage()]
+        assert refused == [
+            "release refused (invalid_request): model must be a string of 1 to 256 characters,"
+            " or null; its lease waits out its TTL"
+        ]  # logged: the edge takes the batch's 200 as delivered
         assert await learned(b) == [("m", "batch", "acme", MIN_ANSWERS)]
         assert await learned(a) == []  # A admitted them; the releases went to B
     finally:
