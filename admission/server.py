@@ -33,7 +33,7 @@ from admission.metrics import Metrics
 from admission.reload import PolicyHolder, write_edge_table
 from admission.scheduling import Dispatcher
 from admission.store import Store, connect_batch
-from admission.usage import release_args, release_names
+from admission.usage import RefusedReleases, release_args, release_names
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ LIMITER = web.AppKey("limiter", Limiter)
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 ACCESS = web.AppKey("access", Access)
 RECENT = web.AppKey("recent", status.Recent)
+REFUSED_RELEASES = web.AppKey("refused_releases", RefusedReleases)
 
 MAX_RELEASE_BATCH = 256
 
@@ -108,11 +109,7 @@ async def release(request: web.Request) -> web.Response:
             results.append({})
         except BadRequest as exc:
             results.append({"error": {"message": exc.message, "code": exc.code}})
-            # The edge takes the batch's 200 as delivered: this lease waits out its TTL, charged
-            # as booked. An edge newer than this sidecar (fields it does not know) shows here.
-            log.warning(
-                "release refused (%s): %s; its lease waits out its TTL", exc.code, exc.message
-            )
+            request.app[REFUSED_RELEASES].note(exc)
     refunds = iter(await dispatcher.release_many(good, names))
     for r in results:
         if "error" not in r:
@@ -193,6 +190,7 @@ def build_app(
     app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024)
     app[ACCESS] = access or Access(edge_over_tcp=True)
     app[RECENT] = status.Recent()
+    app[REFUSED_RELEASES] = RefusedReleases()
     batches = BatchApi(holder, app[ACCESS])
     app[POLICY] = holder
     app[METRICS] = metrics or holder.metrics

@@ -7,6 +7,7 @@ module turns one entry into the figures the dispatcher settles, or a BadRequest.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ RELEASE_KEYS = {
     "class",
 }
 MAX_NAME = 256  # characters of a release's model or class name
+REFUSED_LOG_EVERY_S = 10.0
 # Without usage, what the engine did is judged by evidence, not by the status alone:
 # - no engine answered (status 0, or 502 with no response header: NGINX could not connect, or
 #   the engine closed the connection unanswered): nothing ran, nothing is charged;
@@ -125,3 +127,27 @@ def release_names(body: dict[str, Any]) -> tuple[str, str] | None:
     Only after `release_args` accepted the body."""
     model, cls = body.get("model"), body.get("class")
     return (model, cls) if isinstance(model, str) and isinstance(cls, str) else None
+
+
+class RefusedReleases:
+    """Entries of an edge's release batch refused as malformed, logged at most once every
+    REFUSED_LOG_EVERY_S with how many since. The edge takes the batch's 200 as delivered: such
+    a lease waits out its TTL, charged as booked. An edge newer than its sidecars (fields
+    they do not know) refuses every release: one line, not one per release."""
+
+    def __init__(self) -> None:
+        self._logged_at = -1e18
+        self._since = 0
+
+    def note(self, exc: BadRequest) -> None:
+        self._since += 1
+        now = time.monotonic()
+        if now - self._logged_at >= REFUSED_LOG_EVERY_S:
+            log.warning(
+                "%d release(s) refused since the last such line, the last (%s): %s; their "
+                "leases wait out their TTL",
+                self._since,
+                exc.code,
+                exc.message,
+            )
+            self._logged_at, self._since = now, 0

@@ -19,6 +19,7 @@ from engine.profiles import PROFILES
 from loadtest.workload import load_kinds, schedule
 from tests.test_dispatcher import make
 from tests.test_limiter import tenant_policy
+from tests.test_server import admit_body, set_node
 
 
 def answer(o: UrgentOutputs, ticket: str, n: int, tenant: str = "acme") -> None:
@@ -150,30 +151,44 @@ def test_a_workload_kind_sends_its_cap_above_its_answers(tmp_path: Path) -> None
     assert all(k.max_tokens > k.output_tokens[1] for k in shipped)
 
 
+async def sidecars(
+    redis: Any, redis_server: RedisServer, tmp_path: Path, n: int
+) -> list[tuple[Any, TestClient[Any, Any]]]:
+    """`n` sidecar apps on one Redis and node n1, started, with acme's limits lifted (many
+    requests of a 4,000-token cap): (app, its HTTP client) each."""
+    from admission.metrics import Metrics
+    from admission.policy import load_policy
+    from admission.reload import PolicyHolder
+    from admission.server import build_app
+    from tests.conftest import BASE_POLICY
+
+    path = tmp_path / "policies.yaml"
+    text = BASE_POLICY.replace(
+        "{requests_per_s: 10, request_burst: 10, tokens_per_min: 60000, token_burst: 5000}",
+        "{requests_per_s: 1000, request_burst: 1000, tokens_per_min: 10000000}",
+    )
+    path.write_text(text.replace("REDIS_URL", redis_server.url))
+    await set_node(redis, "n1")
+    out = []
+    for i in range(n):
+        app = build_app(
+            PolicyHolder(path, load_policy(path), Metrics()), edge_table=tmp_path / f"e{i}"
+        )
+        client = TestClient(TestServer(app))
+        await client.start_server()
+        out.append((app, client))
+    return out
+
+
 async def test_the_edges_releases_teach_what_a_tenant_books_through_the_sidecar(
     redis: Any, redis_server: RedisServer, tmp_path: Path
 ) -> None:
     """Over the sidecar's HTTP API, as the edge drives it: releases carrying the engine's usage
     teach what a batch tenant's answers run to under a max_tokens of 4,000; /status.json shows
     it, and the next admission books it on the node, not the cap."""
-    from admission.metrics import Metrics
-    from admission.policy import load_policy
-    from admission.reload import PolicyHolder
     from admission.server import DISPATCHER
-    from admission.server import build_app as sidecar_app
-    from tests.conftest import BASE_POLICY
-    from tests.test_server import admit_body, set_node
 
-    path = tmp_path / "policies.yaml"
-    text = BASE_POLICY.replace(  # acme's limits lifted: 21 requests of a 4,000-token cap
-        "{requests_per_s: 10, request_burst: 10, tokens_per_min: 60000, token_burst: 5000}",
-        "{requests_per_s: 1000, request_burst: 1000, tokens_per_min: 10000000}",
-    )
-    path.write_text(text.replace("REDIS_URL", redis_server.url))
-    await set_node(redis, "n1")
-    app = sidecar_app(PolicyHolder(path, load_policy(path), Metrics()), edge_table=tmp_path / "e")
-    client = TestClient(TestServer(app))
-    await client.start_server()
+    app, client = (await sidecars(redis, redis_server, tmp_path, 1))[0]
     body = admit_body(**{"class": "batch", "max_tokens": 4000})
     try:
         for i in range(MIN_ANSWERS):
@@ -211,27 +226,7 @@ async def test_a_sidecar_learns_from_releases_of_requests_another_admitted(
     (the edge spreads releases) teach B when the release names the model and class; a release
     without them, or naming a class the policy lacks, teaches nothing; a name that is not a
     string is refused on its own entry of a batch."""
-    from admission.metrics import Metrics
-    from admission.policy import load_policy
-    from admission.reload import PolicyHolder
-    from admission.server import build_app as sidecar_app
-    from tests.conftest import BASE_POLICY
-    from tests.test_server import admit_body, set_node
-
-    path = tmp_path / "policies.yaml"
-    text = BASE_POLICY.replace(
-        "{requests_per_s: 10, request_burst: 10, tokens_per_min: 60000, token_burst: 5000}",
-        "{requests_per_s: 1000, request_burst: 1000, tokens_per_min: 10000000}",
-    )
-    path.write_text(text.replace("REDIS_URL", redis_server.url))
-    await set_node(redis, "n1")
-    clients = []
-    for name in ("a", "b"):
-        app = sidecar_app(
-            PolicyHolder(path, load_policy(path), Metrics()), edge_table=tmp_path / name
-        )
-        clients.append(TestClient(TestServer(app)))
-        await clients[-1].start_server()
+    clients = [c for _app, c in await sidecars(redis, redis_server, tmp_path, 2)]
     a, b = clients
     body = admit_body(**{"class": "batch", "max_tokens": 4000})
 
@@ -257,13 +252,35 @@ async def test_a_sidecar_learns_from_releases_of_requests_another_admitted(
         assert await learned(b) == []  # not named, half named, a class the policy lacks
         codes = await released_at_b([dict(named) for _ in range(MIN_ANSWERS)] + [{"model": 5}])
         assert codes == [None] * MIN_ANSWERS + ["invalid_request"]
-        refused = [r.getMessage() for r in caplog.records if "release refused" in r.getMessage()]
+        refused = [
+            r.getMessage() for r in caplog.records if "refused since the last" in r.getMessage()
+        ]
         assert refused == [
-            "release refused (invalid_request): model must be a string of 1 to 256 characters,"
-            " or null; its lease waits out its TTL"
+            "1 release(s) refused since the last such line, the last (invalid_request): model"
+            " must be a string of 1 to 256 characters, or null; their leases wait out their TTL"
         ]  # logged: the edge takes the batch's 200 as delivered
         assert await learned(b) == [("m", "batch", "acme", MIN_ANSWERS)]
         assert await learned(a) == []  # A admitted them; the releases went to B
     finally:
         for c in clients:
             await c.close()
+
+
+def test_refused_release_entries_are_logged_once_per_interval_with_their_count(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # An edge newer than its sidecars has every release refused: one line every 10 s, not one
+    # per release.
+    from admission import usage
+    from admission.errors import BadRequest
+
+    clock = [100.0]
+    monkeypatch.setattr(usage.time, "monotonic", lambda: clock[0])
+    refused = usage.RefusedReleases()
+    bad = BadRequest("unknown field(s): model", code="unknown_field")
+    for _ in range(3):
+        refused.note(bad)
+    clock[0] += usage.REFUSED_LOG_EVERY_S
+    refused.note(bad)
+    lines = [r.getMessage() for r in caplog.records if "refused since the last" in r.getMessage()]
+    assert [line.split(" ")[0] for line in lines] == ["1", "3"]  # the first, then 2 held + 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from itertools import islice
 
 from admission.policy import Policy
 
@@ -122,7 +123,7 @@ class UrgentOutputs:
                 "tokens": w.high or None,
                 "answers": len(w.lengths),
             }
-            for (m, c, t), w in list(reversed(self._windows.items()))[:most]
+            for (m, c, t), w in islice(reversed(self._windows.items()), most)
         ]
 
     def answer_kv(self, model: str, cls: str, tenant: str, cap: int) -> int:
