@@ -17,9 +17,11 @@ import time
 from collections.abc import Callable, Collection
 from pathlib import Path
 
+from admission import cache_salt
 from admission.errors import PolicyError
 from admission.metrics import Metrics
 from admission.policy import Policy, load_policy
+from admission.scheduling.priority import BANDS
 
 log = logging.getLogger(__name__)
 
@@ -117,11 +119,15 @@ class PolicyHolder:
                 pass
 
 
-def edge_table(policy: Policy, unusable: Collection[str] = ()) -> dict[str, object]:
-    """What the NGINX edge needs from the policy: key digests → tenant, classes, models, limits;
-    and each node's URL, models and whether it takes new work (`unusable`: down, draining or
-    in maintenance when last seen), for the edge's fail-open mode."""
+def edge_table(
+    policy: Policy, unusable: Collection[str] = (), secret: bytes | None = None
+) -> dict[str, object]:
+    """What the NGINX edge needs from the policy: key digests → tenant, classes, models, limits,
+    the tenant's cache salt (`secret`: the sidecars' shared one; None: no salts yet); and each
+    node's URL, models and whether it takes new work (`unusable`: down, draining or in
+    maintenance when last seen), for the edge's fail-open mode."""
     served = sorted(policy.models())
+    salted = cache_salt.salts(policy, secret)
     return {
         "keys": dict(policy.key_index),
         "tenants": {
@@ -129,10 +135,15 @@ def edge_table(policy: Policy, unusable: Collection[str] = ()) -> dict[str, obje
                 "classes": list(t.classes),
                 "default_class": t.default_class,
                 "models": list(t.models) or served,
+                **({"salt": salted[t.id]} if t.id in salted else {}),
             }
             for t in policy.tenants.values()
         },
         "classes": {c.name: c.priority for c in policy.classes.values()},
+        # Fail-open's engine priority: the class's, in its cold band (scheduling/priority.py).
+        "engine_priority": {
+            c.name: c.priority * BANDS + BANDS - 1 for c in policy.classes.values()
+        },
         "deadline_s": {c.name: c.deadline_s for c in policy.classes.values()},
         "max_body_bytes": policy.edge.max_body_bytes,
         "chars_per_token": policy.edge.chars_per_token,
@@ -146,8 +157,10 @@ def edge_table(policy: Policy, unusable: Collection[str] = ()) -> dict[str, obje
     }
 
 
-def write_edge_table(policy: Policy, path: Path, unusable: Collection[str] = ()) -> None:
+def write_edge_table(
+    policy: Policy, path: Path, unusable: Collection[str] = (), secret: bytes | None = None
+) -> None:
     """Atomically replace the edge's table (the edge re-reads it once a second)."""
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(edge_table(policy, unusable), sort_keys=True))
+    tmp.write_text(json.dumps(edge_table(policy, unusable, secret), sort_keys=True))
     tmp.replace(path)

@@ -18,7 +18,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from admission import status
+from admission import cache_salt, status
 from admission.access import Access
 from admission.answer import DECIDER, Decider, error_body, loads, ratelimit_headers
 from admission.batch.api import BatchApi
@@ -217,13 +217,47 @@ def build_app(
     def unusable() -> frozenset[str]:
         return app[DISPATCHER].nodes.unusable if DISPATCHER in app else frozenset()
 
-    async def watcher_ctx(app: web.Application) -> AsyncIterator[None]:
+    secret: list[bytes | None] = [None]  # the cache salt secret (cache_salt.py), once read
+
+    def write_table(policy: Any, closed: frozenset[str] | None = None) -> None:
         if edge_table is not None:
-            write_edge_table(holder.current, edge_table)
-            holder.listeners.append(lambda p: write_edge_table(p, edge_table, unusable()))
+            shut = unusable() if closed is None else closed
+            write_edge_table(policy, edge_table, shut, secret[0])
+
+    async def read_secret(attempts: int | None) -> None:
+        """Read the shared cache salt secret (`attempts` tries; None: until it is read), then
+        rewrite the edge table with the salts. Until then the edge salts every request alone."""
+        delay_s, tried = 0.5, 0
+        while attempts is None or tried < attempts:
+            tried += 1
+            try:
+                secret[0] = await asyncio.wait_for(cache_salt.read_secret(app[STORE].redis), 2.0)
+            except Exception as exc:  # Redis away: requests are salted alone meanwhile
+                if tried == 1 and attempts is None:
+                    log.warning(
+                        "cannot read the cache salt secret from Redis (%s); each request is "
+                        "its own prefix cache until it is read",
+                        type(exc).__name__,
+                    )
+                await asyncio.sleep(delay_s)
+                delay_s = min(5.0, delay_s * 2)
+                continue
+            write_table(holder.current)
+            return
+
+    async def watcher_ctx(app: web.Application) -> AsyncIterator[None]:
+        salting: asyncio.Task[None] | None = None
+        if edge_table is not None:
+            await read_secret(1)
+            write_table(holder.current)
+            holder.listeners.append(write_table)
+            if secret[0] is None:
+                salting = asyncio.create_task(read_secret(None), name="cache-salt-secret")
         task = asyncio.create_task(holder.watch(), name="policy-watcher")
         yield
         await _stop(task)
+        if salting is not None:
+            await _stop(salting)
 
     async def dispatcher_ctx(app: web.Application) -> AsyncIterator[None]:
         d = Dispatcher(app[STORE], app[LIMITER], holder, app[METRICS])
@@ -231,9 +265,7 @@ def build_app(
         app[DISPATCHER] = d
         app[DECIDER] = Decider(holder, app[METRICS], d, app[LIMITER], app[RECENT])
         if edge_table is not None:  # nodes closing or opening change the edge's fail-open peers
-            d.nodes.on_unusable = lambda closed: write_edge_table(
-                holder.current, edge_table, closed
-            )
+            d.nodes.on_unusable = lambda closed: write_table(holder.current, closed)
         await d.nodes.refresh()
         task = app[DISPATCH_TASK] = asyncio.create_task(d.run(), name="dispatcher")
         task.add_done_callback(_log_death)

@@ -78,7 +78,15 @@ async def generate(request: web.Request) -> web.StreamResponse:
     prompt, text = prompt_of(body, chat, request.app.get(TOKENS))
     # n > 1: vLLM's parallel sampling, n sequences of one prompt (the copies find its blocks
     # cached), each up to max_tokens; the answer has a choice per sequence.
-    hashes = block_hashes(text, engine.profile.block_size) if engine.sched.prefix_caching else ()
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise web.HTTPBadRequest(  # as vLLM answers it
+            text=err_body("Parameter 'cache_salt' must be a non-empty string if provided."),
+            content_type="application/json",
+        )
+    hashes = (
+        block_hashes(text, engine.profile.block_size, salt) if engine.sched.prefix_caching else ()
+    )
     arrival = time.monotonic()
     priority = int(body.get("priority", 0))
     # A prompt that asks for a shorter answer than max_tokens ends there: finish_reason "stop".

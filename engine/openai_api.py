@@ -33,6 +33,22 @@ class Tokens:
         return self.encode(text + "<|assistant|> ")
 
 
+# What a chat template renders from the body besides its messages, as the emulator keys it.
+_RENDERED = ("tools", "functions", "documents", "chat_template", "chat_template_kwargs")
+_MESSAGE_PLAIN = ("role", "content")
+
+
+def _rendered(body: dict[str, Any]) -> str:
+    return "".join(json.dumps(body[k], sort_keys=True) for k in _RENDERED if k in body)
+
+
+def _extra(m: dict[str, Any]) -> str:
+    """A message's fields a template renders beside its content (name, tool calls, a tool
+    message's id, reasoning): part of the prompt, so of its cache key."""
+    rest = {k: v for k, v in m.items() if k not in _MESSAGE_PLAIN}
+    return json.dumps(rest, sort_keys=True) if rest else ""
+
+
 def prompt_of(
     body: dict[str, Any], chat: bool, tokens: Tokens | None = None
 ) -> tuple[int, str | list[int]]:
@@ -48,7 +64,9 @@ def prompt_of(
         if tokens is not None:
             ids = tokens.chat(msgs)
             return max(1, len(ids)), ids
-        text = "".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
+        text = _rendered(body) + "".join(
+            str(m.get("content", "")) + _extra(m) for m in msgs if isinstance(m, dict)
+        )
         return max(1, len(text) // 4 + 4 * len(msgs)), text
     prompt = body.get("prompt")
     if not isinstance(prompt, str | list):

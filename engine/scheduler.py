@@ -31,10 +31,15 @@ from engine.profiles import Profile
 _ids = itertools.count()
 
 
-def block_hashes(prompt: str | list[int], block_size: int) -> tuple[int, ...]:
+def block_hashes(
+    prompt: str | list[int], block_size: int, salt: str | None = None
+) -> tuple[int, ...]:
     """Chained hashes of a prompt's full KV blocks (text: 4 characters a token; or token ids),
-    as vLLM keys its prefix cache: a block matches only when every block before it matched."""
-    width, h, out = (4 if isinstance(prompt, str) else 1) * block_size, 0, []
+    as vLLM keys its prefix cache: a block matches only when every block before it matched.
+    `salt`: the request's `cache_salt`, which vLLM mixes into its first block's key, so that
+    prompts salted apart never share a block."""
+    width, out = (4 if isinstance(prompt, str) else 1) * block_size, []
+    h: object = 0 if salt is None else ("salt", salt)
     for i in range(len(prompt) // width):
         h = hash((h, tuple(prompt[i * width : (i + 1) * width])))
         out.append(h)

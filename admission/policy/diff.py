@@ -59,6 +59,7 @@ def describe(old: Policy, new: Policy) -> list[str]:
             out.append(
                 f"tenant {tid}: limits {'shadowed (not enforced)' if b.shadow else 'enforced'}"
             )
+    out += _cache_groups(old, new)
     for name in sorted(set(new.classes) - set(old.classes)):
         out.append(f"class {name} added")
     for name in sorted(set(old.classes) - set(new.classes)):
@@ -84,4 +85,24 @@ def describe(old: Policy, new: Policy) -> list[str]:
         out.append(f"pool {name} removed: its nodes are shared by every tenant")
     for name in sorted(set(old.pools) & set(new.pools)):
         out += _fields(f"pool {name}:", old.pools[name], new.pools[name], ("name",))
+    return out
+
+
+def _cache_groups(old: Policy, new: Policy) -> list[str]:
+    """What a change shares: a tenant joining or leaving a cache group, with whom it now shares
+    the engine's prefix cache (each of them can tell whether the others sent a prompt)."""
+    out = []
+    for tid in sorted(set(old.tenants) & set(new.tenants)):
+        a, b = old.tenants[tid].cache_group, new.tenants[tid].cache_group
+        if a == b:
+            continue
+        if b is None:
+            out.append(f"tenant {tid}: prefix cache its own again (left cache group {a})")
+            continue
+        others = sorted(t.id for t in new.tenants.values() if t.cache_group == b and t.id != tid)
+        with_whom = ", ".join(others) if others else "no other tenant yet"
+        out.append(f"tenant {tid}: shares its prefix cache in group {b} with {with_whom}")
+    for tid in sorted(set(new.tenants) - set(old.tenants)):
+        if (g := new.tenants[tid].cache_group) is not None:
+            out.append(f"tenant {tid}: shares its prefix cache in group {g}")
     return out

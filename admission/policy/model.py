@@ -150,6 +150,9 @@ class Tenant:
     # Limits evaluated and counted (admission_shadow_decisions_total) but not enforced: try new
     # limits on live traffic before they bite.
     shadow: bool = False
+    # Tenants naming one group share the engine's prefix cache (one organisation's teams, a
+    # public system prompt); None: the tenant's cache is its own (admission/cache_salt.py).
+    cache_group: str | None = None
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,17 @@ from admission.policy.model import ClassPolicy, Limits, Tenant, digest_key
 log = logging.getLogger("admission.policy.load")
 
 
-_TENANT_KEYS = {"tier", "weight", "keys", "classes", "default_class", "limits", "models", "shadow"}
+_TENANT_KEYS = {
+    "tier",
+    "weight",
+    "keys",
+    "classes",
+    "default_class",
+    "limits",
+    "models",
+    "shadow",
+    "cache_group",
+}
 _LIMIT_KEYS = set(Limits.__dataclass_fields__)
 
 
@@ -62,8 +72,19 @@ def tenants(
             models=tuple(c.string_list(b, "models", p, [])),
             demo_keys=demo,
             shadow=c.boolean(b, "shadow", p, shadow),
+            cache_group=_cache_group(c, b, p),
         )
     return out
+
+
+def _cache_group(c: Checker, b: dict[str, Any], p: str) -> str | None:
+    if "cache_group" not in b:
+        return None
+    group = c.string(b, "cache_group", p, "")
+    if not is_id(group):
+        c.err(f"{p}.cache_group", "must be letters, digits, '-', '_' or '.'")
+        return None
+    return group
 
 
 def _keys(c: Checker, raw: Any, p: str) -> tuple[tuple[str, ...], tuple[str, ...]]:

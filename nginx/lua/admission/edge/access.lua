@@ -44,7 +44,8 @@ function _M.run()
   end
   local t = edge_table.get()
   local chat = ngx_var.uri == "/v1/chat/completions"
-  local f, status, code, msg = request.read(chat, t.chars_per_token or 4, t.default_max_tokens or 256)
+  local f, status, code, msg = request.read(chat, t.chars_per_token or 4, t.default_max_tokens or 256,
+                                           tenant.salt)
   if not f then
     return respond.error(status, code, msg)
   end
@@ -92,7 +93,9 @@ function _M.run()
       local first = (fail_open_rr % #peers) + 1
       ctx.peers = { peers[first] }
       for i, p in ipairs(peers) do if i ~= first then ctx.peers[#ctx.peers + 1] = p end end
-      request.rewrite(f, t.classes[class] or 0)
+      -- The class's engine priority in its cold band (a sidecar would send band 0 only for a
+      -- head it knows the node holds): fail-open batch never ties with cold realtime.
+      request.rewrite(f, (t.engine_priority or {})[class] or t.classes[class] or 0)
       return relay.route(ctx)
     end
     log(WARN, "admission sidecar unavailable (", err, "): fail-closed")

@@ -60,8 +60,9 @@ function _M.deliver()
   end
 end
 
--- Public side, log phase: the relay releases every request it received. One it never
--- received (the client left before the proxy started, or the relay's socket refused the
+-- Public side, log phase: the relay releases every request it received (also one whose client
+-- left before any status line: the relay then says whether the engine got it). One the relay
+-- never received (the client left before the proxy sent it, or the relay's socket refused the
 -- connection) is released here: nothing ran.
 function _M.log()
   local ctx = ngx.ctx
@@ -69,7 +70,7 @@ function _M.log()
     return
   end
   local _, last, _, header = release.upstream()
-  if not last or (last == 502 and not header) then
+  if (not last and not release.reached()) or (last == 502 and not header) then
     release.queue({ ticket = ctx.ticket, status = 0, node_failed = false, usage = cjson.null })
   end
 end

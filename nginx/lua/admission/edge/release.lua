@@ -125,6 +125,16 @@ function _M.upstream()
          tonumber(str_match(headers, "^%s*([%d.]+)")), tonumber(str_match(headers, "([%d.]+)%s*$"))
 end
 
+-- Whether the request reached a peer: NGINX sent it bytes (upstream_bytes_sent lists every
+-- peer tried, "0, 1187" after a fallback). An engine that received a request may have
+-- prefilled and decoded it, whether or not it sent a status line before the client left.
+function _M.reached()
+  for n in string.gmatch(ngx.var.upstream_bytes_sent or "", "%d+") do
+    if tonumber(n) > 0 then return true end
+  end
+  return false
+end
+
 function _M.log()
   local ctx = ngx.ctx
   if not ctx.ticket then
@@ -134,11 +144,14 @@ function _M.log()
   -- without sending a response header (connect refused or timed out, or closed unanswered) —
   -- not on a 502 NGINX gives for what a live engine sent ("upstream sent too big header").
   local first, last, first_header, last_header = _M.upstream()
-  -- No upstream status at all: no engine was contacted (the client left before the proxy
-  -- started): 0, nothing ran — not the 499 NGINX logs for it.
+  -- No upstream status: either no engine received the request (the client left before the
+  -- proxy sent it): 0, nothing ran; or the engine received it and the client left before its
+  -- status line (a non-streamed answer's comes only when generation ends): 499, the engine
+  -- worked until the abort, charged as booked — one rule whether streamed or not.
   -- header_s: how long the last engine took to answer its status line (nil: it never did).
   -- The sidecar believes a quick 4xx did no work, not a slow one (admission/usage.py).
-  _M.queue({ ticket = ctx.ticket, status = last or 0,
+  local status = last or (_M.reached() and 499 or 0)
+  _M.queue({ ticket = ctx.ticket, status = status,
              node_failed = first == 502 and not first_header,
              header_s = last_header, estimate = ctx.estimate, model = ctx.model,
              class = ctx.class, usage = usage.extract(ctx) or cjson.null })

@@ -9,6 +9,7 @@ local ngx_md5 = ngx.md5
 local math_floor = math.floor
 local math_min = math.min
 local tbl_concat = table.concat
+local tbl_sort = table.sort
 local math_max = math.max
 local str_find = string.find
 local str_match = string.match
@@ -70,8 +71,77 @@ local function text_len(v)
   return type(v) == "string" and #v or 0
 end
 
--- The text of a message content for the fingerprint: strings and text parts as they are, other
--- parts by their JSON (an image's URL tells images apart).
+-- A value's JSON with object keys sorted, so that one value has one text whatever order the
+-- client wrote its keys in (cjson's order follows the table's hash part, not the input).
+local function canon(v)
+  if type(v) ~= "table" then
+    return cjson.encode(v) or ""
+  end
+  if #v > 0 or next(v) == nil then
+    local out = {}
+    for i, x in ipairs(v) do out[i] = canon(x) end
+    return "[" .. tbl_concat(out, ",") .. "]"
+  end
+  local names = {}
+  for k in pairs(v) do names[#names + 1] = tostring(k) end
+  tbl_sort(names)
+  local out = {}
+  for i, k in ipairs(names) do
+    out[i] = (cjson.encode(k) or '""') .. ":" .. canon(v[k])
+  end
+  return "{" .. tbl_concat(out, ",") .. "}"
+end
+
+-- Body fields that do not change what the engine renders as the prompt (sampling, output and
+-- transport options, and what the edge writes itself). Every other field may (tools,
+-- functions, documents, chat_template, chat_template_kwargs, add_generation_prompt,
+-- tool_choice, fields this list does not know yet): it enters the fingerprint, so that two
+-- requests the engine keys apart are never booked as one head. A field wrongly left in costs
+-- a predicted hit; one wrongly left out would book N copies as one.
+local NOT_RENDERED = {
+  model = true, messages = true, prompt = true, max_tokens = true,
+  max_completion_tokens = true, temperature = true, top_p = true, top_k = true, min_p = true,
+  n = true, best_of = true, stream = true, stream_options = true, stop = true,
+  stop_token_ids = true, seed = true, presence_penalty = true, frequency_penalty = true,
+  repetition_penalty = true, logprobs = true, top_logprobs = true, logit_bias = true,
+  user = true, priority = true, cache_salt = true, ignore_eos = true, min_tokens = true,
+  skip_special_tokens = true, spaces_between_special_tokens = true, request_id = true,
+  metadata = true, store = true, response_format = true, length_penalty = true,
+  include_stop_str_in_output = true, service_tier = true, parallel_tool_calls = true,
+  structured_outputs = true, guided_json = true, guided_regex = true, guided_choice = true,
+  guided_grammar = true,
+}
+
+-- The body's rendered fields besides its messages or prompt, as one canonical text ("" when
+-- there are none: a plain chat's fingerprint is its messages alone).
+local function context(body)
+  local names = {}
+  for k in pairs(body) do
+    if not NOT_RENDERED[k] then names[#names + 1] = tostring(k) end
+  end
+  if #names == 0 then
+    return ""
+  end
+  tbl_sort(names)
+  local out = {}
+  for i, k in ipairs(names) do out[i] = k .. "=" .. canon(body[k]) end
+  return tbl_concat(out, "\n") .. "\n"
+end
+
+-- A message's fields beyond role, name, content and tool calls (a tool message's
+-- tool_call_id, reasoning, refusal, fields this edge does not know), canonical; "" if none.
+local MESSAGE_COMMON = { role = true, name = true, content = true, tool_calls = true }
+local function message_rest(m)
+  local rest, any = {}, false
+  for k, v in pairs(m) do
+    if not MESSAGE_COMMON[k] then rest[k], any = v, true end
+  end
+  return any and canon(rest) or ""
+end
+
+-- The text of a message content for the fingerprint: a string, and a part that holds only
+-- {type = "text", text = ...}, as they are; any other part (an image, a part with an extra
+-- key) by its canonical JSON (an image's URL tells images apart).
 local function content_text(v)
   if type(v) == "string" then
     return v
@@ -81,23 +151,28 @@ local function content_text(v)
   end
   local out = {}
   for _, part in ipairs(v) do
-    if type(part) == "table" and type(part.text) == "string" then
-      out[#out + 1] = part.text
-    else
-      out[#out + 1] = cjson.encode(part) or ""
+    local plain = type(part) == "table" and type(part.text) == "string"
+      and (part.type == nil or part.type == "text")
+    if plain then
+      for k in pairs(part) do
+        if k ~= "text" and k ~= "type" then plain = false break end
+      end
     end
+    out[#out + 1] = plain and part.text or canon(part)
   end
   return tbl_concat(out, "\n")
 end
 
 -- Chained hashes of the full PREFIX_CHARS blocks of `text` (16 hex digits each: the first
--- half of MD5 over the previous hash and the block), or nil when not one block is full.
-local function fingerprint(text)
+-- half of MD5 over the previous hash and the block), or nil when not one block is full. The
+-- chain starts from the tenant's cache salt (its cache group's): the same head sent by two
+-- tenants that share no group has two fingerprints, as it has two keys in the engine's cache.
+local function fingerprint(text, salt)
   local n = math_min(math_floor(#text / PREFIX_CHARS), PREFIX_MAX_BLOCKS)
   if n == 0 then
     return nil
   end
-  local out, prev = {}, ""
+  local out, prev = {}, salt
   for i = 1, n do
     prev = str_sub(ngx_md5(prev .. str_sub(text, (i - 1) * PREFIX_CHARS + 1, i * PREFIX_CHARS)), 1, 16)
     out[i] = prev
@@ -105,19 +180,17 @@ local function fingerprint(text)
   return out
 end
 
--- What a chat template renders, in order, as far as the fingerprint reaches: tools, then each
--- message's role, name, content and tool calls.
+-- What the engine renders, in order, as far as the fingerprint reaches: the body's other
+-- rendered fields (tools among them), then each message's role, name, content, tool calls and
+-- any other field it has.
 local function chat_head(body)
-  local parts, len, limit = {}, 0, PREFIX_CHARS * PREFIX_MAX_BLOCKS
-  if type(body.tools) == "table" then
-    parts[1] = cjson.encode(body.tools) or ""
-    len = #parts[1]
-  end
+  local parts, limit = { context(body) }, PREFIX_CHARS * PREFIX_MAX_BLOCKS
+  local len = #parts[1]
   for _, m in ipairs(body.messages) do
     if len >= limit then break end
     local piece = tostring(m.role) .. "\n" .. (type(m.name) == "string" and m.name .. "\n" or "")
       .. content_text(m.content)
-      .. (type(m.tool_calls) == "table" and (cjson.encode(m.tool_calls) or "") or "") .. "\n"
+      .. (type(m.tool_calls) == "table" and canon(m.tool_calls) or "") .. message_rest(m) .. "\n"
     parts[#parts + 1] = piece
     len = len + #piece
   end
@@ -149,12 +222,13 @@ local function prompts(p)
   return { p } -- one prompt of token ids
 end
 
--- Returns features {model, max_tokens, charged_output, stream, prompt_tokens, prefix, raw, chat}
--- (prefix: the head's block hashes, or nil) or
+-- Returns features {model, max_tokens, charged_output, stream, prompt_tokens, prefix, raw, chat,
+-- salt} (prefix: the head's block hashes, or nil; salt: the tenant's cache salt, nil while the
+-- edge table has none: the request is then booked uncached, alone in the engine's cache) or
 -- nil, status, code, message. The output cap is what vLLM will use: max_completion_tokens
 -- before max_tokens (as vLLM reads them), the policy's default when neither is set; the charge
 -- multiplies it by n / best_of and by the number of prompts.
-function _M.read(chat, chars_per_token, default_max_tokens)
+function _M.read(chat, chars_per_token, default_max_tokens, salt)
   ngx.req.read_body()
   local raw = ngx.req.get_body_data()
   if not raw then
@@ -208,7 +282,7 @@ function _M.read(chat, chars_per_token, default_max_tokens)
         chars = chars + #(cjson.encode(body[key]) or "")
       end
     end
-    prefix = fingerprint(chat_head(body))
+    prefix = salt and fingerprint(chat_head(body), salt) or nil
   else
     local pr = body.prompt
     if type(pr) ~= "string" and (type(pr) ~= "table" or (#pr == 0 and next(pr) ~= nil)) then
@@ -217,8 +291,9 @@ function _M.read(chat, chars_per_token, default_max_tokens)
     end
     local list = prompts(body.prompt)
     count = #list
-    if type(body.prompt) == "string" then
-      prefix = fingerprint(str_sub(body.prompt, 1, PREFIX_CHARS * PREFIX_MAX_BLOCKS))
+    if type(body.prompt) == "string" and salt then
+      local head = context(body) .. body.prompt
+      prefix = fingerprint(str_sub(head, 1, PREFIX_CHARS * PREFIX_MAX_BLOCKS), salt)
     end
     for _, p in ipairs(list) do
       local c, t = size(p)
@@ -234,18 +309,24 @@ function _M.read(chat, chars_per_token, default_max_tokens)
     prefix = prefix,
     raw = raw,
     chat = chat,
+    salt = salt,
   }
 end
 
--- Append vLLM's priority and the output cap that was charged (so the engine cannot generate
--- more than was paid for) and, for streams, ask for the usage chunk.
+-- Append vLLM's priority, the output cap that was charged (so the engine cannot generate
+-- more than was paid for) and the tenant's cache salt (a client's own `cache_salt` is
+-- overridden: a duplicate key resolves to the last), and, for streams, ask for the usage chunk.
+-- Without a salt in the edge table (its secret not read from Redis yet) the request gets one of
+-- its own: computed alone, never a hit on another tenant's head.
 function _M.rewrite(features, priority)
   local raw = features.raw
   local last = str_match(raw, "^.*()}")
   local head = str_sub(raw, 1, last - 1)
   local empty = str_find(head, "^%s*{%s*$") ~= nil
   local cap = features.max_tokens
+  local salt = features.salt or ("r" .. ngx.var.request_id)
   local extra = '"priority":' .. priority .. ',"max_tokens":' .. cap
+    .. ',"cache_salt":"' .. salt .. '"'
   if features.chat then
     extra = extra .. ',"max_completion_tokens":' .. cap
   end
