@@ -26,7 +26,10 @@ RELEASE_KEYS = {
     "estimate",
     "model",
     "class",
+    "finish",
 }
+MAX_UNKNOWN_LOGGED = 64  # unknown release field names logged once each (then no more)
+_unknown_logged: set[str] = set()
 MAX_NAME = 256  # characters of a release's model or class name
 REFUSED_LOG_EVERY_S = 10.0
 # Without usage, what the engine did is judged by evidence, not by the status alone:
@@ -71,8 +74,13 @@ def release_args(
     prefill and KV in the wrong size (the real node's tiny model: 3.2 tokens for 4 characters)."""
     if not isinstance(body, dict):
         raise BadRequest("a release must be a JSON object", code="invalid_json")
-    if unknown := sorted(set(body) - RELEASE_KEYS):
-        raise BadRequest(f"unknown field(s): {', '.join(unknown)}", code="unknown_field")
+    # An edge newer than this sidecar: its releases still settle, their new fields unread
+    # (refusing them held every lease to its TTL). Each field name is logged once.
+    unknown = sorted(set(body) - RELEASE_KEYS - _unknown_logged)
+    if unknown and len(_unknown_logged) < MAX_UNKNOWN_LOGGED:
+        shown = [str(k)[:64] for k in unknown[:8]]
+        _unknown_logged.update(str(k) for k in unknown)
+        log.warning("releases carry field(s) this sidecar ignores: %s", ", ".join(shown))
     ticket = body.get("ticket")
     try:
         if not isinstance(ticket, str):
@@ -119,6 +127,14 @@ def release_args(
     # engine may have generated up to the cap before it failed or the proxy timed out), and
     # usage that cannot be read (the lease still goes back: a bad field loses nothing).
     return ticket, -1, failed, -1, -1
+
+
+def release_finish(body: dict[str, Any]) -> str | None:
+    """How the engine ended the answer (its finish_reason, as the edge read it: "stop",
+    "length", ...), or None when the edge did not say: only an answer that ended on its own
+    teaches what the tenant's answers run to (scheduling/outputs.py)."""
+    finish = body.get("finish")
+    return finish if isinstance(finish, str) and 0 < len(finish) <= 32 else None
 
 
 def release_names(body: dict[str, Any]) -> tuple[str, str] | None:

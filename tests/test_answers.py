@@ -79,7 +79,7 @@ async def test_the_ledger_books_the_learned_answer_not_the_cap(
     redis: Any, redis_server: RedisServer
 ) -> None:
     """Through the dispatcher and lease.lua on a real Redis: a tenant whose answers run to about
-    100 tokens under a max_tokens of 2,000 books its prompt and about 100 on the node, and is
+    100 tokens under a max_tokens of 1,000 books its prompt and about 100 on the node, and is
     charged as much by the fair queue; its token bucket still reserves the cap until release."""
     p = tenant_policy(redis_server.url, "{requests_per_s: 1000, tokens_per_min: 100000000}")
     d, client = make(p)
@@ -89,13 +89,13 @@ async def test_the_ledger_books_the_learned_answer_not_the_cap(
         await d.ahead.settled([ticket])  # a booking answered ahead runs in the background
         return abs(int(await redis.hget(ledger, f"k:{ticket}")))
 
-    first = await d.admit(p.tenants["t1"], "realtime", "m", 10, 2000)
-    assert await booked(first.ticket) == 10 + 2000  # nothing learned yet: the cap
+    first = await d.admit(p.tenants["t1"], "realtime", "m", 10, 1000)
+    assert await booked(first.ticket) == 10 + 1000  # nothing learned yet: the cap
     await d.release(first.ticket, 10 + 90, out=90)
     for i in range(MIN_ANSWERS):
-        adm = await d.admit(p.tenants["t1"], "realtime", "m", 10, 2000)
+        adm = await d.admit(p.tenants["t1"], "realtime", "m", 10, 1000)
         await d.release(adm.ticket, 10 + 80 + i, out=80 + i)
-    adm = await d.admit(p.tenants["t1"], "realtime", "m", 10, 2000)
+    adm = await d.admit(p.tenants["t1"], "realtime", "m", 10, 1000)
     assert 10 + 90 <= await booked(adm.ticket) <= 10 + 80 + MIN_ANSWERS
     # Fairness charges the tenant the same, not its cap (a generous cap costs it no turns).
     assert d.nodes.shares._pairs[("m", "realtime")].cost["t1"] == await booked(adm.ticket)
@@ -197,7 +197,7 @@ async def test_the_edges_releases_teach_what_a_tenant_books_through_the_sidecar(
             ticket = answer["ticket"]
             usage = {"prompt_tokens": 10, "completion_tokens": 100 + i}
             r = await client.post(
-                "/release", json={"ticket": ticket, "status": 200, "usage": usage}
+                "/release", json={"ticket": ticket, "status": 200, "usage": usage, "finish": "stop"}
             )
             assert r.status == 200
         doc = await (await client.get("/status.json")).json()
@@ -237,6 +237,7 @@ async def test_a_sidecar_learns_from_releases_of_requests_another_admitted(
             assert "ticket" in got, got
             e["ticket"] = got["ticket"]
             e.setdefault("usage", {"prompt_tokens": 10, "completion_tokens": 100})
+            e.setdefault("finish", "stop")
             r = await b.post("/release", json=[e])
             assert r.status == 200
             codes += [x.get("error", {}).get("code") for x in (await r.json())["results"]]

@@ -612,6 +612,7 @@ async def test_releases_teach_the_decode_guard_how_long_urgent_answers_are(
                 "ticket": ticket,
                 "status": 200,
                 "usage": {"prompt_tokens": 10, "completion_tokens": out},
+                "finish": "stop",
             }
 
         await client.post("/release", json=usage(batch["ticket"], 5))

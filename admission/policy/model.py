@@ -228,6 +228,11 @@ class Policy:
         i = order.index(name)
         return order[max(0, i - 1)]
 
+    def weight_of(self, tenant: str) -> float:
+        """A tenant's weight; 1.0 for one the policy does not name (any more)."""
+        t = self.tenants.get(tenant)
+        return t.weight if t is not None else 1.0
+
     def class_below(self, name: str) -> str:
         order = list(self.classes)
         i = order.index(name)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 from admission.errors import (
     AdmissionError,
@@ -115,6 +116,7 @@ class Dispatcher:
         self._shed(policy, tenant, cls, model, expected)
         await self.nodes.fresh(2 * running.REFRESH_S)  # after a quiet spell; busy, the loop polls
         item = self._item(tenant, cls, expected, model, waited_s, rid, prompt_tokens, prefix)
+        item.asked = cost
         nodes = self._fast_path(item)
         if not nodes:
             self.place.shed.full(cls, self.clock())
@@ -174,14 +176,9 @@ class Dispatcher:
         if not policy.classes[cls].refuses_late:
             return
         now = self.clock()
-
-        def weight(t: str) -> float:
-            known = policy.tenants.get(t)
-            return known.weight if known else 1.0
-
         shed = self.place.shed
         past = self.nodes.outputs.refusing(cls, now) and shed.still_full(cls, now)
-        if shed.arrive(model, cls, tenant.id, cost, now, weight, past):
+        if shed.arrive(model, cls, tenant.id, cost, now, policy.weight_of, past):
             self.metrics.fair_shed.labels(cls).inc()
             self.nodes.outputs.refused_late(cls, now)  # still past capacity (shedding.py)
             raise OverFairShare(cls, self.queue.retry_after(len(self.queue)))
@@ -210,20 +207,24 @@ class Dispatcher:
             prefix=prefix,
         )
 
-    async def release(
-        self, ticket: str, actual: int, failed: bool = False, out: int = -1, cached: int = -1
-    ) -> int:
-        """Give the lease back and settle (tokens refunded); `failed`: the node was unreachable;
-        `out`: output tokens the engine reported (-1: unknown), for the decode guard; `cached`:
-        prompt tokens it found in its prefix cache (-1: unknown), beside what was booked so."""
-        return (await self.release_many([(ticket, actual, failed, out, cached)]))[0]
+    async def release(self, ticket: str, actual: int, failed: bool = False, **kw: Any) -> int:
+        """One `release_many` entry; `kw`: out, cached (-1: unknown), finish ("stop")."""
+        out, cached = kw.get("out", -1), kw.get("cached", -1)
+        entry = (ticket, actual, failed, out, cached)
+        return (await self.release_many([entry], None, [kw.get("finish", "stop")]))[0]
 
     async def release_many(
-        self, entries: list[Released], names: list[tuple[str, str] | None] | None = None
+        self,
+        entries: list[Released],
+        names: list[tuple[str, str] | None] | None = None,
+        finishes: list[str | None] | None = None,
     ) -> list[int]:
-        """`release` for an edge's batch of (ticket, tokens, node failed, output, cached): one
-        round trip. `names`: each one's (model, class) as the edge sent them, or None."""
-        return await release_many(self, entries, names)
+        """Give leases back and settle (tokens refunded to each), in one round trip. An entry:
+        (ticket, tokens (-1: the reservation), node unreachable, output tokens the engine
+        reported, cached prompt tokens it found; -1: unknown). `names`: each one's (model,
+        class) as the edge sent them, or None; `finishes`: how each answer ended (the engine's
+        finish_reason; None: not said)."""
+        return await release_many(self, entries, names, finishes)
 
     # -- the queue ---------------------------------------------------------------------------
     def _fast_path(self, item: Item) -> list[tuple[NodeView, Ask]] | None:

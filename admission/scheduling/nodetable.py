@@ -72,7 +72,8 @@ class NodeTable:
         self._live: dict[str, int] = {}  # model → nodes open or held, as last seen
         self.gauges = NodeGauges(metrics)
         self.place_moved = False  # a booking or release since the last sort
-        self.outputs = UrgentOutputs()  # the urgent class's answer lengths: the decode guard
+        # The urgent class's answer lengths (the decode guard), tenants combined by weight.
+        self.outputs = UrgentOutputs(lambda t: self.policy().weight_of(t))
         self.placements = Placements(metrics, clock)  # where prompt heads went (routing)
         self.prefixes = self.placements.index
         # Nodes in CLOSED, and who is told when they change (the edge's fail-open skips them).

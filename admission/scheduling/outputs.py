@@ -8,11 +8,19 @@ tpot_ms and still miss e2e_ms. So the guard's limit is the tighter of tpot_ms an
 edge's releases (the engine's own `usage.completion_tokens`, not the client's `max_tokens` cap,
 which is often generous) — never below half of tpot_ms: a target that asks more of decode than
 that is not one lower classes could buy back by waiting, and they must not starve for it.
+
+What is learned cannot be steered by the tenant it describes, nor by another: only answers that
+ended on their own teach a length (`finish` "stop": one cut at its cap by `max_tokens: 1` is a
+lower bound, not a length); a request books at least FLOOR of its cap whatever its tenant's
+answers ran to; and the mean is each tenant's own mean combined by the tenants' weights, so one
+tenant moves the guard at most by its weight's share of the tenants answering.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -35,6 +43,13 @@ MIN_ANSWERS = 20
 QUANTILE = 0.98
 MAX_KEYS = 10_000  # (model, class, tenant) keys remembered, least recently answered out first
 RESORT = 8  # with a full window, its quantile is taken again every this many answers
+# The least of its cap a request books for its answer, whatever its tenant's answers ran to: a
+# tenant that ends answers early on purpose (stop strings) books long ones at most 16× short.
+FLOOR = 1 / 16
+# How an answer ended, as the edge reports it (the engine's finish_reason): these ended on their
+# own; "length" (cut at max_tokens) and an unknown end teach no length.
+NATURAL = frozenset({"stop", "tool_calls", "function_call"})
+MAX_TENANTS = 10_000  # tenants whose urgent mean is kept, least recently answered out first
 
 
 @dataclass
@@ -64,10 +79,11 @@ class UrgentOutputs:
     for (`answer_kv`). From every release this sidecar receives (the edge spreads releases over
     the sidecars: each learns from a sample), whichever sidecar admitted the request."""
 
-    def __init__(self) -> None:
+    def __init__(self, weight_of: Callable[[str], float] = lambda _t: 1.0) -> None:
         # ticket → (urgent, (model, class, tenant)) of requests admitted here, until released
         self._open: OrderedDict[str, tuple[bool, tuple[str, str, str]]] = OrderedDict()
-        self.mean = 0.0  # 0: nothing learned yet
+        self.weight_of = weight_of  # a tenant's weight in the policy (the decode guard's mean)
+        self._means: OrderedDict[str, float] = OrderedDict()  # tenant → its urgent answers' EWMA
         self._late: dict[str, float] = {}  # class → when this sidecar last refused it late
         # (model, class, tenant) → its answers, the most recently answered last
         self._windows: OrderedDict[tuple[str, str, str], _Window] = OrderedDict()
@@ -88,23 +104,38 @@ class UrgentOutputs:
         if len(self._open) > MAX_OPEN:
             self._open.popitem(last=False)  # its release went to another sidecar, or was lost
 
+    @property
+    def mean(self) -> float:
+        """The urgent class's mean answer length (0: nothing learned yet): each tenant's own
+        mean, weighted by its weight in the policy."""
+        total = weighted = 0.0
+        for tenant, m in self._means.items():
+            w = self.weight_of(tenant)
+            total, weighted = total + w, weighted + w * m
+        return weighted / total if total > 0 else 0.0
+
     def answered(
         self,
         ticket: str,
         completion_tokens: int,
         elsewhere: tuple[bool, tuple[str, str, str]] | None = None,
+        finish: str | None = "stop",
     ) -> None:
         """A release; `completion_tokens` < 0: the engine reported no usage (not counted).
         `elsewhere`: (urgent, (model, class, tenant)) as the edge's release names them, for a
         request another sidecar admitted: the edge spreads releases over the sidecars, so of
-        k sidecars each would otherwise learn from 1/k² of the answers instead of 1/k."""
+        k sidecars each would otherwise learn from 1/k² of the answers instead of 1/k.
+        `finish`: how the answer ended; only one in NATURAL teaches a length."""
         opened = self._open.pop(ticket, None) or elsewhere
-        if opened is None or completion_tokens < 0:
+        if opened is None or completion_tokens < 0 or finish not in NATURAL:
             return
         urgent, key = opened
         if urgent:
-            n = float(completion_tokens)
-            self.mean = n if self.mean == 0 else ALPHA * n + (1 - ALPHA) * self.mean
+            n, tenant = float(completion_tokens), key[2]
+            old = self._means.pop(tenant, None)
+            self._means[tenant] = n if old is None else ALPHA * n + (1 - ALPHA) * old
+            if len(self._means) > MAX_TENANTS:
+                self._means.popitem(last=False)
         window = self._windows.pop(key, None) or _Window()
         self._windows[key] = window
         window.add(completion_tokens)
@@ -128,9 +159,12 @@ class UrgentOutputs:
 
     def answer_kv(self, model: str, cls: str, tenant: str, cap: int) -> int:
         """Output tokens a request books KV for: `cap` (its max_tokens), or less once its
-        tenant's answers of the class are known to stop short of it (ANSWERS)."""
+        tenant's answers of the class are known to stop short of it (ANSWERS), never under
+        FLOOR of the cap."""
         window = self._windows.get((model, cls, tenant))
-        return min(cap, max(1, window.high)) if window and window.high else cap
+        if not window or not window.high:
+            return cap
+        return min(cap, max(1, window.high, math.ceil(cap * FLOOR)))
 
 
 def decode_limit_s(policy: Policy, mean_output: float = 0.0) -> float | None:

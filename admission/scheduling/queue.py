@@ -51,6 +51,7 @@ class Item:
     class_since: float = 0.0
     rid: str = ""
     prompt: int = 0  # prompt tokens (estimate): the prefill this request books on a node
+    asked: int = 0  # prompt + max_tokens (its cap): what `long_request_tokens` judges
     prefix: Prefix = NO_PREFIX  # the prompt's head (prefixes.py): routing and booking use it
     requested_cls: str = ""
     held_at: float = 0.0  # when fairness across sidecars first held it back (shares.py; 0: never)
@@ -191,7 +192,9 @@ class FairQueue:
         if self.tenant_depth(item.tenant) >= tenant_max:
             raise QueueFull("tenant", self.retry_after(self._live))
         item.requested_cls = item.requested_cls or item.cls
-        if p.queue.long_request_tokens and item.cost > p.queue.long_request_tokens:
+        # The cap, not the booking: a tenant cannot shrink its own booking below the threshold
+        # (answers learned short) and keep a long request in its class.
+        if p.queue.long_request_tokens and max(item.cost, item.asked) > p.queue.long_request_tokens:
             item.cls = p.class_below(item.cls)
         item.class_since = item.enqueued_at
         self._append(item)
@@ -332,8 +335,7 @@ class FairQueue:
                 fixed[n] = classes[n].min_share
 
     def _tenant_weight(self, tenant: str) -> float:
-        t = self.policy.tenants.get(tenant)
-        return t.weight if t else 1.0
+        return self.policy.weight_of(tenant)
 
     def _append(self, item: Item) -> None:
         q = self._classes[item.cls]

@@ -24,11 +24,15 @@ Released = tuple[str, int, bool, int, int]
 
 
 async def release_many(
-    d: Dispatcher, entries: list[Released], names: list[tuple[str, str] | None] | None = None
+    d: Dispatcher,
+    entries: list[Released],
+    names: list[tuple[str, str] | None] | None = None,
+    finishes: list[str | None] | None = None,
 ) -> list[int]:
     """Settle a batch of releases in one round trip; the tokens refunded to each. `names`:
     each release's (model, class) as the edge sent them (None: not sent), from which a sidecar
-    learns the answers of requests another one admitted."""
+    learns the answers of requests another one admitted; `finishes`: how each answer ended
+    (only one that ended on its own teaches a length)."""
     items: list[Settling] = []
     backs: list[Call] = []
     policy = d.policy()
@@ -40,7 +44,8 @@ async def release_many(
         elsewhere = None
         if named is not None and named[1] in policy.classes:
             elsewhere = (urgent(policy, named[1]), (named[0], named[1], tid))
-        d.nodes.outputs.answered(ticket, out, elsewhere)
+        finish = finishes[i] if finishes else None
+        d.nodes.outputs.answered(ticket, out, elsewhere, finish)
         d.nodes.placements.engine_cached(ticket, cached)
         await d.nodes.proxied(node, failed, ticket)
         first = leases.answered_ahead(ticket)  # its release may come before its booking

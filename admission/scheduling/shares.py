@@ -61,8 +61,7 @@ class Shares:
         self._reads: list[tuple[tuple[str, str], int]] = []  # pair, index of its HGETALL
 
     def _weight(self, tenant: str) -> float:
-        t = self.policy().tenants.get(tenant)
-        return t.weight if t else 1.0
+        return self.policy().weight_of(tenant)
 
     def served(self, model: str, cls: str, tenant: str, cost: int) -> None:
         """This sidecar admitted `cost` tokens for `tenant`."""

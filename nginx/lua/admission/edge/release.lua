@@ -151,10 +151,11 @@ function _M.log()
   -- header_s: how long the last engine took to answer its status line (nil: it never did).
   -- The sidecar believes a quick 4xx did no work, not a slow one (admission/usage.py).
   local status = last or (_M.reached() and 499 or 0)
+  local used, finish = usage.extract(ctx)
   _M.queue({ ticket = ctx.ticket, status = status,
              node_failed = first == 502 and not first_header,
              header_s = last_header, estimate = ctx.estimate, model = ctx.model,
-             class = ctx.class, usage = usage.extract(ctx) or cjson.null })
+             class = ctx.class, usage = used or cjson.null, finish = finish })
 end
 
 -- Queue one release for the drainers (any phase).

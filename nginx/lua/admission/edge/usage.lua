@@ -92,10 +92,41 @@ function _M.body_filter()
   win = (win or "") .. chunk
   local found = scan_usage(win)
   if found then ctx.usage_found = found end
+  if str_find(win, '"finish_reason"%s*:%s*"length"') then
+    ctx.usage_cut = true -- an answer cut at its cap, somewhere in the body
+  elseif not ctx.usage_cut and str_find(win, '"finish_reason"%s*:%s*"') then
+    ctx.usage_ended = true
+  end
   ctx.usage_win = str_sub(win, -WINDOW)
 end
 
--- Returns {prompt_tokens, completion_tokens} or nil.
+-- How the answer ended (the engine's finish_reason): "length" when any choice was cut at its
+-- cap, else the last one found; nil when none is seen. A stream's is in its kept tail.
+local function finish_of(ctx, doc)
+  if ctx.usage_found then
+    return ctx.usage_cut and "length" or (ctx.usage_ended and "stop" or nil)
+  end
+  if not ctx.stream then
+    local choices = type(doc) == "table" and doc.choices
+    if type(choices) ~= "table" then return nil end
+    local last
+    for _, c in ipairs(choices) do
+      local f = type(c) == "table" and c.finish_reason
+      if f == "length" then return "length" end
+      if type(f) == "string" then last = f end
+    end
+    return last
+  end
+  local last
+  for f in string.gmatch(ctx.usage_buf or "", '"finish_reason"%s*:%s*"([%w_]+)"') do
+    if f == "length" then return "length" end
+    last = f
+  end
+  return last
+end
+
+-- Returns {prompt_tokens, completion_tokens, prompt_tokens_details}, finish (or nil: unseen);
+-- or nil.
 function _M.extract(ctx)
   local buf = ctx.usage_buf
   if ctx.usage_found then -- a large plain body: its scanned usage
@@ -134,7 +165,8 @@ function _M.extract(ctx)
   local cached = type(details) == "table" and type(details.cached_tokens) == "number"
     and details.cached_tokens or nil
   return { prompt_tokens = u.prompt_tokens, completion_tokens = u.completion_tokens,
-           prompt_tokens_details = cached and { cached_tokens = cached } or nil }
+           prompt_tokens_details = cached and { cached_tokens = cached } or nil },
+         finish_of(ctx, doc)
 end
 
 return _M
