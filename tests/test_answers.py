@@ -184,12 +184,12 @@ async def test_the_edges_releases_teach_what_a_tenant_books_through_the_sidecar(
     redis: Any, redis_server: RedisServer, tmp_path: Path
 ) -> None:
     """Over the sidecar's HTTP API, as the edge drives it: releases carrying the engine's usage
-    teach what a batch tenant's answers run to under a max_tokens of 4,000; /status.json shows
+    teach what a batch tenant's answers run to under a max_tokens of 1,600; /status.json shows
     it, and the next admission books it on the node, not the cap."""
     from admission.server import DISPATCHER
 
     app, client = (await sidecars(redis, redis_server, tmp_path, 1))[0]
-    body = admit_body(**{"class": "batch", "max_tokens": 4000})
+    body = admit_body(**{"class": "batch", "max_tokens": 1600})
     try:
         for i in range(MIN_ANSWERS):
             answer = await (await client.post("/admit", json=body)).json()
