@@ -8,7 +8,11 @@
   `Authorization: Bearer <admin token>` (`serve --admin-token-file`) on every transport where a
   token is configured; without one it is only accepted on the unix socket (whose group is
   NGINX's, and NGINX forwards nothing but the Batch API's own paths there).
-- Everything else (`/healthz`, `/metrics`, `/nodes`, the status page) is read-only.
+- Everything else (`/healthz`, `/metrics`, `/nodes`, the status page) is read-only. On an admin
+  port that listens beyond loopback (`serve --host`) the reads that show tenants, nodes and
+  figures (`/metrics`, `/nodes`, `/status.json`) need the admin token too; `/healthz` stays
+  open (load balancers) and so does the status page's HTML, which holds no figures: it takes
+  the token from its URL's fragment (`/status#token=…`, never sent to a server nor logged).
 - The admin port listens on loopback; another `--host` is refused without an admin token.
 """
 
@@ -27,6 +31,12 @@ from admission.errors import Forbidden, Unauthorized
 class Access:
     edge_over_tcp: bool = False
     admin_token: str | None = None
+    exposed: bool = False  # the admin port listens beyond loopback: reads need the token too
+
+    def check_read(self, request: web.Request) -> None:
+        """A read page: open on loopback and the unix socket; the admin token when exposed."""
+        if self.exposed and over_tcp(request):
+            self.check_admin(request)
 
     def check_edge(self, request: web.Request) -> None:
         if not self.edge_over_tcp and over_tcp(request):

@@ -90,7 +90,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _raise_open_files()
     _use_uvloop()
     holder = PolicyHolder(Path(args.policy), policy, Metrics())
-    access = Access(edge_over_tcp=args.edge_over_tcp, admin_token=token)
+    exposed = args.port is not None and not is_loopback(args.host)
+    access = Access(edge_over_tcp=args.edge_over_tcp, admin_token=token, exposed=exposed)
     app = build_app(
         holder, edge_table=Path(args.edge_table) if args.edge_table else None, access=access
     )

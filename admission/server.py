@@ -143,15 +143,18 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def metrics_view(request: web.Request) -> web.Response:
+    request.app[ACCESS].check_read(request)
     data = generate_latest(request.app[METRICS].registry)
     return web.Response(body=data, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def status_page(_request: web.Request) -> web.Response:
+    """The page itself holds no figures (it reads status.json, which checks the token)."""
     return web.Response(text=status.page(), content_type="text/html")
 
 
 async def status_view(request: web.Request) -> web.Response:
+    request.app[ACCESS].check_read(request)
     app = request.app
     holder = app[POLICY]
     return web.json_response(
@@ -162,6 +165,7 @@ async def status_view(request: web.Request) -> web.Response:
 
 
 async def nodes_view(request: web.Request) -> web.Response:
+    request.app[ACCESS].check_read(request)
     nodes = request.app[DISPATCHER].nodes
     return web.json_response(
         {"nodes": nodes.snapshot(), "views_age_s": round(nodes.views_age(), 3)}
