@@ -292,3 +292,50 @@ def test_json_line_separators_ids_and_concurrent_creates(stack: Stack) -> None:
         c.batches.cancel(bid)
     for bid in made:
         assert wait_done(c, bid).request_counts.total == 1
+
+
+def test_answers_leave_redis_with_their_output_file_and_storage_stays_bounded(
+    stack: Stack,
+) -> None:
+    """Ten batches run and their files deleted: no answer key is left, every batch record and
+    the tenant's list have a life, and the tenant's Redis memory is back under its bound."""
+    import redis as redis_sync
+
+    from admission.store import keys
+
+    c = client(stack, "sk-demo-globex")
+    r = redis_sync.Redis.from_url(stack.redis_url)
+    try:
+        for i in range(10):
+            f = c.files.create(file=("in.jsonl", jsonl(20, f"b{i}")), purpose="batch")
+            b = wait_done(c, create(c, f.id).id)
+            assert b.status == "completed" and b.output_file_id
+            assert not r.exists(keys.batch_results("globex", b.id))  # in the output file only
+            assert r.ttl(keys.batch("globex", b.id)) > 0  # the record has a life
+            for file_id in (f.id, b.output_file_id):
+                c.files.delete(file_id)
+        assert r.ttl(keys.tenant_batches("globex")) > 0
+        used = sum(r.memory_usage(k) or 0 for k in r.scan_iter("*{bt:globex}*"))
+        assert used < 64 * 1024, used  # ten batch records and a list: no answers, no files
+    finally:
+        r.close()
+
+
+def test_a_batch_whose_output_would_pass_the_quota_is_refused_up_front(stack: Stack) -> None:
+    """The output files count against the quota: a create that would exceed it is refused
+    before any line runs (it was written past the quota at the end)."""
+    c = client(stack, "sk-demo-hobbyist")
+    kept = []
+    try:
+        while True:  # fill the 1 MB quota with inputs of ~390 KB
+            try:
+                kept.append(c.files.create(file=("in.jsonl", jsonl(1900)), purpose="batch").id)
+            except openai.APIStatusError as exc:
+                assert exc.status_code in (413, 429)
+                break
+        with pytest.raises(openai.APIStatusError) as info:
+            create(c, kept[-1])
+        assert info.value.status_code == 413 and info.value.code == "storage_quota_exceeded"
+    finally:
+        for fid in kept:
+            c.files.delete(fid)

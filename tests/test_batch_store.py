@@ -5,6 +5,7 @@ Cluster too (tests/test_cluster.py)."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
 import pytest
@@ -80,8 +81,8 @@ async def check_store(redis: Any) -> None:
     assert (await st.get("t1", "batch_a") or {})["queued"] == "60"
     for i in range(60):
         answer = {"custom_id": f"c-{i}", "response": {"body": "y" * 200}, "error": None}
-        await st.record("t1", "batch_a", i, answer, ok=i % 7 != 0)
-    assert (await st.record("t1", "batch_a", 0, {}, ok=True))[0] is False  # once
+        await st.record("t1", "batch_a", i, answer, i % 7 != 0, int(time.time()) + 60)
+    assert (await st.record("t1", "batch_a", 0, {}, True, int(time.time()) + 60))[0] is False
     policy = parse_policy(BASE_POLICY.replace("REDIS_URL", "redis://127.0.0.1:1/0"))
     w = Worker(redis, lambda: policy, "/nonexistent.sock")
     w.store = st

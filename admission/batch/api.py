@@ -190,6 +190,17 @@ class BatchApi:
             raise BadRequest(
                 f"more than {policy.batch.max_lines} lines (batch.max_lines)", code="too_many_lines"
             )
+        # The output files count against the tenant's quota too: a batch whose output (estimated
+        # as large as its input) would not fit is refused now, not after its lines ran.
+        stored = await st.stored_bytes(tid)
+        quota = policy.batch.max_stored_bytes_per_tenant
+        if stored + int(meta.get("bytes", 0)) > quota:
+            raise PayloadTooLarge(
+                f"{stored} of {quota} bytes stored and this batch's output may need "
+                f"{int(meta.get('bytes', 0))} more (batch.max_stored_bytes_per_tenant): "
+                "delete files first",
+                code="storage_quota_exceeded",
+            )
         metadata = body.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             raise BadRequest("metadata must be an object", code="invalid_request")

@@ -252,24 +252,39 @@ class BatchStore:
         return True
 
     async def batch_ids(self, tenant: str, after: str | None, limit: int) -> list[str]:
-        ids = [text(b) for b in await self.redis.zrevrange(keys.tenant_batches(tenant), 0, -1)]
-        if after and after in ids:
-            ids = ids[ids.index(after) + 1 :]
-        return ids[:limit]
+        """A page of the tenant's batches, newest first: `limit` after `after` (its rank is
+        looked up, never the whole list read)."""
+        listed = keys.tenant_batches(tenant)
+        start = 0
+        if after:
+            rank = await self.redis.zrevrank(listed, after)
+            start = rank + 1 if rank is not None else 0
+        return [text(b) for b in await self.redis.zrevrange(listed, start, start + limit - 1)]
 
     async def open_batches(self) -> dict[str, str]:
         """Batch id → tenant, of every batch not yet finished (the workers' sweep)."""
         return {text(b): text(t) for b, t in (await self.redis.hgetall(OPEN)).items()}
 
     async def record(
-        self, tenant: str, bid: str, idx: int, answer: dict[str, Any], ok: bool
+        self, tenant: str, bid: str, idx: int, answer: dict[str, Any], ok: bool, until: int
     ) -> tuple[bool, int, int]:
+        """Record a line's answer once; the answers expire at `until` (s) at the latest."""
         value = ("1" if ok else "0") + json.dumps(answer)
         r = await self._scripts["batch_record"](
             keys=[keys.batch_results(tenant, bid), keys.batch(tenant, bid)],
-            args=[idx, value, "completed" if ok else "failed"],
+            args=[idx, value, "completed" if ok else "failed", until],
         )
         return bool(int(r[0])), int(r[1]), int(r[2])
+
+    async def stored_bytes(self, tenant: str) -> int:
+        """Bytes the tenant's live files take now (inputs, outputs, uploads under way)."""
+        live = await self.redis.zrangebyscore(keys.batch_files(tenant), time.time(), "+inf")
+        sizes = await self.redis.hmget(keys.batch_usage(tenant), live) if live else []
+        return sum(int(v) for v in sizes if v is not None)
+
+    async def forget_answers(self, tenant: str, bid: str) -> None:
+        """The output file is committed: the answers it holds leave Redis."""
+        await self.redis.delete(keys.batch_results(tenant, bid))
 
     async def answered(self, tenant: str, bid: str, idx: int) -> bool:
         return bool(await self.redis.hexists(keys.batch_results(tenant, bid), idx))

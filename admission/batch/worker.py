@@ -43,6 +43,12 @@ SWEEP_S = 5.0  # heartbeat, reclaim and finalize sweep period
 ENQUEUE_AFTER_S = 30.0  # a batch whose lines are not all queued this long after its creation:
 # the sidecar that created it died midway, and the sweep queues the rest
 RETRYABLE = (0, 429, 500, 502, 503, 504)
+# One line's answer is read as it comes, up to this: past it (n, logprobs and a large max_tokens
+# can make hundreds of MB) the line fails with `answer_too_large` and the worker lives on.
+MAX_ANSWER_BYTES = 16 << 20
+# A line taken over this many times (its workers died on it: a poison line) is set aside with
+# an error answer instead of being taken over again forever.
+MAX_DELIVERIES = 5
 
 
 class Worker:
@@ -119,6 +125,8 @@ class Worker:
                 STREAM, GROUP, self.name, int(self.claim_idle_s * 1000), start_id="0-0", count=free
             )
             for eid, fields in res[1]:
+                if fields and await self._poison(text(eid), fields):
+                    continue
                 if fields:
                     log.info("batch line %s taken over from a silent worker", text(eid))
                     self._start(text(eid), fields)
@@ -129,6 +137,28 @@ class Worker:
                 raise
             except Exception as exc:  # one batch's trouble must not stop the sweep for others
                 log.warning("batch %s: sweep failed: %r", bid, exc)
+
+    async def _poison(self, eid: str, fields: dict[Any, Any]) -> bool:
+        """Whether a line taken over has been delivered MAX_DELIVERIES times: then its answer
+        is an error (`line_failed_repeatedly`) and it is not taken over again."""
+        pending = await self.redis.xpending_range(STREAM, GROUP, eid, eid, 1)
+        if not pending or int(pending[0]["times_delivered"]) < MAX_DELIVERIES:
+            return False
+        f = {text(k): text(v) for k, v in fields.items()}
+        tenant, bid, idx = f.get("t", ""), f.get("b", ""), int(f.get("i", -1))
+        b = await self.store.get(tenant, bid) if tenant else None
+        if b is not None and idx >= 0:
+            log.warning("batch %s line %d: set aside after %d deliveries", bid, idx, MAX_DELIVERIES)
+            answer = _error_line(
+                f"line-{idx}", "line_failed_repeatedly", "this line stopped its worker repeatedly"
+            )
+            _rec, done, total = await self.store.record(
+                tenant, bid, idx, answer, False, _until(b, self.policy())
+            )
+            if done >= total:
+                await self.finalize(tenant, bid)
+        await self._ack(eid)
+        return True
 
     async def _check(self, tenant: str, bid: str) -> None:
         b = await self.store.get(tenant, bid)
@@ -164,7 +194,8 @@ class Worker:
             answer, ok = _error_line(cid, "batch_expired", "the batch's 24 h window ended"), False
         else:
             answer, ok = await self.send(tenant, req)
-        _recorded, done, total = await self.store.record(tenant, bid, idx, answer, ok)
+        until = _until(b, self.policy())
+        _recorded, done, total = await self.store.record(tenant, bid, idx, answer, ok, until)
         await self._ack(eid)
         if done >= total:
             await self.finalize(tenant, bid)
@@ -183,8 +214,16 @@ class Worker:
                 async with self.http.post(
                     f"http://edge{req['url']}", json=req["body"], headers=headers
                 ) as r:
-                    status, body = r.status, await r.read()
+                    status, read = r.status, await _read_capped(r)
                     retry_after = r.headers.get("Retry-After")
+                    if read is None:
+                        return _error_line(
+                            req["custom_id"],
+                            "answer_too_large",
+                            f"the answer passed {MAX_ANSWER_BYTES} bytes: ask for fewer choices, "
+                            "logprobs or tokens",
+                        ), False
+                    body = read
             except (aiohttp.ClientError, TimeoutError) as exc:
                 status, body, retry_after = 0, str(exc).encode(), None
             took = time.monotonic() - t0
@@ -263,6 +302,7 @@ class Worker:
             await st.set_fields(tenant, bid, **fields)
         if await st.set_status(tenant, bid, final, only_if=("finalizing",)):
             log.info("batch %s %s: %d answered, %d failed", bid, final, counts["1"], counts["0"])
+            await st.forget_answers(tenant, bid)  # they live on in the output files only
 
     async def _ack(self, eid: str) -> None:
         pipe = self.redis.pipeline(transaction=False)
@@ -296,3 +336,20 @@ def _error_line(cid: str, code: str, message: str) -> dict[str, Any]:
         "response": None,
         "error": {"code": code, "message": message},
     }
+
+
+async def _read_capped(r: aiohttp.ClientResponse) -> bytes | None:
+    """The body, read as it comes; None past MAX_ANSWER_BYTES (the rest is not read)."""
+    parts, size = [], 0
+    async for chunk in r.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > MAX_ANSWER_BYTES:
+            return None
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def _until(b: dict[str, str], policy: Policy) -> int:
+    """When a batch's answers expire at the latest: its window's end and an output file's life
+    (the output is written by then, and the answers deleted)."""
+    return int(b.get("expires_at", 0) or time.time()) + policy.batch.file_ttl_s
