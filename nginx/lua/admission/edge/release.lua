@@ -34,9 +34,12 @@ local next_socket = 0
 local draining = 0        -- drainer timers running in this worker
 local dict
 
--- POST one batch; true when a sidecar answered (2xx, or 400: malformed, retrying won't help).
+-- POST one batch: "ok" when a sidecar took it (2xx, or 400: malformed, retrying won't help),
+-- "refused" when a sidecar answered it otherwise (5xx: something in it it cannot settle now),
+-- "down" when no sidecar answered at all.
 local function post(body)
   local n = #sockets
+  local answered = false
   for i = 1, n do
     next_socket = next_socket % n + 1 -- spread batches over the sidecars
     local sock = tcp()
@@ -58,16 +61,34 @@ local function post(body)
       if status and len and len > 0 and not sock:receive(len) then status = nil end
       if status and status < 300 then
         sock:setkeepalive(60000, 64)
-        return true
+        return "ok"
       end
       sock:close()
       if status == 400 then
         log(ERR, "admission release batch refused as malformed; dropped")
-        return true
+        return "ok"
       end
+      answered = answered or status ~= nil
     end
   end
-  return false
+  return answered and "refused" or "down"
+end
+
+-- A batch the sidecars answered but did not take: each release goes alone, so that one they
+-- cannot settle does not hold the others back (head of line, resent forever). One refused on
+-- its own is set aside, logged: its lease waits out its TTL, charged as booked.
+local function post_each(items)
+  for i, item in ipairs(items) do
+    local got = post("[" .. item .. "]")
+    if got == "down" then
+      return i -- the sidecars went away: this one and the rest go back to the queue
+    end
+    if got == "refused" then
+      log(ERR, "admission release refused by the sidecars on its own; set aside (its lease ",
+          "expires): ", string.sub(item, 1, 200))
+    end
+  end
+  return nil
 end
 
 local function drain(premature)
@@ -81,10 +102,12 @@ local function drain(premature)
           items[#items + 1] = v
         end
         if #items == 0 then return end
-        if not post("[" .. concat(items, ",") .. "]") then
-          for i = #items, 1, -1 do dict:lpush(QUEUE, items[i]) end -- back, in order
-          log(WARN, "admission releases not delivered (no sidecar answered); ", #items,
-              " queued for retry")
+        local got = post("[" .. concat(items, ",") .. "]")
+        local back = got == "down" and 1 or (got == "refused" and post_each(items)) or nil
+        if back then
+          for i = #items, back, -1 do dict:lpush(QUEUE, items[i]) end -- back, in order
+          log(WARN, "admission releases not delivered (no sidecar answered); ",
+              #items - back + 1, " queued for retry")
           return
         end
       end
