@@ -649,11 +649,15 @@ def test_every_release_teaches_the_sidecar_it_reaches_whichever_admitted_it(stac
     """The edge spreads releases over the two sidecars; each names the request's model and
     class, so the sidecar that takes it learns the answer's length even when the other one
     admitted it. Without the names, only the releases that reached their own sidecar (about
-    half) would be learned."""
+    half) would be learned. The answers end on their own (finish_reason stop: the edge reads it
+    and says so); one cut at its cap would teach nothing."""
+    from engine.openai_api import ANSWER_MARK
+
     key = ("llama-3-8b", "batch", "globex")
     before, sent = learned(stack, *key), 24
     for i in range(sent):
-        body = chat(messages=[{"role": "user", "content": f"teach {i}"}], max_tokens=6)
+        content = f"teach {i} " + ANSWER_MARK.format(4)
+        body = chat(messages=[{"role": "user", "content": content}], max_tokens=6)
         status, _h, _b = raw(
             stack, body, key="sk-demo-globex", headers={"X-Request-Class": "batch"}
         )

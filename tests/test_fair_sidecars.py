@@ -134,7 +134,8 @@ def test_a_tenant_that_also_asks_here_is_not_held_for() -> None:
     from admission.scheduling.shares import BLOCKED_S, LOCAL_S, Shares
 
     now = [1_000.0]
-    sh = Shares(lambda: SimpleNamespace(tenants={}), wall=lambda: now[0])  # type: ignore[arg-type,return-value]
+    policy = SimpleNamespace(tenants={}, weight_of=lambda _t: 1.0)
+    sh = Shares(lambda: policy, wall=lambda: now[0])  # type: ignore[arg-type,return-value]
 
     def redis_says(waiting_elsewhere: str) -> None:
         pipe = _Pipe()
