@@ -125,3 +125,40 @@ def test_bands_split_a_class_by_what_the_node_holds_and_keep_classes_apart() -> 
         cold = engine_priority(p, urgent, urgent, "acme", node, 9000, 9000)
         held = engine_priority(p, after, after, "acme", node, 9000, 0)
         assert cold < held, (urgent, after)
+
+
+async def test_a_head_the_engine_does_not_confirm_stops_being_booked_as_held(
+    sidecar: Any,  # noqa: F811
+    redis: Any,
+) -> None:
+    """A copy booked as holding the head is released with `cached_tokens` 0 (the engine keys it
+    apart: a fingerprint that is not its cache key): the head leaves the node's resident set
+    and this sidecar's index, and the next copy books its prefill again. Kept as held, every
+    later copy was booked as a hit the engine never had (issue 62, finding 2)."""
+    client, _h, _p = sidecar
+    body = admit_body(prompt_tokens=1100, max_tokens=100, prefix=BLOCKS, prefix_chars=512)
+
+    async def admit_and_release(cached: int) -> str:
+        ticket = (await (await client.post("/admit", json=body)).json())["ticket"]
+        usage = {
+            "prompt_tokens": 1100,
+            "completion_tokens": 10,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+        r = await client.post("/release", json={"ticket": ticket, "status": 200, "usage": usage})
+        assert r.status == 200
+        return str(ticket)
+
+    async def booked_cached() -> int:
+        return int(
+            (await (await client.get("/status.json")).json())["prefix"]["booked_cached_tokens"] or 0
+        )
+
+    await admit_and_release(0)  # computed it: booked as computing, nothing predicted
+    assert await booked_cached() == 0
+    assert await redis.zcard(keys.node_prefixes("n1")) == len(BLOCKS)  # resident now
+    await admit_and_release(0)  # booked as a hit; the engine found nothing
+    assert await booked_cached() == 1024
+    assert await redis.zcard(keys.node_prefixes("n1")) == 0  # no longer believed held
+    await admit_and_release(1024)  # booked as computing it again: nothing predicted
+    assert await booked_cached() == 1024

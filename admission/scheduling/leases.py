@@ -110,7 +110,13 @@ def take(node: Node, ticket: str, ttl_s: float, ask: Ask, force: bool = False) -
     )
 
 
-def give_back(ticket: str, released: bool = False, final: bool = False, ran: bool = True) -> Call:
+def give_back(
+    ticket: str,
+    released: bool = False,
+    final: bool = False,
+    ran: bool = True,
+    confirmed: bool = True,
+) -> Call:
     """Give a ticket's lease and its KV reservation back (idempotent: harmless if never taken).
     `released`: no booking of this ticket may follow — the request ended, or the round trip
     that carried its lease failed and the request will not run on this ticket's booking: a
@@ -122,7 +128,9 @@ def give_back(ticket: str, released: bool = False, final: bool = False, ran: boo
     nothing. Neither: the undo of a lease whose reply came while the request may still take
     that ticket. `ran` false with `released`: the request ended without reaching its engine
     (the node was unreachable): the prompt blocks its lease brought were never computed there.
-    Only a release that may have run keeps them resident as computed."""
+    Only a release that may have run keeps them resident as computed. `confirmed` false with
+    `released` and `ran`: the engine reported none of the prefix the lease was booked as
+    holding cached: its blocks leave the node's resident set once nobody holds them."""
     _rid, node, _tenant = parse_ticket(ticket)
     return Call(
         "unlease",
@@ -132,8 +140,12 @@ def give_back(ticket: str, released: bool = False, final: bool = False, ran: boo
             keys.node_gone(node),
             keys.node_prefixes(node),
         ],
-        [ticket, b"2" if final else (b"1" if ran else b"3") if released else b"0"],
+        [ticket, b"2" if final else _released(ran, confirmed) if released else b"0"],
     )
+
+
+def _released(ran: bool, confirmed: bool) -> bytes:
+    return (b"1" if confirmed else b"4") if ran else b"3"
 
 
 def given_back(ticket: str, result: Any) -> None:

@@ -34,7 +34,8 @@ class Placements:
         self.metrics = metrics
         self.clock = clock
         self.index = PrefixIndex()
-        self._predicted: OrderedDict[str, int] = OrderedDict()  # ticket → tokens booked cached
+        # ticket → (tokens booked as cached, node, prompt head), until its release
+        self._predicted: OrderedDict[str, tuple[int, str, Prefix]] = OrderedDict()
         # Placements told to the other sidecars with the next refresh, and the feed's last id
         # read ("0-0": a new sidecar first learns what the stream still holds).
         self._me = secrets.token_hex(4)
@@ -55,7 +56,7 @@ class Placements:
             return
         hit = leases.hit_blocks(res)
         predicted = ask.hit_tokens if hit is None else prefix.tokens(hit)
-        self._predicted[ticket] = min(ask.prompt_tokens, predicted)
+        self._predicted[ticket] = (min(ask.prompt_tokens, predicted), view.node.id, prefix)
         if len(self._predicted) > PREDICTED_KEPT:  # released elsewhere, or lost: oldest out
             self._predicted.popitem(last=False)
         # Told to the other sidecars only when it is news here: a head already placed on this
@@ -64,12 +65,23 @@ class Placements:
         if news and len(self._outbox) < FEED_BATCH:
             self._outbox.append((view.node.id, prefix))
 
-    def engine_cached(self, ticket: str, cached: int) -> None:
-        """The engine's `cached_tokens` for a released ticket (-1: not reported)."""
-        predicted = self._predicted.pop(ticket, None)
-        if cached >= 0 and predicted is not None:
-            self.metrics.prefix_predicted.inc(predicted)
-            self.metrics.prefix_engine_cached.inc(cached)
+    def engine_cached(self, ticket: str, cached: int) -> bool:
+        """The engine's `cached_tokens` for a released ticket (-1: not reported). True when it
+        found none of a head this sidecar booked as held there (at least a block of it): the
+        head's blocks are forgotten on that node here, and the caller lets them leave the
+        node's resident set in the ledger, so the next copy books the prefill it will cost.
+        Only none counts: the engine counts in its own tokens, the booking in the edge's
+        estimate, so a partial difference says little; none says the engine keys it apart."""
+        entry = self._predicted.pop(ticket, None)
+        if cached < 0 or entry is None:
+            return False
+        predicted, node, prefix = entry
+        self.metrics.prefix_predicted.inc(predicted)
+        self.metrics.prefix_engine_cached.inc(cached)
+        if cached > 0 or predicted < prefix.block_tokens:
+            return False
+        self.index.forget(node, prefix)
+        return True
 
     def snapshot(self) -> dict[str, Any]:
         """Prompt tokens booked as already computed vs what the engines found cached, over the

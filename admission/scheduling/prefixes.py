@@ -117,6 +117,14 @@ class PrefixIndex:
             self._drop(node, lru.popitem(last=False)[0])
         return new
 
+    def forget(self, node: str, prefix: Prefix) -> None:
+        """`node` does not hold these blocks after all (the engine found none of them)."""
+        lru = self._lru.get(node)
+        for b in prefix.blocks:
+            if lru is not None:
+                lru.pop(b, None)
+            self._drop(node, b)
+
     def drop_node(self, node: str) -> None:
         """Forget everything on a node (it restarted, went down, or left the policy)."""
         for b in self._lru.pop(node, OrderedDict()):

@@ -46,14 +46,16 @@ async def release_many(
             elsewhere = (urgent(policy, named[1]), (named[0], named[1], tid))
         finish = finishes[i] if finishes else None
         d.nodes.outputs.answered(ticket, out, elsewhere, finish)
-        d.nodes.placements.engine_cached(ticket, cached)
+        unconfirmed = d.nodes.placements.engine_cached(ticket, cached)
         await d.nodes.proxied(node, failed, ticket)
         first = leases.answered_ahead(ticket)  # its release may come before its booking
         items.append((tenants.get(tid), rid, actual, first))
         # Released (it ended): so may any lease's, whose reply the sidecar timed out on and ran
         # the request without — Redis may run that booking after this (a lease left to its TTL:
         # tests/test_many_sidecars.py, now and then on a loaded machine).
-        backs.append(leases.give_back(ticket, released=True, ran=not failed))
+        backs.append(
+            leases.give_back(ticket, released=True, ran=not failed, confirmed=not unconfirmed)
+        )
         nodes.append(node)
     try:
         return await trip.settle(d.limiter, items, backs)

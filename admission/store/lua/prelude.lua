@@ -42,7 +42,10 @@ end
 -- needs the room, least recently released first) and its tokens leave the ledger's kv, where
 -- the lease that first held it had booked them. `ran` false: the request never ran on this
 -- lease (refused, given back, booked again): a block it brought that nobody else took was never
--- computed, and leaves the node's resident set. Returns the KV tokens freed.
+-- computed, and leaves the node's resident set. `ran` 'unconfirmed': the request ran but the
+-- engine found none of the head it was booked as holding (its key differs from the
+-- fingerprint's, or the engine evicted it): every block of it nobody else holds leaves the
+-- resident set, so the next copy is booked as computing it. Returns the KV tokens freed.
 local function prefix_unhold(ledger, resident, ticket, now, ran)
   local held = redis.call('HGET', ledger, 'b:' .. ticket)
   if not held then return 0 end
@@ -57,7 +60,7 @@ local function prefix_unhold(ledger, resident, ticket, now, ran)
       local n = redis.call('HINCRBY', ledger, 'h:' .. w, -1)
       if n <= 0 then
         redis.call('HDEL', ledger, 'h:' .. w)
-        if brought and not ran then
+        if (brought and not ran) or ran == 'unconfirmed' then
           redis.call('ZREM', resident, w)
         else
           -- A prompt's tail is the least shared part: it goes first (vLLM frees tail first).

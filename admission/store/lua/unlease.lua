@@ -2,7 +2,8 @@
 --
 -- KEYS: 1 node leases zset  2 node ledger hash  3 released-first zset (ticket → expiry µs)
 --       4 node prefixes zset (lease.lua): the ticket's prefix blocks are let go
--- ARGV: 1 ticket  2 '1' (or '3': it never reached its engine, the node unreachable) when this
+-- ARGV: 1 ticket  2 '1' (or '3': it never reached its engine, the node unreachable; or '4': it
+--       ran, and the engine found none of the prefix it was booked as holding) when this
 --       is the request's release (not the undo of a lease that may
 --       not have been taken): finding no lease — or releasing one answered ahead —, it leaves
 --       a mark for GONE_US, so that a forced booking still on its way, or asked again, books
@@ -20,7 +21,7 @@ local removed = redis.call('ZREM', KEYS[1], ARGV[1])
 -- A ticket answered ahead (':a') is marked even when its lease was found: its forced booking
 -- may be asked again after this (a round trip the sidecar's late loop timed out, retried), and
 -- must then book nothing (9 leases left after 1,024 clients on a loaded machine, until TTL).
-local released = ARGV[2] == '1' or ARGV[2] == '3'
+local released = ARGV[2] == '1' or ARGV[2] == '3' or ARGV[2] == '4'
 if ARGV[2] == '2' or (released and (removed == 0 or string.sub(ARGV[1], -2) == ':a')) then
   redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', now)
   redis.call('ZADD', KEYS[3], now + GONE_US, ARGV[1])
@@ -28,7 +29,8 @@ if ARGV[2] == '2' or (released and (removed == 0 or string.sub(ARGV[1], -2) == '
 end
 -- Only a request's release that reached its engine ('1') may have run: the blocks its lease
 -- brought were computed (kept resident); otherwise they leave the node (prelude: prefix_unhold).
-local freed = prefix_unhold(KEYS[2], KEYS[4], ARGV[1], now, ARGV[2] == '1')
+local ran = ARGV[2] == '1' or (ARGV[2] == '4' and 'unconfirmed')
+local freed = prefix_unhold(KEYS[2], KEYS[4], ARGV[1], now, ran)
 local k = tonumber(redis.call('HGET', KEYS[2], 'k:' .. ARGV[1]) or '0')
 local f = redis.call('HMGET', KEYS[2], 'kv', 'u', 's')
 local kv = tonumber(f[1] or '0')
