@@ -19,6 +19,7 @@ from admission.errors import (
     AdmissionError,
     BadRequest,
     Forbidden,
+    NoCapacity,
     NotFound,
     QueueTimeout,
     Throttled,
@@ -67,6 +68,11 @@ def _tenant(policy: Policy, body: dict[str, Any]) -> Tenant:
     if tenant is None:
         raise Unauthorized("unknown tenant", code="invalid_api_key")
     return tenant
+
+
+# Refusals that empty a bucket (x-ratelimit-remaining-* 0 for them); every other refusal leaves
+# the buckets as they are.
+BUCKET_LIMITS = frozenset({"requests_per_s", "tokens_per_min", "burst"})
 
 
 def error_body(exc: AdmissionError) -> dict[str, Any]:
@@ -191,13 +197,18 @@ class Decider:
             raise
         except Throttled as exc:
             outcome, reason = "throttled", exc.reason
-            exc.ratelimit = self.limiter.headroom(tenant, exc.reason, exc.retry_after or 0.0)
+            # Only a bucket's own refusal empties it in the headers; an overload refusal
+            # (slo_unreachable, over_fair_share, queue_full) reports the buckets as they are.
+            denied = exc.reason if exc.reason in BUCKET_LIMITS else ""
+            exc.ratelimit = self.limiter.headroom(tenant, denied, exc.retry_after or 0.0)
             raise
         except asyncio.CancelledError:
             outcome, reason = "cancelled", "client_gone"
             raise
         except AdmissionError as exc:
             outcome, reason = "rejected", exc.code
+            if isinstance(exc, NoCapacity):  # the buckets as they are: nothing was refused there
+                exc.ratelimit = self.limiter.headroom(tenant)
             raise
         finally:
             metrics.decided(tenant.id, cls, outcome, reason, time.perf_counter() - started)

@@ -166,6 +166,25 @@ class QueueTimeout(AdmissionError):
         self.retry_after = retry_after
 
 
+NO_CAPACITY_RETRY_S = 15.0  # a drain's or an outage's end is unknown: ask again after this
+
+
+class NoCapacity(AdmissionError):
+    """No node can take the model's requests now: every one is down, drained or in
+    maintenance. Neither the tenant's limits nor overload: 503 `no_capacity`, never a 429 (the
+    SDKs would report "rate limited" while the GPUs idle), Retry-After NO_CAPACITY_RETRY_S."""
+
+    status = 503
+    error_type = "service_unavailable"
+
+    def __init__(self, model: str) -> None:
+        super().__init__(
+            f"no node can serve {model} now (down, drained or in maintenance)",
+            code="no_capacity",
+        )
+        self.retry_after = NO_CAPACITY_RETRY_S
+
+
 class BackendUnavailable(AdmissionError):
     """A dependency needed for the decision is down (Redis under fail-closed, no node)."""
 

@@ -20,7 +20,6 @@ from admission.metrics import Metrics
 from admission.nodes.state import Status
 from admission.policy import Policy
 from admission.scheduling import Dispatcher
-from admission.scheduling.prefixes import NO_PREFIX
 from admission.scheduling.priority import BANDS
 from admission.scheduling.queue import Item
 from admission.scheduling.routing import ask_for, eligible, fallbacks
@@ -189,7 +188,7 @@ async def test_a_release_on_a_dropped_connection_is_sent_again_not_an_outage(
     assert await d.store.backlog.flush()
     assert await redis.zcard(keys.node_leases("n1")) == 0
     # And the lease of a request taken from the queue (the dispatcher's own round trip).
-    item = d._item(p.tenants["t1"], "realtime", 50, "m", 0.0, "q" * 16, 10, NO_PREFIX)
+    item = Item("t1", "realtime", 50, "m", d.clock(), d.clock() + 5, rid="q" * 16, prompt=10)
     drops[0] = 1
     adm = await d.place.lease(item, d._eligible(item))
     assert adm is not None and drops == [0]
@@ -390,7 +389,7 @@ async def test_a_queued_lease_whose_caller_left_is_given_back(
     # the request's own task): cancelled while it is out, or as its reply comes, it goes back.
     p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000}")
     d, client = make(p)
-    item = d._item(p.tenants["t1"], "realtime", 50, "m", 0.0, "r" * 16, 10, NO_PREFIX)
+    item = Item("t1", "realtime", 50, "m", d.clock(), d.clock() + 5, rid="r" * 16, prompt=10)
     nodes = d._fast_path(item)
     assert nodes
     task = asyncio.ensure_future(d.place.lease(item, nodes))

@@ -257,6 +257,9 @@ async def test_request_larger_than_bucket_is_400(sidecar: Any) -> None:
 
 
 async def test_queue_timeout_refunds_tokens(sidecar: Any, redis: Any) -> None:
+    """Past its deadline with its only node down: 503 `no_capacity` (no node can serve it, not
+    a queue too slow: issue 63), Retry-After, the reservation refunded; with a node up but
+    full, `queue_timeout`."""
     client, holder, path = sidecar
     path.write_text(path.read_text().replace("deadline_s: 5", "deadline_s: 0.3"))
     assert holder.reload()
@@ -264,9 +267,14 @@ async def test_queue_timeout_refunds_tokens(sidecar: Any, redis: Any) -> None:
     await asyncio.sleep(0.25)  # the dispatcher's next refresh sees it
     r = await client.post("/admit", json=admit_body(max_tokens=1000))
     assert r.status == 503 and int(r.headers["Retry-After"]) >= 1
-    assert (await r.json())["error"]["code"] == "queue_timeout"
+    assert (await r.json())["error"]["code"] == "no_capacity"
+    assert r.headers["x-ratelimit-remaining-requests"] != "0"  # the buckets as they are
     level = int(await redis.hget(keys.tenant_keys("acme", "x")[1], "l") or 0)
     assert level == 0 or level >= 5000 * 10**6 - 10**6  # refunded (key deleted when full)
+    await set_node(redis, "n1", state="hold", memory=0.82, seq=2)  # up, and held
+    await asyncio.sleep(0.25)
+    r = await client.post("/admit", json=admit_body(max_tokens=10))
+    assert r.status == 503 and (await r.json())["error"]["code"] == "queue_timeout"
 
 
 async def test_hold_waits_then_admits_when_memory_frees(sidecar: Any, redis: Any) -> None:
@@ -479,7 +487,7 @@ async def test_a_reasked_request_keeps_its_arrival_time(sidecar: Any, redis: Any
     # The request waited 3.8 s at a sidecar that died; re-asked here it has 0.2 s of its 4 s
     # (realtime: 5 s in BASE_POLICY, so 1.2 s) deadline left, not a fresh one.
     client, _h, _p = sidecar
-    await set_node(redis, "n1", state="drain")  # nothing is admitted: it waits out its deadline
+    await set_node(redis, "n1", state="hold", memory=0.82)  # held: it waits out its deadline
     await asyncio.sleep(0.25)
     started = time.monotonic()
     r = await client.post("/admit", json=admit_body(arrived_at=time.time() - 3.8))

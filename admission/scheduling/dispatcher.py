@@ -8,11 +8,9 @@
    node serving its model is open, below its watermark after projection and under its
    in-flight cap (lease.lua takes the lease atomically across sidecars).
 It undoes what it took and did not use (a lease, an unused reservation); nobody else does.
-
 Order: the fair queue decides who is next; `on_late: refuse` classes are refused (429
-`slo_unreachable`) once waiting longer cannot meet their TTFT target. Routing: routing.py (the
-first token soonest, prefix cache counted); the next nodes are the edge's fallbacks.
-"""
+`slo_unreachable`) once waiting longer cannot meet their TTFT target, 503 `no_capacity` when no
+node of the model is left. Routing: routing.py; the next nodes are the edge's fallbacks."""
 
 from __future__ import annotations
 
@@ -27,6 +25,7 @@ from typing import Any
 from admission.errors import (
     AdmissionError,
     BackendUnavailable,
+    NoCapacity,
     OverFairShare,
     QueueTimeout,
     SloUnreachable,
@@ -115,8 +114,10 @@ class Dispatcher:
         rid = rid or leases.new_request_id()
         self._shed(policy, tenant, cls, model, expected)
         await self.nodes.fresh(2 * running.REFRESH_S)  # after a quiet spell; busy, the loop polls
-        item = self._item(tenant, cls, expected, model, waited_s, rid, prompt_tokens, prefix)
-        item.asked = cost
+        arrived = self.clock() - waited_s  # (re-asked: when it first arrived elsewhere)
+        deadline = arrived + policy.classes[cls].deadline_s
+        item = Item(tenant.id, cls, expected, model, arrived, deadline, rid=rid, asked=cost)
+        item.prompt, item.prefix = prompt_tokens, prefix
         nodes = self._fast_path(item)
         if not nodes:
             self.place.shed.full(cls, self.clock())
@@ -182,30 +183,6 @@ class Dispatcher:
             self.metrics.fair_shed.labels(cls).inc()
             self.nodes.outputs.refused_late(cls, now)  # still past capacity (shedding.py)
             raise OverFairShare(cls, self.queue.retry_after(len(self.queue)))
-
-    def _item(
-        self,
-        tenant: Tenant,
-        cls: str,
-        cost: int,
-        model: str,
-        waited_s: float,
-        rid: str,
-        prompt: int,
-        prefix: Prefix,
-    ) -> Item:
-        arrived = self.clock() - waited_s
-        return Item(
-            tenant=tenant.id,
-            cls=cls,
-            cost=cost,
-            model=model,
-            enqueued_at=arrived,
-            deadline_at=arrived + self.policy().classes[cls].deadline_s,
-            rid=rid,
-            prompt=prompt,
-            prefix=prefix,
-        )
 
     async def release(self, ticket: str, actual: int, failed: bool = False, **kw: Any) -> int:
         """One `release_many` entry; `kw`: out, cached (-1: unknown), finish ("stop")."""
@@ -309,9 +286,11 @@ class Dispatcher:
             self._gauge_depth()
             if waiter.future.done():  # admitted at the very last moment
                 return waiter.future.result()
-            exc = QueueTimeout(
-                self.clock() - item.enqueued_at, self.queue.retry_after(len(self.queue))
+            waited_s, retry_s = (
+                self.clock() - item.enqueued_at,
+                self.queue.retry_after(len(self.queue)),
             )
+            exc = self._no_capacity(item) or QueueTimeout(waited_s, retry_s)
             # A dispatch in flight for this item sees the settled future and gives its lease back.
             waiter.future.set_exception(exc)
             waiter.future.exception()  # mark retrieved
@@ -377,11 +356,20 @@ class Dispatcher:
         for name, item in heads:
             waiter: _Waiter = item.payload
             if not waiter.future.done():
-                exc = SloUnreachable(name, self.queue.retry_after(len(self.queue)))
-                waiter.future.set_exception(exc)
+                # No node left for the model: not overload (no late refusal to learn from).
+                if none := self._no_capacity(item):
+                    waiter.future.set_exception(none)
+                    continue
+                waiter.future.set_exception(
+                    SloUnreachable(name, self.queue.retry_after(len(self.queue)))
+                )
                 waiter.future.exception()  # retrieved by submit
                 self.metrics.late_refused.labels(name).inc()
                 self.nodes.outputs.refused_late(name, now)
+
+    def _no_capacity(self, item: Item) -> NoCapacity | None:
+        """What a queued request is told when no node of its model is left to serve it."""
+        return NoCapacity(item.model) if self.nodes.live.get(item.model) == 0 else None
 
     # -- admin and gauges --------------------------------------------------------------------
     async def set_maintenance(self, node: str, on: bool) -> None:

@@ -1,10 +1,7 @@
 """The sidecar's table of node views, refreshed from Redis: agents' states, admin flags, leases.
-
-Sidecars never scrape engines: each learns the `NodeState` its node's agent published, the
-operator's drain flag and the node's lease count from Redis, in one pipeline of a bounded size
-every `REFRESH_S` (reading.py: the change feed, and a few nodes re-read in turn). An admission
-examines a bounded few nodes (candidates.py), whatever the cluster's size.
-"""
+Sidecars never scrape engines: they read agents' `NodeState`s, drain flags and lease counts in
+one bounded pipeline every `REFRESH_S` (reading.py); an admission examines a bounded few nodes
+(candidates.py). State changes are logged: into or out of down/maintenance as warnings."""
 
 from __future__ import annotations
 
@@ -38,6 +35,7 @@ from admission.store.connection import on_cluster
 log = logging.getLogger(__name__)
 
 EJECT_AFTER = 3  # proxied requests that could not reach a node, within EJECT_S
+OUT = frozenset({Status.DOWN, Status.MAINTENANCE})  # states whose changes are warnings
 EJECT_S = 10.0  # how long it stays out; then its agent's state applies again
 SORT_EVERY_S = 0.2  # the candidates' order, re-sorted at most this often (a state moving: now)
 _NONE: frozenset[str] = frozenset()  # no pool blocked (a policy without pools)
@@ -69,11 +67,10 @@ class NodeTable:
         self.index = Candidates(secrets.token_hex(4))
         self._urgent_nodes: set[str] = set()  # nodes with urgent KV booked, as last seen
         self._sorted_at = -1e9
-        self._live: dict[str, int] = {}  # model → nodes open or held, as last seen
+        self.live: dict[str, int] = {}  # model → nodes open or held, as last seen
         self.gauges = NodeGauges(metrics)
         self.place_moved = False  # a booking or release since the last sort
-        # The urgent class's answer lengths (the decode guard), tenants combined by weight.
-        self.outputs = UrgentOutputs(lambda t: self.policy().weight_of(t))
+        self.outputs = UrgentOutputs(lambda t: self.policy().weight_of(t))  # the decode guard
         self.placements = Placements(metrics, clock)  # where prompt heads went (routing)
         self.prefixes = self.placements.index
         # Nodes in CLOSED, and who is told when they change (the edge's fail-open skips them).
@@ -123,7 +120,7 @@ class NodeTable:
         present = urgent_kv > 0 or any(
             model in self.views[n].node.models for n in self._urgent_nodes if n in self.views
         )
-        live = self._live.get(model)  # None: not counted yet (routing counts what it sees)
+        live = self.live.get(model)  # None: not counted yet (routing counts what it sees)
 
         def judge(views: list[NodeView]) -> list[tuple[NodeView, Ask]]:
             return eligible(
@@ -258,6 +255,8 @@ class NodeTable:
             (self._urgent_nodes.add if v.kv_urgent > 0 else self._urgent_nodes.discard)(nid)
             if v.state != was:
                 v.since, states_moved = wall, True
+                level = logging.WARNING if {was, v.state} & OUT else logging.DEBUG  # hold: often
+                log.log(level, "node %s: %s → %s%s", nid, was, v.state, self.reads.why(nid, now))
                 if v.state == Status.DOWN:
                     self.prefixes.drop_node(nid)  # a restarted engine has an empty cache
         self.placements.take(res[-1], self.views)
@@ -289,7 +288,7 @@ class NodeTable:
         gone = (Status.DOWN, Status.MAINTENANCE)
         for model, views in self.index.by_model.items():
             live = [v for v in views if v.state not in gone]
-            self._live[model] = sum(1 for v in live if v.state in (Status.OPEN, Status.HOLD))
+            self.live[model] = sum(1 for v in live if v.state in (Status.OPEN, Status.HOLD))
             if live and all(v.state in held for v in live):
                 self.held_since.setdefault(model, now)
             elif self.held_since.pop(model, None) is not None:

@@ -185,6 +185,17 @@ class NodeReads:
                 dirty.add(nid)
         return dirty
 
+    def why(self, nid: str, now: float) -> str:
+        """The cause of a node's state as this sidecar sees it, for its log line ("" when its
+        agent's state says it all)."""
+        if self.ejected_until.get(nid, 0.0) > now:
+            return " (ejected: the edge could not reach it)"
+        if self.alive_until.get(nid, 0.0) <= now:
+            return " (its agent's state is stale: the agent stopped or cannot reach Redis)"
+        if nid in self.admin:
+            return " (operator maintenance)"
+        return ""
+
     def state_of(self, nid: str, now: float) -> NodeState | None:
         """The state a node is observed in (None: down — silent, unreadable or ejected)."""
         if self.alive_until.get(nid, 0.0) <= now or self.ejected_until.get(nid, 0.0) > now:
