@@ -13,6 +13,7 @@ import grp
 import json
 import logging
 import os
+import secrets
 import signal
 import sys
 import urllib.request
@@ -21,6 +22,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 
 from admission.access import Access, is_loopback, read_token
+from admission.cli_errors import CommandError, run
 from admission.errors import PolicyError
 from admission.metrics import Metrics
 from admission.policy import load_policy
@@ -67,26 +69,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from admission.reload import PolicyHolder
     from admission.server import build_app
 
-    try:
-        policy = load_policy(args.policy)
-    except PolicyError as exc:
-        for problem in exc.problems:
-            logging.error("%s", problem)
-        return 1
+    policy = load_policy(args.policy)
     token = None
     if args.admin_token_file:
         try:
             token = read_token(args.admin_token_file)
         except (OSError, ValueError) as exc:
-            logging.error("admin token: %s", exc)
-            return 2
+            raise CommandError(
+                f"admin token: {exc} — write one with `admission admin-token FILE`"
+            ) from None
     if args.port is not None and not is_loopback(args.host) and token is None:
-        logging.error(
-            "refusing to serve the admin port on %s without --admin-token-file "
-            "(node admin would be open to the network)",
-            args.host,
+        raise CommandError(
+            f"refusing to serve the admin port on {args.host} without --admin-token-file "
+            "(node admin would be open to the network)"
         )
-        return 2
     _raise_open_files()
     _use_uvloop()
     holder = PolicyHolder(Path(args.policy), policy, Metrics())
@@ -177,7 +173,10 @@ def cmd_node(args: argparse.Namespace) -> int:
     headers = {}
     token = os.environ.get("ADMISSION_ADMIN_TOKEN")
     if args.token_file:
-        token = read_token(args.token_file)
+        try:
+            token = read_token(args.token_file)
+        except ValueError as exc:
+            raise CommandError(f"{exc} — write one with `admission admin-token FILE`") from None
     if token:
         headers["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(
@@ -213,6 +212,21 @@ def cmd_batch_worker(args: argparse.Namespace) -> int:
             await redis.aclose()
 
     asyncio.run(main())
+    return 0
+
+
+def cmd_admin_token(args: argparse.Namespace) -> int:
+    """Write a new random admin token to FILE, readable by its owner (and --group) only."""
+    path = Path(args.file)
+    if path.exists() and not args.force:
+        raise CommandError(f"{path} exists — pass --force to replace its token")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    if args.group:
+        os.chown(path, -1, grp.getgrnam(args.group).gr_gid)
+        os.chmod(path, 0o640)
+    print(f"{path}: a new admin token (serve --admin-token-file, node --token-file)")
     return 0
 
 
@@ -331,20 +345,15 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         help="the edge's internal unix socket (the server with the trusted tenant)",
     )
-    w.add_argument(
-        "--concurrency",
-        type=int,
-        default=16,
-        help="most lines in flight (the worker keeps fewer while the cluster is busy)",
-    )
-    w.add_argument(
-        "--claim-idle-s",
-        type=float,
-        default=30.0,
-        help="take over a silent worker's lines after this long",
-    )
+    w.add_argument("--concurrency", type=int, default=16, help="most lines in flight (fewer: busy)")
+    w.add_argument("--claim-idle-s", type=float, default=30.0, help="take over a silent worker's")
     w.set_defaults(fn=cmd_batch_worker)
 
+    t = sub.add_parser("admin-token", help="write a new admin token to a file (mode 0600)")
+    t.add_argument("file", help="where to write it, e.g. /etc/admission/admin.token")
+    t.add_argument("--group", help="a group that may read it too (mode 0640)")
+    t.add_argument("--force", action="store_true", help="replace the token of an existing file")
+    t.set_defaults(fn=cmd_admin_token)
     e = sub.add_parser("example-policy", help="print the policies.yaml shipped with the package")
     e.set_defaults(fn=cmd_example_policy)
 
@@ -371,10 +380,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one subcommand; a mistake the user can fix ends in one sentence (cli_errors.py)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra and not hasattr(args, "rest"):  # only pass-through commands (bench) take more
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if extra:
+        args.rest = [*extra, *args.rest]  # `bench --help`: argparse leaves options out of it
     _setup_logging(args.log_level)
-    rc: int = args.fn(args)
-    return rc
+    return run(args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,109 @@
+"""Every command fails with a sentence (issue 63): `--help` works on each subcommand, and the
+common mistakes of each end in one line saying what to do, exit status 2, no traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from devstack.procs import free_port
+
+ADMISSION = str(Path(sys.executable).with_name("admission"))
+SUBCOMMANDS = [
+    "check",
+    "serve",
+    "agent",
+    "node",
+    "batch-worker",
+    "admin-token",
+    "example-policy",
+    "systemd-units",
+    "nginx-snippets",
+    "demo",
+    "bench",
+    "up",
+]
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [ADMISSION, *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **(env or {})},
+        cwd="/",
+    )
+
+
+@pytest.mark.parametrize("cmd", SUBCOMMANDS)
+def test_help_on_every_subcommand(cmd: str) -> None:
+    r = run(cmd, "--help")
+    assert r.returncode == 0, (cmd, r.stderr)
+    assert "usage" in r.stdout.lower() and "Traceback" not in r.stderr
+
+
+def mistakes(tmp: Path) -> list[tuple[list[str], str]]:
+    """(arguments, a word the guidance must contain) per common mistake."""
+    nope = str(tmp / "nope.yaml")
+    short = tmp / "short.token"
+    short.write_text("abc\n")
+    taken = tmp / "taken.token"
+    taken.write_text("x" * 40)
+    dead = f"http://127.0.0.1:{free_port()}"
+    return [
+        (["serve", "--policy", nope], "--policy"),
+        (["agent", "--policy", nope], "--policy"),
+        (["nginx-snippets", "--policy", nope, "--out", str(tmp / "out")], "--policy"),
+        (["batch-worker", "--policy", nope, "--edge-socket", "/run/x.sock"], "--policy"),
+        (["node", "list", "--sidecar", dead], "--sidecar"),
+        (["node", "drain", "n1", "--sidecar", dead], "--sidecar"),
+        (["node", "drain", "n1", "--token-file", str(short)], "admin-token"),
+        (["node", "drain", "n1", "--token-file", str(tmp / "none.token")], "create it"),
+        (["serve", "--policy", nope, "--port", "1", "--host", "0.0.0.0"], "--policy"),
+        (["admin-token", str(taken)], "--force"),
+        (["systemd-units", "--out", "/proc/nope/units"], "create it"),
+    ]
+
+
+def test_common_mistakes_are_one_sentence_and_status_2(tmp_path: Path) -> None:
+    for args, hint in mistakes(tmp_path):
+        r = run(*args)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2, (args, r.stderr)
+        assert "Traceback" not in r.stderr, (args, r.stderr)
+        assert len(lines) == 1 and hint in lines[0], (args, r.stderr)
+
+
+def test_a_refused_token_says_where_the_token_comes_from(tmp_path: Path) -> None:
+    """A live sidecar with an admin token, asked without one: the 401 becomes a sentence."""
+    from devstack.stack import DEFAULT_POLICY, Stack
+
+    stack = Stack(DEFAULT_POLICY, tmp_path / "stack", nodes=1)
+    stack.start()
+    try:
+        r = run("node", "drain", "node-0", "--sidecar", stack.sidecar_url)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        assert "--token-file" in r.stderr and "ADMISSION_ADMIN_TOKEN" in r.stderr
+        r = run(
+            "node",
+            "undrain",
+            "node-0",
+            "--sidecar",
+            stack.sidecar_url,
+            env={"ADMISSION_ADMIN_TOKEN": stack.admin_token},
+        )
+        assert r.returncode == 0, r.stderr
+    finally:
+        stack.stop()
+
+
+def test_admin_token_writes_a_private_token(tmp_path: Path) -> None:
+    path = tmp_path / "admin.token"
+    r = run("admin-token", str(path))
+    assert r.returncode == 0, r.stderr
+    assert len(path.read_text().strip()) >= 16 and (path.stat().st_mode & 0o777) == 0o600
