@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,11 +57,15 @@ http {{
 """
 
 
+WORK: list[Path] = []  # the fixture's directory (the stock config's access log is there)
+
+
 @pytest.fixture(scope="module")
 def edge(redis_server: RedisServer) -> Iterator[str]:
     if os.geteuid() != 0:
         pytest.skip("runs NGINX as `user www-data;`, which needs root")
     work = Path(tempfile.mkdtemp(prefix="snippets-"))
+    WORK[:] = [work]
     work.chmod(0o755)  # NGINX's workers (www-data) read the rendered files and Lua modules
     run = work / "run"  # the units' /run/admission: sidecar group, 0750
     run.mkdir()
@@ -148,5 +153,10 @@ def test_an_sdk_request_through_an_nginx_of_ones_own(edge: str) -> None:
     )
     assert answer.parse().choices[0].message.content
     assert answer.headers["x-ratelimit-limit-requests"]
+    # The access log of one's own http {} counts the request once: the edge's relay server
+    # logs nothing of its own (it doubled log-based counts and bills).
+    time.sleep(0.3)
+    logged = (WORK[0] / "access.log").read_text()
+    assert logged.count("/v1/chat/completions") == 1, logged
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{edge}/v1", api_key="sk-nope", max_retries=0).models.list()
