@@ -84,6 +84,8 @@ def note(out: Path, socket_dir: Path, group: str) -> str:
     """What the operator must do besides including the files (printed by the command)."""
     return f"""Include, in nginx.conf:
   top level, before events {{ }}:   include {out / "admission_modules.conf"};
+      (not on Debian with libnginx-mod-http-lua: its modules-enabled/ loads them already,
+       and loading them twice fails `nginx -t`: "module ... is already loaded")
   inside http {{ }}:                include {out / "admission_http.conf"};
                                    include {out / "admission_internal.conf"};   # Batch API
   inside the server {{ }} for /v1/:  include {out / "admission_locations.conf"};
