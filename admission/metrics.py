@@ -179,6 +179,12 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.policy_rejected = Gauge(
+            "admission_policy_file_rejected",
+            "1 while policies.yaml on disk fails validation (the running policy is the last good"
+            " one); 0 once a valid file is read again.",
+            registry=r,
+        )
         self.policy_loaded = Gauge(
             "admission_policy_loaded_timestamp_seconds",
             "When the running policy was loaded.",

@@ -43,6 +43,7 @@ class PolicyHolder:
         self.metrics = metrics
         self.listeners: list[Callable[[Policy], None]] = []
         self.version, self.loaded_at = _digest(path), time.time()
+        self.rejected = False  # the file on disk failed its last reload (the alert's gauge)
         metrics.policy_loaded.set(self.loaded_at)
 
     def __call__(self) -> Policy:
@@ -54,10 +55,20 @@ class PolicyHolder:
             new = load_policy(self.path)
         except PolicyError as exc:
             self.metrics.policy_reloads.labels("invalid").inc()
-            log.error("policy %s rejected, keeping the running policy:", self.path)
+            self.metrics.policy_rejected.set(1)
+            self.rejected = True
+            log.error(
+                "policy %s rejected, keeping the running policy (version %s):",
+                self.path,
+                self.version,
+            )
             for problem in exc.problems:
                 log.error("  %s", problem)
             return False
+        if self.rejected:
+            self.rejected = False
+            self.metrics.policy_rejected.set(0)
+            log.warning("policy %s valid again (version %s)", self.path, _digest(self.path))
         if new == self.current:
             return True
         self.current = new
@@ -72,7 +83,7 @@ class PolicyHolder:
         self.metrics.policy_reloads.labels("ok").inc()
         self.version, self.loaded_at = _digest(self.path), time.time()
         self.metrics.policy_loaded.set(self.loaded_at)
-        log.info("policy %s reloaded", self.path)
+        log.info("policy %s reloaded: version %s", self.path, self.version)
         return True
 
     async def watch(self) -> None:

@@ -440,8 +440,13 @@ async def test_hot_reload_valid_swap_invalid_kept(sidecar: Any, tmp_path: Path) 
             break
     assert 'admission_policy_reloads_total{result="invalid"} 1.0' in m
     assert holder.current.watermarks.hold == 0.8  # running policy stays
+    assert "admission_policy_file_rejected 1.0" in m  # the alert fires while the file is bad
     r = await client.post("/admit", json=admit_body())
     assert r.status == 200
+    # The good file restored (the running policy unchanged): the alert stops, a line says so.
+    path.write_text(path.read_text().replace("hold: 0.9,", "hold: 0.8,"))
+    assert holder.reload()
+    assert "admission_policy_file_rejected 0.0" in await (await client.get("/metrics")).text()
 
 
 async def test_metrics_count_decisions_without_secrets(sidecar: Any) -> None:
