@@ -179,6 +179,12 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.model_nodes = Gauge(
+            "admission_model_nodes_serving",
+            "Nodes open or held per model, as this sidecar last saw them (0: no_capacity).",
+            ["model"],
+            registry=r,
+        )
         self.policy_rejected = Gauge(
             "admission_policy_file_rejected",
             "1 while policies.yaml on disk fails validation (the running policy is the last good"

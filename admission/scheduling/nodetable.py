@@ -289,6 +289,7 @@ class NodeTable:
         for model, views in self.index.by_model.items():
             live = [v for v in views if v.state not in gone]
             self.live[model] = sum(1 for v in live if v.state in (Status.OPEN, Status.HOLD))
+            self.metrics.model_nodes.labels(model).set(self.live[model])
             if live and all(v.state in held for v in live):
                 self.held_since.setdefault(model, now)
             elif self.held_since.pop(model, None) is not None:
