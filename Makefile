@@ -24,4 +24,4 @@ chaos:
 	.venv/bin/pytest -m chaos -s -q
 
 fuzz:
-	.venv/bin/python -m loadtest.fuzz --edge-cases 100000 --policy-cases 100000 --batch-api-cases 10000 --estimate-cases 10000
+	.venv/bin/python -m loadtest.fuzz --edge-cases 100000 --policy-cases 100000 --batch-api-cases 10000 --estimate-cases 10000 --isolation-cases 500

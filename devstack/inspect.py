@@ -61,6 +61,24 @@ def unix_get(sock: Path, path: str) -> tuple[int, Any]:
     return int(head.split()[1]), json.loads(body)
 
 
+def refunded(sock_dir: Path, tenant: str) -> float:
+    """Tokens refunded to `tenant` so far, over every sidecar (their /metrics, unix sockets)."""
+    total = 0.0
+    series = f'admission_settled_tokens_total{{direction="refund",tenant="{tenant}"}}'
+    for sock in sorted(sock_dir.glob("sidecar-*.sock")):
+        with socket.socket(socket.AF_UNIX) as c:
+            c.settimeout(5)
+            c.connect(str(sock))
+            c.sendall(b"GET /metrics HTTP/1.0\r\nHost: s\r\n\r\n")
+            data = b""
+            while chunk := c.recv(65536):
+                data += chunk
+        for line in data.decode().splitlines():
+            if line.startswith(series):
+                total += float(line.split()[-1])
+    return total
+
+
 def sidecar_health(sock_dir: Path) -> list[tuple[int, str]]:
     """Every sidecar's /healthz (status code, status) over its unix socket."""
     out = []

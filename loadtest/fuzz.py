@@ -13,9 +13,8 @@ or raise PolicyError, whose messages never carry a key.
 
     python -m loadtest.fuzz --edge-cases 100000 --policy-cases 100000 --batch-api-cases 10000
 
-The Batch API's files and batches are fuzzed through the same edge (loadtest/fuzz_batch.py).
-
-Short runs of both are part of the test suite (tests/test_fuzz.py).
+The Batch API (fuzz_batch.py) and cross-tenant probes with aborts (fuzz_isolation.py) go through
+the same edge. Short runs of each are part of the test suite (tests/test_fuzz.py).
 """
 
 from __future__ import annotations
@@ -38,6 +37,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from loadtest.fuzz_estimate import report_estimate
+from loadtest.fuzz_isolation import report_isolation
 from loadtest.fuzz_policy import report_policy
 
 # Every random API key the fuzzer sends carries this mark, so that the logs can be searched for
@@ -52,6 +52,7 @@ DEFINED_5XX = {
     "admission_busy",
     "sidecar_overloaded",
     "queue_timeout",
+    "no_capacity",
     "engine_unavailable",
     "engine_timeout",
 }
@@ -301,7 +302,12 @@ async def _session() -> aiohttp.ClientSession:
 
 # -- the command -----------------------------------------------------------------------------
 def run_edge(
-    n_cases: int, batch: int, work: Path, report: Callable[[str], None], batch_cases: int = 0
+    n_cases: int,
+    batch: int,
+    work: Path,
+    report: Callable[[str], None],
+    batch_cases: int = 0,
+    isolation_cases: int = 0,
 ) -> list[str]:
     from devstack.stack import DEFAULT_POLICY, Stack
 
@@ -335,6 +341,7 @@ def run_edge(
                 "batch API: codes " + ", ".join(f"{k} ×{v}" for k, v in bt.codes.most_common(12))
             )
             failures += bt.failures
+        failures += report_isolation(stack, isolation_cases, report) if isolation_cases else []
         failures += _after(stack, tally.secrets_sent)
     finally:
         stack.stop()
@@ -370,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         help="Batch API operations (files, batches) through the same edge",
     )
     p.add_argument("--estimate-cases", type=int, default=0, help="prompt estimate vs tokenizer")
+    p.add_argument("--isolation-cases", type=int, default=0, help="fuzz_isolation.py's cases")
     p.add_argument("--batch", type=int, default=32, help="edge requests in flight together")
     p.add_argument("--work", default=None, help="run directory (default: a temporary one)")
     a = p.parse_args(argv)
@@ -378,9 +386,8 @@ def main(argv: list[str] | None = None) -> int:
         failures += report_estimate(a.estimate_cases)
     if a.edge_cases:
         work = Path(a.work or tempfile.mkdtemp(prefix="fuzz-"))
-        failures += run_edge(
-            a.edge_cases, a.batch, work, lambda s: print(s, flush=True), a.batch_api_cases
-        )
+        say = lambda s: print(s, flush=True)  # noqa: E731
+        failures += run_edge(a.edge_cases, a.batch, work, say, a.batch_api_cases, a.isolation_cases)
     for f in failures[:30]:
         print("FAIL", f)
     print(

@@ -106,3 +106,14 @@ def test_log_check_finds_per_request_nginx_warnings(tmp_path: Path) -> None:
     assert log_findings(tmp_path, set()) == [
         "nginx-error.log: a variable read before it is set (a warning per request)"
     ]
+
+
+def test_no_tenant_finds_anothers_head_and_every_abort_is_charged(stack: Stack) -> None:
+    """Drawn cross-tenant probes (forged cache salts, chat and completions shapes) and aborted
+    requests (streamed or not, at random times): nothing another tenant sent is found cached,
+    and no abort after the engine got the request is refunded (loadtest/fuzz_isolation.py)."""
+    from loadtest.fuzz_isolation import fuzz_isolation
+
+    failures, own_hits = fuzz_isolation(stack, 12, seed=1)
+    assert failures == []
+    assert own_hits > 0  # the owners' own copies were found: the probes could have been
