@@ -10,10 +10,11 @@ which is often generous) — never below half of tpot_ms: a target that asks mor
 that is not one lower classes could buy back by waiting, and they must not starve for it.
 
 What is learned cannot be steered by the tenant it describes, nor by another: only answers that
-ended on their own teach a length (`finish` "stop": one cut at its cap by `max_tokens: 1` is a
-lower bound, not a length); a request books at least FLOOR of its cap whatever its tenant's
-answers ran to; and the mean is each tenant's own mean combined by the tenants' weights, so one
-tenant moves the guard at most by its weight's share of the tenants answering.
+ended on their own teach what a request books (`finish` "stop": one cut at its cap by
+`max_tokens: 1` is a lower bound, not a length), and a request books at least FLOOR of its cap
+whatever its tenant's answers ran to; the guard's mean counts every answer (a cut one was
+decoded that long) but is each tenant's own mean combined by the tenants' weights, so one
+tenant moves it at most by its weight's share of the tenants answering.
 """
 
 from __future__ import annotations
@@ -125,9 +126,9 @@ class UrgentOutputs:
         `elsewhere`: (urgent, (model, class, tenant)) as the edge's release names them, for a
         request another sidecar admitted: the edge spreads releases over the sidecars, so of
         k sidecars each would otherwise learn from 1/k² of the answers instead of 1/k.
-        `finish`: how the answer ended; only one in NATURAL teaches a length."""
+        `finish`: how the answer ended; only one in NATURAL teaches what requests book."""
         opened = self._open.pop(ticket, None) or elsewhere
-        if opened is None or completion_tokens < 0 or finish not in NATURAL:
+        if opened is None or completion_tokens < 0:
             return
         urgent, key = opened
         if urgent:
@@ -136,6 +137,8 @@ class UrgentOutputs:
             self._means[tenant] = n if old is None else ALPHA * n + (1 - ALPHA) * old
             if len(self._means) > MAX_TENANTS:
                 self._means.popitem(last=False)
+        if finish not in NATURAL:
+            return
         window = self._windows.pop(key, None) or _Window()
         self._windows[key] = window
         window.add(completion_tokens)
