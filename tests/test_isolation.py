@@ -121,7 +121,7 @@ async def test_exposed_admin_port_reads_need_the_token(redis: Any, redis_server:
             assert (await client.get(path)).status == 401, path
             auth = {"Authorization": f"Bearer {token}"}
             assert (await client.get(path, headers=auth)).status == 200, path
-        assert (await client.get("/healthz")).status == 200  # load balancers
+        assert (await client.get("/healthz")).status in (200, 503)  # open: load balancers
         assert (await client.get("/status")).status == 200  # the page holds no figures
     finally:
         await client.close()
