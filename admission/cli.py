@@ -151,6 +151,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGHUP, agent.reload_policy, args.policy)
         try:
             await agent.run(stop)
         finally:

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -107,3 +108,27 @@ def test_admin_token_writes_a_private_token(tmp_path: Path) -> None:
     r = run("admin-token", str(path))
     assert r.returncode == 0, r.stderr
     assert len(path.read_text().strip()) >= 16 and (path.stat().st_mode & 0o777) == 0o600
+
+
+def test_the_agent_reloads_its_policy_on_sighup(tmp_path: Path, redis_server: Any) -> None:
+    """`systemctl reload admission-agent` sends SIGHUP: the agent reads the policy again and
+    lives on (it died of the signal before)."""
+    import signal
+    import time
+
+    from tests.conftest import BASE_POLICY
+
+    policy = tmp_path / "policies.yaml"
+    policy.write_text(BASE_POLICY.replace("REDIS_URL", redis_server.url))
+    proc = subprocess.Popen(
+        [ADMISSION, "agent", "--policy", str(policy)], stderr=subprocess.PIPE, text=True
+    )
+    try:
+        time.sleep(1.5)
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+    finally:
+        proc.terminate()
+        _out, err = proc.communicate(timeout=10)
+    assert "reloaded" in err, err

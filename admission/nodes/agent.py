@@ -253,6 +253,20 @@ class Agent:
             await self.scripts.run(*cuts)
         return list(states)
 
+    def reload_policy(self, path: str) -> None:
+        """SIGHUP (`systemctl reload`): read the policy again — the nodes to watch, their memory
+        sources, the watermarks; a bad file is logged and the running policy kept."""
+        from admission.errors import PolicyError
+        from admission.policy import load_policy
+
+        try:
+            self.policy = load_policy(path)
+            log.info("agent: policy %s reloaded", path)
+        except PolicyError as exc:
+            log.error("agent: policy %s rejected, keeping the running one:", path)
+            for problem in exc.problems:
+                log.error("  %s", problem)
+
     async def run(self, stop: asyncio.Event) -> None:
         async with aiohttp.ClientSession() as session:
             last: dict[str, str] = {}
