@@ -102,6 +102,8 @@ def classify(status: int, raw: bytes) -> tuple[str, str]:
         return "undefined", f"{status} {raw[:80]!r}"
     if status == 429 and code in REFUSALS:
         return "refused", code
+    if status == 503 and code == "no_capacity":  # every node drained: a refusal, said as such
+        return "refused", code
     if status in (502, 503, 504) and code in UNAVAILABLE:
         return "unavailable", code
     return "undefined", f"{status} {code}"

@@ -333,3 +333,50 @@ def test_the_same_new_prompt_sent_at_once_is_computed_once_on_both_engines(
                 cached = sorted(u["prompt_tokens_details"]["cached_tokens"] for u in usage)
                 full = usage[0]["prompt_tokens"] // 128 * 128  # whole 128-token blocks
                 assert cached == [0, full, full, full], (p, cached)
+
+
+def test_real_vllm_never_reports_another_tenants_head_cached(vstack: Stack) -> None:
+    """The edge's cache salt on a real vLLM: tenant B's prompt sent back by tenant A (also with
+    a cache_salt of A's own choosing) is computed afresh; B's second copy is found cached."""
+    head = "a confidential system prompt of globex " * 40  # > 2 of the CPU engine's blocks
+
+    def cached(key: str, **extra: Any) -> int:
+        c = openai.OpenAI(base_url=f"{vstack.url}/v1", api_key=key, max_retries=0)
+        r = c.completions.create(model="tiny-llama", prompt=head, max_tokens=1, extra_body=extra)
+        assert r.usage is not None
+        details = r.usage.prompt_tokens_details
+        return int(details.cached_tokens or 0) if details else 0
+
+    cached("sk-demo-globex")
+    assert cached("sk-demo-acme") == 0
+    assert cached("sk-demo-acme", cache_salt="guess") == 0
+    assert cached("sk-demo-globex") >= 256
+
+
+def test_real_vllm_an_aborted_plain_request_is_charged(vstack: Stack) -> None:
+    """A non-streamed request whose client leaves mid-generation on a real vLLM: vLLM aborts
+    it, the lease comes back, and the tenant is charged as booked (nothing refunded)."""
+    import socket
+
+    from devstack.inspect import refunded, wait_unbooked
+
+    assert not wait_unbooked(vstack.redis_url)
+    before = refunded(vstack.sock_dir, "acme")
+    body = json.dumps(
+        {
+            "model": "tiny-llama",
+            "messages": [{"role": "user", "content": "count"}],
+            "max_tokens": 3000,
+            "ignore_eos": True,
+        }
+    ).encode()
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer sk-demo-acme\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    with socket.create_connection(("127.0.0.1", vstack.port)) as s:
+        s.sendall(head + body)
+        time.sleep(2.0)  # generating: no status line yet for a plain answer
+    assert not wait_unbooked(vstack.redis_url)  # released (vLLM aborted it)
+    time.sleep(0.5)
+    assert refunded(vstack.sock_dir, "acme") == before
