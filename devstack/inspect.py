@@ -61,10 +61,10 @@ def unix_get(sock: Path, path: str) -> tuple[int, Any]:
     return int(head.split()[1]), json.loads(body)
 
 
-def refunded(sock_dir: Path, tenant: str) -> float:
-    """Tokens refunded to `tenant` so far, over every sidecar (their /metrics, unix sockets)."""
-    total = 0.0
-    series = f'admission_settled_tokens_total{{direction="refund",tenant="{tenant}"}}'
+def metric_sums(sock_dir: Path, *series: str) -> list[float]:
+    """Each series' value summed over every sidecar's /metrics (on their unix sockets): a line
+    counts for a series when it starts with it (give the labels, or a trailing space)."""
+    sums = [0.0] * len(series)
     for sock in sorted(sock_dir.glob("sidecar-*.sock")):
         with socket.socket(socket.AF_UNIX) as c:
             c.settimeout(5)
@@ -74,9 +74,16 @@ def refunded(sock_dir: Path, tenant: str) -> float:
             while chunk := c.recv(65536):
                 data += chunk
         for line in data.decode().splitlines():
-            if line.startswith(series):
-                total += float(line.split()[-1])
-    return total
+            for i, name in enumerate(series):
+                if line.startswith(name):
+                    sums[i] += float(line.split()[-1])
+    return sums
+
+
+def refunded(sock_dir: Path, tenant: str) -> float:
+    """Tokens refunded to `tenant` so far, over every sidecar."""
+    series = f'admission_settled_tokens_total{{direction="refund",tenant="{tenant}"}}'
+    return metric_sums(sock_dir, series)[0]
 
 
 def sidecar_health(sock_dir: Path) -> list[tuple[int, str]]:

@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
+from loadtest import drawn
 from loadtest.fuzz_estimate import report_estimate
 from loadtest.fuzz_isolation import report_isolation
 from loadtest.fuzz_policy import report_policy
@@ -270,13 +271,7 @@ def fuzz_edge(url: str, n_cases: int, batch: int = 32, seed: int | None = None) 
         finally:
             slots.release()
 
-    @settings(
-        max_examples=n_cases,
-        deadline=None,
-        database=None,
-        derandomize=seed is not None,
-        suppress_health_check=list(HealthCheck),
-    )
+    @drawn.cases(n_cases, seed)
     @given(cases)
     def run(case: Case) -> None:
         slots.acquire()

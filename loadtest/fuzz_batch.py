@@ -19,9 +19,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
+from loadtest import drawn
 from loadtest.fuzz import Case, Tally, check
 
 KEYS = ("sk-demo-etl", "sk-demo-acme")
@@ -208,9 +209,7 @@ def fuzz_batch(url: str, n_cases: int, tally: Tally) -> None:
     loop = asyncio.new_event_loop()
     session = loop.run_until_complete(_session())
 
-    @settings(
-        max_examples=n_cases, deadline=None, database=None, suppress_health_check=list(HealthCheck)
-    )
+    @drawn.cases(n_cases)
     @given(st.data())
     def run(data: st.DataObject) -> None:
         op = data.draw(ops(ids))

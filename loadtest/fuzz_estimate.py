@@ -22,11 +22,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from devstack.procs import free_port, port_open, stop_process, wait_for
 from devstack.stack import MODULES, NGINX_DIR
+from loadtest import drawn
 
 FLOOR = 0.8  # the estimate never falls below this fraction of the tokenizer's count
 
@@ -175,13 +176,7 @@ def fuzz_estimate(n_cases: int) -> tuple[int, float, list[str]]:
         tok = tokenizer(Path(d) / "tiny")
         with edge(Path(d)) as url:
 
-            @settings(
-                max_examples=n_cases,
-                deadline=None,
-                database=None,
-                phases=[Phase.generate],
-                suppress_health_check=list(HealthCheck),
-            )
+            @drawn.cases(n_cases, shrink=False)
             @given(body=request)
             def one(body: dict[str, Any]) -> None:
                 seen[0] += 1

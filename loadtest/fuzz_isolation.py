@@ -23,8 +23,10 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+
+from loadtest import drawn
 
 KEYS = {"acme": "sk-demo-acme", "globex": "sk-demo-globex", "etl": "sk-demo-etl"}
 TENANTS = {"acme": "acme", "globex": "globex", "etl": "nightly-etl"}  # key name → tenant id
@@ -92,13 +94,7 @@ def fuzz_isolation(stack: Any, n_cases: int, seed: int | None = None) -> tuple[l
     own_hits = [0]
     names = sorted(KEYS)
 
-    @settings(
-        max_examples=n_cases,
-        deadline=None,
-        database=None,
-        derandomize=seed is not None,
-        suppress_health_check=list(HealthCheck),
-    )
+    @drawn.cases(n_cases, seed)
     @given(
         owner=st.sampled_from(names),
         prober=st.sampled_from(names),

@@ -13,11 +13,12 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from admission.errors import PolicyError
 from admission.policy import load_policy
+from loadtest import drawn
 
 OPS = ("delete", "duplicate", "indent", "dedent", "replace_value", "insert", "truncate", "bad_utf8")
 
@@ -93,13 +94,7 @@ def fuzz_policy(n_cases: int, seed: int | None = None) -> PolicyTally:
     with tempfile.TemporaryDirectory() as d:
         path = Path(d) / "policies.yaml"
 
-        @settings(
-            max_examples=n_cases,
-            deadline=None,
-            database=None,
-            derandomize=seed is not None,
-            suppress_health_check=list(HealthCheck),
-        )
+        @drawn.cases(n_cases, seed)
         @given(mutations)
         def run(ops: list[tuple[str, int, str]]) -> None:
             path.write_bytes(mutate(base, ops))

@@ -10,6 +10,7 @@ import redis.asyncio as aioredis
 
 from admission.policy import Policy, parse_policy
 from devstack.procs import RedisServer
+from devstack.stack import DEFAULT_POLICY, Stack
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,6 +36,17 @@ tenants:
 nodes:
   n1: {url: "http://127.0.0.1:1", models: [m], memory_source: kv, max_inflight: 4}
 """
+
+
+def started(factory: pytest.TempPathFactory, name: str, **kw: Any) -> Iterator[Stack]:
+    """A stack on the shipped policy for a module's tests (`yield from` it in the module's
+    fixture), stopped whatever happens; `kw`: Stack's (nodes, sidecars, overrides...)."""
+    s = Stack(DEFAULT_POLICY, factory.mktemp(name), **kw)
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
 
 
 @pytest.fixture(scope="session")

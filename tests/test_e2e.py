@@ -18,6 +18,8 @@ import openai
 import pytest
 
 from admission.scheduling.priority import BANDS
+from devstack.inspect import metric_sums
+from devstack.inspect import refunded as refunded_at
 from devstack.procs import free_port, port_open, stop_process, wait_for
 from devstack.stack import DEFAULT_POLICY, Stack
 
@@ -595,26 +597,15 @@ def sidecar_docs(stack: Stack, path: str) -> list[Any]:
 
 
 def refunded(stack: Stack, tenant: str) -> float:
-    """Tokens refunded to `tenant` so far, over every sidecar (metrics on their unix sockets)."""
-    total = 0.0
-    for body in sidecar_bodies(stack, "/metrics"):
-        for line in body.decode().splitlines():
-            if line.startswith(
-                f'admission_settled_tokens_total{{direction="refund",tenant="{tenant}"}}'
-            ):
-                total += float(line.split()[-1])
-    return total
+    """Tokens refunded to `tenant` so far, over every sidecar."""
+    return refunded_at(stack.sock_dir, tenant)
 
 
 def ratio_figures(stack: Stack) -> tuple[float, float]:
     """(count, sum) of admission_prompt_tokens_ratio over every sidecar."""
-    count = total = 0.0
-    for body in sidecar_bodies(stack, "/metrics"):
-        for line in body.decode().splitlines():
-            if line.startswith("admission_prompt_tokens_ratio_count "):
-                count += float(line.split()[-1])
-            elif line.startswith("admission_prompt_tokens_ratio_sum "):
-                total += float(line.split()[-1])
+    count, total = metric_sums(
+        stack.sock_dir, "admission_prompt_tokens_ratio_count ", "admission_prompt_tokens_ratio_sum "
+    )
     return count, total
 
 

@@ -13,19 +13,15 @@ from typing import Any
 
 import pytest
 
-from devstack.stack import DEFAULT_POLICY, Stack
+from devstack.stack import Stack
+from tests.conftest import started
 
 pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(DEFAULT_POLICY, tmp_path_factory.mktemp("firstday"), nodes=1)
-    try:
-        s.start()
-        yield s
-    finally:
-        s.stop()
+    yield from started(tmp_path_factory, "firstday", nodes=1)
 
 
 def get(url: str, body: Any = None, headers: dict[str, str] | None = None) -> tuple[int, Any, Any]:

@@ -25,8 +25,9 @@ from admission.scheduling.outputs import FLOOR, MIN_ANSWERS, UrgentOutputs
 from admission.scheduling.queue import FairQueue, Item
 from admission.store import keys
 from admission.usage import release_args, release_finish
+from devstack.inspect import metric_sums, refunded
 from devstack.stack import DEFAULT_POLICY, Stack
-from tests.conftest import BASE_POLICY, make_policy
+from tests.conftest import BASE_POLICY, make_policy, started
 
 SECRET = b"s" * 32
 
@@ -132,12 +133,7 @@ async def test_exposed_admin_port_reads_need_the_token(redis: Any, redis_server:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(DEFAULT_POLICY, tmp_path_factory.mktemp("isolation"), nodes=2)
-    try:
-        s.start()
-        yield s
-    finally:
-        s.stop()
+    yield from started(tmp_path_factory, "isolation", nodes=2)
 
 
 def post(stack: Stack, key: str, body: dict[str, Any], timeout: float = 60) -> dict[str, Any]:
@@ -206,15 +202,11 @@ def test_engine_distinct_copies_of_a_head_are_never_booked_as_one(stack: Stack) 
 
 def prefix_figures(stack: Stack) -> tuple[float, float]:
     """(booked as cached, engine cached) prompt tokens over every sidecar."""
-    from tests.test_e2e import sidecar_bodies
-
-    booked = found = 0.0
-    for body in sidecar_bodies(stack, "/metrics"):
-        for line in body.decode().splitlines():
-            if line.startswith("admission_prefix_predicted_tokens_total "):
-                booked += float(line.split()[-1])
-            if line.startswith("admission_prefix_engine_cached_tokens_total "):
-                found += float(line.split()[-1])
+    booked, found = metric_sums(
+        stack.sock_dir,
+        "admission_prefix_predicted_tokens_total ",
+        "admission_prefix_engine_cached_tokens_total ",
+    )
     return booked, found
 
 
@@ -242,12 +234,10 @@ def abort_after(stack: Stack, body: dict[str, Any], key: str, after_s: float) ->
 def test_an_aborted_request_is_charged_streamed_or_not(stack: Stack, stream: bool) -> None:
     """The engine prefilled and decoded until the client left: the tenant is charged what was
     booked, not refunded — a non-streamed answer's status line never came before the abort."""
-    from tests.test_e2e import refunded
-
     deadline = time.monotonic() + 20
     while leases_left(stack) and time.monotonic() < deadline:
         time.sleep(0.1)  # the tests before ended: their refunds are in
-    before = refunded(stack, "globex")
+    before = refunded(stack.sock_dir, "globex")
     body = chat("abort me", max_tokens=3000, stream=stream)
     abort_after(stack, body, "sk-demo-globex", 1.5)
     deadline = time.monotonic() + 20
@@ -255,4 +245,4 @@ def test_an_aborted_request_is_charged_streamed_or_not(stack: Stack, stream: boo
         time.sleep(0.1)
     assert leases_left(stack) == 0  # released (the engine aborted it when the relay left)
     time.sleep(0.5)  # the settle follows the lease's release in the same round trip
-    assert refunded(stack, "globex") == before  # charged as booked: nothing refunded
+    assert refunded(stack.sock_dir, "globex") == before  # charged as booked: nothing refunded

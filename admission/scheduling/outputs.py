@@ -84,7 +84,9 @@ class UrgentOutputs:
         # ticket → (urgent, (model, class, tenant)) of requests admitted here, until released
         self._open: OrderedDict[str, tuple[bool, tuple[str, str, str]]] = OrderedDict()
         self.weight_of = weight_of  # a tenant's weight in the policy (the decode guard's mean)
-        self._means: OrderedDict[str, float] = OrderedDict()  # tenant → its urgent answers' EWMA
+        # tenant → (its urgent answers' EWMA, its weight when last answered), and their sums
+        self._means: OrderedDict[str, tuple[float, float]] = OrderedDict()
+        self._weights = self._weighted = 0.0
         self._late: dict[str, float] = {}  # class → when this sidecar last refused it late
         # (model, class, tenant) → its answers, the most recently answered last
         self._windows: OrderedDict[tuple[str, str, str], _Window] = OrderedDict()
@@ -108,12 +110,9 @@ class UrgentOutputs:
     @property
     def mean(self) -> float:
         """The urgent class's mean answer length (0: nothing learned yet): each tenant's own
-        mean, weighted by its weight in the policy."""
-        total = weighted = 0.0
-        for tenant, m in self._means.items():
-            w = self.weight_of(tenant)
-            total, weighted = total + w, weighted + w * m
-        return weighted / total if total > 0 else 0.0
+        mean, weighted by its weight in the policy (as of its last answer: a reweighting shows
+        at the tenant's next one). Read by every routing decision: kept as two running sums."""
+        return self._weighted / self._weights if self._weights > 0 else 0.0
 
     def answered(
         self,
@@ -133,10 +132,12 @@ class UrgentOutputs:
         urgent, key = opened
         if urgent:
             n, tenant = float(completion_tokens), key[2]
-            old = self._means.pop(tenant, None)
-            self._means[tenant] = n if old is None else ALPHA * n + (1 - ALPHA) * old
+            old = self._forget(tenant)
+            m, w = (n if old is None else ALPHA * n + (1 - ALPHA) * old), self.weight_of(tenant)
+            self._means[tenant] = (m, w)
+            self._weights, self._weighted = self._weights + w, self._weighted + w * m
             if len(self._means) > MAX_TENANTS:
-                self._means.popitem(last=False)
+                self._forget(next(iter(self._means)))
         if finish not in NATURAL:
             return
         window = self._windows.pop(key, None) or _Window()
@@ -144,6 +145,17 @@ class UrgentOutputs:
         window.add(completion_tokens)
         if len(self._windows) > MAX_KEYS:
             self._windows.popitem(last=False)
+
+    def _forget(self, tenant: str) -> float | None:
+        """Take a tenant's mean out of the sums; the mean, or None if it had none."""
+        old = self._means.pop(tenant, None)
+        if old is None:
+            return None
+        m, w = old
+        self._weights, self._weighted = max(0.0, self._weights - w), self._weighted - w * m
+        if not self._means:
+            self._weights = self._weighted = 0.0  # no float residue once empty
+        return m
 
     def booked_answers(self, most: int = 50) -> list[dict[str, object]]:
         """For the status page: the answer lengths requests book now (`tokens`; None: still

@@ -115,11 +115,14 @@ local NOT_RENDERED = {
 -- The body's rendered fields besides its messages or prompt, as one canonical text ("" when
 -- there are none: a plain chat's fingerprint is its messages alone).
 local function context(body)
-  local names = {}
+  local names
   for k in pairs(body) do
-    if not NOT_RENDERED[k] then names[#names + 1] = tostring(k) end
+    if not NOT_RENDERED[k] then
+      names = names or {} -- a plain chat allocates nothing here
+      names[#names + 1] = tostring(k)
+    end
   end
-  if #names == 0 then
+  if not names then
     return ""
   end
   tbl_sort(names)
@@ -132,11 +135,14 @@ end
 -- tool_call_id, reasoning, refusal, fields this edge does not know), canonical; "" if none.
 local MESSAGE_COMMON = { role = true, name = true, content = true, tool_calls = true }
 local function message_rest(m)
-  local rest, any = {}, false
+  local rest
   for k, v in pairs(m) do
-    if not MESSAGE_COMMON[k] then rest[k], any = v, true end
+    if not MESSAGE_COMMON[k] then
+      rest = rest or {} -- a plain message allocates nothing here
+      rest[k] = v
+    end
   end
-  return any and canon(rest) or ""
+  return rest and canon(rest) or ""
 end
 
 -- The text of a message content for the fingerprint: a string, and a part that holds only
