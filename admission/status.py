@@ -11,6 +11,8 @@ every second.
 from __future__ import annotations
 
 import functools
+import os
+import socket
 import time
 from collections import Counter, deque
 from dataclasses import dataclass
@@ -90,6 +92,8 @@ def snapshot(
     late = recent.late_refused(now)
     return {
         "now": now,
+        # Which sidecar this is: the page of one of several behind one NGINX says so.
+        "sidecar": {"host": socket.gethostname(), "pid": os.getpid()},
         "policy": {"version": version, "loaded_at": loaded_at},
         "redis": "degraded (local limits)" if degraded else "ok",
         "queue": {

@@ -103,6 +103,50 @@ async def test_without_room_for_one_more_the_answer_waits(
     await client.aclose()
 
 
+async def test_the_headers_figures_never_rise_while_answers_go_ahead_of_redis(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    # requests_per_s 0.01: nothing refills in the test. Each answer let through ahead of its
+    # debit takes one request off the figures the next answer carries (issue 63).
+    p = tenant_policy(
+        redis_server.url, "{requests_per_s: 0.01, request_burst: 20, tokens_per_min: 60000}"
+    )
+    d, client = make(p)
+    tenant = p.tenants["t1"]
+    await one(d, p)
+    seen = [d.limiter.headroom(tenant)["requests_remaining"]]
+    gate = Gate(d)
+    for _ in range(3):
+        await asyncio.wait_for(one(d, p), 1.0)
+        seen.append(d.limiter.headroom(tenant)["requests_remaining"])
+    gate.open.set()
+    await asyncio.sleep(0.2)
+    seen.append(d.limiter.headroom(tenant)["requests_remaining"])
+    assert seen == [19, 18, 17, 16, 16], seen
+    await client.aclose()
+
+
+async def test_a_requests_refusal_reports_the_token_bucket_as_it_is(
+    redis: Any, redis_server: RedisServer
+) -> None:
+    p = tenant_policy(
+        redis_server.url, "{requests_per_s: 0.01, request_burst: 1, tokens_per_min: 60000}"
+    )
+    d, client = make(p)
+    tenant = p.tenants["t1"]
+    await one(d, p)
+    with pytest.raises(Throttled) as refused:
+        await one(d, p)
+    rl = refused.value.ratelimit if refused.value.ratelimit else d.limiter.headroom(
+        tenant, "requests_per_s"
+    )
+    assert rl["requests_remaining"] == 0
+    assert 0 < rl["tokens_remaining"] <= 60000 - 50, rl  # the first request's 50 tokens taken
+    assert rl["tokens_reset_s"] > 0
+    assert not d.limiter.room_ahead(tenant, 1)  # after a refusal, every answer waits for Redis
+    await client.aclose()
+
+
 async def test_policy_can_make_every_answer_wait(redis: Any, redis_server: RedisServer) -> None:
     p = tenant_policy(
         redis_server.url,

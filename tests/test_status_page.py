@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import shutil
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -122,6 +124,9 @@ async def check_page(client: Any, holder: PolicyHolder, tmp_path: Path) -> None:
     text = re.sub(r"\s+", " ", text)
     # Rendered by the page's script from /status.json, not in the static HTML.
     assert holder.version in text and len(holder.version) == 12
+    # Which sidecar, and in which zone its times are (issue 63).
+    assert f"{socket.gethostname()} pid {os.getpid()}" in text
+    assert "times in UTC" in text and re.search(r"loaded \d\d:\d\d:\d\dZ", text)
     assert re.search(r"realtime 4 [\d.]+ s", text), text[:2000]  # class, depth, oldest wait
     assert re.search(r"batch 1 [\d.]+ s", text)
     assert "realtime acme 2" in text and "realtime small 2" in text  # by tenant
@@ -162,6 +167,7 @@ async def test_status_json_is_read_only_and_carries_no_secrets(sidecar: Any) -> 
     doc = json.loads(body)
     assert set(doc) == {
         "now",
+        "sidecar",
         "policy",
         "redis",
         "queue",

@@ -62,6 +62,7 @@ class _Room:
     tok_u: int
     running: int
     in_window: int
+    ahead_ok: bool = True  # False after a refusal: nothing is let through ahead until a debit
 
 
 class Limiter:
@@ -101,7 +102,7 @@ class Limiter:
         meanwhile: a limit is passed only if they take more than that within the figures'
         age (counted: `admission_ahead_total{result="over_limits"}`), and the debt is paid."""
         r = self._room.get(tenant.id)
-        if r is None or self.degraded or self.clock() - r.at > ROOM_FRESH_S:
+        if r is None or not r.ahead_ok or self.degraded or self.clock() - r.at > ROOM_FRESH_S:
             return False
         n, tok = self._ahead.get(tenant.id, (0, 0))
         m, lim = 2 * (n + 1), tenant.limits
@@ -122,12 +123,15 @@ class Limiter:
         r = self._room.get(tenant.id)
         if r is not None and not self.degraded:
             dt = max(0.0, self.clock() - r.at)
-            for kind, level, cap, rate in (
-                ("requests", r.req_u / U, lim.request_burst, lim.requests_per_s),
-                ("tokens", r.tok_u / U, lim.token_burst, lim.tokens_per_min / 60),
+            # What was let through ahead of its debit is taken off too: the figures an answer
+            # carries never rise while the debits they precede are on their way.
+            n, tok = self._ahead.get(tenant.id, (0, 0))
+            for kind, level, cap, rate, ahead in (
+                ("requests", r.req_u / U, lim.request_burst, lim.requests_per_s, n),
+                ("tokens", r.tok_u / U, lim.token_burst, lim.tokens_per_min / 60, tok),
             ):
                 now = min(cap, level + rate * dt)
-                out[f"{kind}_remaining"] = max(0, int(now))
+                out[f"{kind}_remaining"] = max(0, int(now) - ahead)
                 out[f"{kind}_reset_s"] = round((cap - now) / rate, 3) if rate > 0 else 0.0
         if denied:
             kind = "tokens" if denied.startswith("tokens") else "requests"
@@ -198,8 +202,26 @@ class Limiter:
                 self.clock(), int(res[1]), int(res[2]), int(res[3]), int(res[4])
             )
             return Acquired("redis", over=_s(res[5]))
-        self._room.pop(tenant.id, None)
-        return Acquired("redis", _denial(_s(res[1]), res, tokens))
+        reason = _s(res[1])
+        self._refused(tenant, reason)
+        return Acquired("redis", _denial(reason, res, tokens))
+
+    def _refused(self, tenant: Tenant, reason: str) -> None:
+        """Keep the tenant's figures after a refusal, refilled to now, the refusing bucket
+        emptied: the refusal's headers carry both buckets, and nothing is let through ahead
+        until a debit succeeds again."""
+        r = self._room.get(tenant.id)
+        if r is None:
+            return
+        lim, now = tenant.limits, self.clock()
+        dt = max(0.0, now - r.at)
+        req = min(lim.request_burst * U, r.req_u + lim.requests_per_s * dt * U)
+        tok = min(lim.token_burst * U, r.tok_u + lim.tokens_per_min / 60 * dt * U)
+        if reason.startswith("requests"):
+            req = 0
+        elif reason.startswith("tokens"):
+            tok = 0
+        self._room[tenant.id] = _Room(now, int(req), int(tok), r.running, r.in_window, False)
 
     def count_ahead(self, tenant: Tenant, tokens: int) -> Callable[[], None]:
         """Count a request let through ahead of its forced debit (`room_ahead` sees it) until
