@@ -13,19 +13,29 @@ import grp
 import json
 import logging
 import os
-import secrets
 import signal
 import sys
 import urllib.request
-from importlib import resources
 from importlib.metadata import entry_points
 from pathlib import Path
 
 from admission.access import Access, is_loopback, read_token
 from admission.cli_errors import CommandError, run
 from admission.errors import PolicyError
+from admission.install import (
+    cmd_admin_token,
+    cmd_example_policy,
+    cmd_monitoring,
+    cmd_nginx_snippets,
+    cmd_systemd_units,
+)
 from admission.metrics import Metrics
 from admission.policy import load_policy
+from admission.snippets import ADMIN_PORT, POLICY_PATH, SOCKET_DIR
+
+# Every command reads the one policy path of a production install unless told otherwise.
+DEFAULT_POLICY = os.environ.get("ADMISSION_POLICY", POLICY_PATH)
+DEFAULT_SIDECAR = os.environ.get("ADMISSION_SIDECAR", f"http://127.0.0.1:{ADMIN_PORT}")
 
 # Connections NGINX may open at once before the sidecar accepts them. aiohttp's default (128)
 # overflows under a burst of a few hundred clients: connect() on a full unix-socket backlog fails
@@ -96,6 +106,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         sites: list[web.BaseSite] = []
+        _socket_dirs(args.unix, args.admit_unix, args.edge_table)
         if args.unix:
             Path(args.unix).unlink(missing_ok=True)
             sites.append(web.UnixSite(runner, args.unix, backlog=LISTEN_BACKLOG))
@@ -216,51 +227,12 @@ def cmd_batch_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_admin_token(args: argparse.Namespace) -> int:
-    """Write a new random admin token to FILE, readable by its owner (and --group) only."""
-    path = Path(args.file)
-    if path.exists() and not args.force:
-        raise CommandError(f"{path} exists — pass --force to replace its token")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secrets.token_urlsafe(32) + "\n")
-    if args.group:
-        os.chown(path, -1, grp.getgrnam(args.group).gr_gid)
-        os.chmod(path, 0o640)
-    print(f"{path}: a new admin token (serve --admin-token-file, node --token-file)")
-    return 0
-
-
-def cmd_example_policy(_args: argparse.Namespace) -> int:
-    sys.stdout.write(resources.files("admission").joinpath("policies.yaml").read_text())
-    return 0
-
-
-def cmd_systemd_units(args: argparse.Namespace) -> int:
-    """Render the shipped systemd units for this installation into --out."""
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    exe = args.admission or str(Path(sys.executable).with_name("admission"))
-    policy = str(Path(args.policy).resolve())
-    for unit in resources.files("admission").joinpath("systemd").iterdir():
-        if not unit.name.endswith(".service"):
-            continue
-        text = unit.read_text().replace("@@ADMISSION@@", exe).replace("@@POLICY@@", policy)
-        (out / unit.name).write_text(text)
-        print(out / unit.name)
-    return 0
-
-
-def cmd_nginx_snippets(args: argparse.Namespace) -> int:
-    """Render the edge's NGINX files for this installation into --out, and say what else."""
-    from admission import snippets
-
-    policy = load_policy(args.policy)
-    out, socket_dir = Path(args.out).resolve(), Path(args.socket_dir)
-    for path in snippets.render(policy, out, args.sidecars, socket_dir):
-        print(path)
-    print(snippets.note(out, socket_dir, args.group))
-    return 0
+def _socket_dirs(*paths: str | None) -> None:
+    """Create the directories of the sidecar's sockets (0750: NGINX's workers reach them
+    through the socket group); an existing one is left as it is."""
+    for p in paths:
+        if p:
+            Path(p).parent.mkdir(mode=0o750, parents=True, exist_ok=True)
 
 
 def _raise_open_files(want: int = 65536) -> None:
@@ -284,6 +256,9 @@ def _use_uvloop() -> None:
         pass
 
 
+POLICY_HELP = f"the policy file (default: $ADMISSION_POLICY or {POLICY_PATH})"
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="admission", description=__doc__)
     p.add_argument("--log-level", default="info")
@@ -295,7 +270,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_check)
 
     s = sub.add_parser("serve", help="run the admission sidecar")
-    s.add_argument("--policy", default="policies.yaml")
+    s.add_argument("--policy", default=DEFAULT_POLICY, help=POLICY_HELP)
     s.add_argument("--unix", help="listen on this unix socket")
     s.add_argument(
         "--admit-unix", help="the edge's admission socket (JSON lines; NGINX's admit.lua uses it)"
@@ -327,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_serve)
 
     a = sub.add_parser("agent", help="run a node agent (NVML + vLLM metrics → Redis)")
-    a.add_argument("--policy", default="policies.yaml")
+    a.add_argument("--policy", default=DEFAULT_POLICY, help=POLICY_HELP)
     a.add_argument("--node", action="append", help="node id to sample (repeatable; default all)")
     a.add_argument("--period-s", type=float, default=0.2)
     a.set_defaults(fn=cmd_agent)
@@ -335,12 +310,16 @@ def build_parser() -> argparse.ArgumentParser:
     n = sub.add_parser("node", help="operate nodes through a sidecar: list, drain, undrain")
     n.add_argument("action", choices=["list", "drain", "undrain"])
     n.add_argument("node", nargs="?")
-    n.add_argument("--sidecar", default="http://127.0.0.1:9001")
+    n.add_argument(
+        "--sidecar",
+        default=DEFAULT_SIDECAR,
+        help=f"a sidecar's admin URL (default: $ADMISSION_SIDECAR or {DEFAULT_SIDECAR})",
+    )
     n.add_argument("--token-file", help="admin token (default: $ADMISSION_ADMIN_TOKEN)")
     n.set_defaults(fn=cmd_node)
 
     w = sub.add_parser("batch-worker", help="run OpenAI batch lines through the edge")
-    w.add_argument("--policy", default="policies.yaml")
+    w.add_argument("--policy", default=DEFAULT_POLICY, help=POLICY_HELP)
     w.add_argument(
         "--edge-socket",
         required=True,
@@ -356,21 +335,31 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--force", action="store_true", help="replace the token of an existing file")
     t.set_defaults(fn=cmd_admin_token)
     e = sub.add_parser("example-policy", help="print the policies.yaml shipped with the package")
+    e.add_argument(
+        "--minimal", action="store_true", help="keys and limits only: a team's starting point"
+    )
     e.set_defaults(fn=cmd_example_policy)
 
     u = sub.add_parser("systemd-units", help="write systemd units for this installation")
     u.add_argument("--out", required=True, help="directory, e.g. /etc/systemd/system")
-    u.add_argument("--policy", default="/etc/admission/policies.yaml")
+    u.add_argument("--policy", default=DEFAULT_POLICY, help=POLICY_HELP)
+    u.add_argument("--socket-dir", default=SOCKET_DIR, help="where the sidecars' sockets are")
+    u.add_argument("--group", default="www-data", help="NGINX's workers' group")
     u.add_argument("--admission", help="path of the admission command (default: this one)")
     u.set_defaults(fn=cmd_systemd_units)
 
     n = sub.add_parser("nginx-snippets", help="write the edge's NGINX files for this installation")
     n.add_argument("--out", required=True, help="directory, e.g. /etc/nginx/admission")
-    n.add_argument("--policy", default="/etc/admission/policies.yaml")
+    n.add_argument("--policy", default=DEFAULT_POLICY, help=POLICY_HELP)
     n.add_argument("--sidecars", type=int, default=2, help="sidecar processes (units @0..N-1)")
-    n.add_argument("--socket-dir", default="/run/admission", help="where their sockets are")
+    n.add_argument("--socket-dir", default=SOCKET_DIR, help="where their sockets are")
     n.add_argument("--group", default="www-data", help="NGINX's workers' group")
+    n.add_argument("--admission", help="path of the admission command (default: this one)")
     n.set_defaults(fn=cmd_nginx_snippets)
+
+    m = sub.add_parser("monitoring", help="write the Prometheus alert rules and Grafana dashboard")
+    m.add_argument("--out", required=True, help="directory, e.g. /etc/prometheus/admission")
+    m.set_defaults(fn=cmd_monitoring)
 
     for ep in entry_points(group="admission.commands"):
         try:

@@ -1,4 +1,5 @@
-"""`admission nginx-snippets`: the edge's NGINX files, filled in for a production layout.
+"""`admission nginx-snippets` and `admission systemd-units`: the edge's NGINX files and the
+processes' units, filled in for one production layout (one socket directory, one policy path).
 
 The shipped files (admission/nginx/) carry `@@…@@` placeholders; this renders them for N
 sidecars whose sockets live in one directory (the systemd units' /run/admission), plus what a
@@ -24,6 +25,11 @@ MODULES = (
     "/usr/lib/nginx/modules/ngx_http_lua_module.so",
 )
 FILES = ("admission_http.conf", "admission_locations.conf")
+UNITS_DIR = Path(str(resources.files("admission") / "systemd"))
+# The one policy path of a production install: docs, units, snippets and the commands' default.
+POLICY_PATH = "/etc/admission/policies.yaml"
+SOCKET_DIR = "/run/admission"
+ADMIN_PORT = 9100  # sidecar N's admin port is ADMIN_PORT + N (loopback), as in the units
 
 
 def placeholders(
@@ -80,9 +86,15 @@ def render(policy: Policy, out: Path, sidecars: int, socket_dir: Path) -> list[P
     return [*written, modules, internal, lua]
 
 
-def note(out: Path, socket_dir: Path, group: str) -> str:
+def note(out: Path, socket_dir: Path, group: str, run: list[str]) -> str:
     """What the operator must do besides including the files (printed by the command)."""
-    return f"""Include, in nginx.conf:
+    procs = "\n".join(f"  {c}" for c in run)
+    return f"""Run (as the units in {out / "systemd"} do; `systemctl enable --now
+admission-sidecar@0 admission-sidecar@1 admission-agent` once they are in /etc/systemd/system):
+{procs}
+Two sidecars: the edge asks the other while one restarts or dies; with one, every request is
+refused 503 admission_unavailable until it is back.
+Include, in nginx.conf:
   top level, before events {{ }}:   include {out / "admission_modules.conf"};
       (not on Debian with libnginx-mod-http-lua: its modules-enabled/ loads them already,
        and loading them twice fails `nginx -t`: "module ... is already loaded")
@@ -99,3 +111,38 @@ Uploads over client_body_buffer_size go to client_body_temp_path: it must be wri
 workers (Debian: /var/lib/nginx/body). The shipped nginx.conf.template sets `access_log off`:
 a log format of your own must never include $http_authorization.
 """
+
+
+def units(exe: str, policy: Path, socket_dir: Path, group: str) -> dict[str, str]:
+    """The shipped systemd units filled in: unit name → text. A socket directory under /run is
+    the sidecars' RuntimeDirectory (systemd creates it, 0750); elsewhere it must exist."""
+    if socket_dir.parent == Path("/run"):
+        runtime = (
+            f"RuntimeDirectory={socket_dir.name}\nRuntimeDirectoryPreserve=yes\n"
+            "RuntimeDirectoryMode=0750\n"
+        )
+    else:
+        runtime = f"# {socket_dir} must exist: install -d -m 0750 -g {group} {socket_dir}\n"
+    subs = {
+        "@@ADMISSION@@": exe,
+        "@@POLICY@@": str(policy),
+        "@@SOCKET_DIR@@": str(socket_dir),
+        "@@GROUP@@": group,
+        "@@RUNTIME_DIRECTORY@@": runtime,
+    }
+    return {
+        unit.name: fill(unit.read_text(), subs)
+        for unit in sorted(UNITS_DIR.iterdir())
+        if unit.name.endswith(".service")
+    }
+
+
+def commands(exe: str, policy: Path, socket_dir: Path, group: str, sidecars: int) -> list[str]:
+    """The processes the rendered NGINX files expect, as shell commands (what the units run)."""
+    serve = [
+        f"{exe} serve --policy {policy} --unix {socket_dir}/sidecar-{i}.sock "
+        f"--admit-unix {socket_dir}/admit-{i}.sock --socket-group {group} "
+        f"--edge-table {socket_dir}/edge.json --port {ADMIN_PORT + i}"
+        for i in range(sidecars)
+    ]
+    return [*serve, f"{exe} agent --policy {policy}"]

@@ -141,7 +141,7 @@ async def test_a_requests_refusal_reports_the_token_bucket_as_it_is(
         tenant, "requests_per_s"
     )
     assert rl["requests_remaining"] == 0
-    assert 0 < rl["tokens_remaining"] <= 60000 - 50, rl  # the first request's 50 tokens taken
+    assert 0 < rl["tokens_remaining"] < 60000, rl  # the first request took 50 (1,000/s refill)
     assert rl["tokens_reset_s"] > 0
     assert not d.limiter.room_ahead(tenant, 1)  # after a refusal, every answer waits for Redis
     await client.aclose()

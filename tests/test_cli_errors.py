@@ -14,20 +14,17 @@ import pytest
 from devstack.procs import free_port
 
 ADMISSION = str(Path(sys.executable).with_name("admission"))
-SUBCOMMANDS = [
-    "check",
-    "serve",
-    "agent",
-    "node",
-    "batch-worker",
-    "admin-token",
-    "example-policy",
-    "systemd-units",
-    "nginx-snippets",
-    "demo",
-    "bench",
-    "up",
-]
+def _subcommands() -> list[str]:
+    """Every subcommand the parser knows, plugins (up, demo, bench) included."""
+    import argparse
+
+    from admission.cli import build_parser
+
+    (sub,) = (a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sorted(sub.choices)
+
+
+SUBCOMMANDS = _subcommands()
 
 
 def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
@@ -38,6 +35,12 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
         timeout=60,
         env={**os.environ, **(env or {})},
         cwd="/",
+    )
+
+
+def test_the_subcommands_are_all_here() -> None:
+    assert {"serve", "agent", "node", "monitoring", "nginx-snippets", "up", "bench"} <= set(
+        SUBCOMMANDS
     )
 
 
@@ -68,6 +71,8 @@ def mistakes(tmp: Path) -> list[tuple[list[str], str]]:
         (["serve", "--policy", nope, "--port", "1", "--host", "0.0.0.0"], "--policy"),
         (["admin-token", str(taken)], "--force"),
         (["systemd-units", "--out", "/proc/nope/units"], "create it"),
+        (["monitoring", "--out", "/proc/nope/monitoring"], "create it"),
+        (["serve"], "--policy"),  # the default path, /etc/admission/policies.yaml, is missing
     ]
 
 
@@ -132,3 +137,34 @@ def test_the_agent_reloads_its_policy_on_sighup(tmp_path: Path, redis_server: An
         proc.terminate()
         _out, err = proc.communicate(timeout=10)
     assert "reloaded" in err, err
+
+
+def test_the_minimal_example_policy_checks_and_monitoring_writes_its_files(tmp_path: Path) -> None:
+    policy = tmp_path / "policies.yaml"
+    policy.write_text(run("example-policy", "--minimal").stdout)
+    r = run("check", str(policy))
+    assert r.returncode == 0 and r.stdout.startswith("ok: 2 tenants, 1 classes"), r
+    assert "sk-" not in policy.read_text().replace("sk-...", "")  # no usable key in it
+    r = run("monitoring", "--out", str(tmp_path / "mon"))
+    assert r.returncode == 0, r.stderr
+    import yaml
+
+    rules = yaml.safe_load((tmp_path / "mon" / "alerts.yaml").read_text())
+    assert any(g["rules"] for g in rules["groups"])
+    assert (tmp_path / "mon" / "dashboard.json").read_text().startswith("{")
+
+
+def test_serve_creates_its_socket_directory(tmp_path: Path, redis_server: Any) -> None:
+    from devstack.procs import wait_for
+    from tests.conftest import BASE_POLICY
+
+    policy = tmp_path / "policies.yaml"
+    policy.write_text(BASE_POLICY.replace("REDIS_URL", redis_server.url))
+    sock = tmp_path / "run" / "admission" / "sidecar-0.sock"
+    proc = subprocess.Popen([ADMISSION, "serve", "--policy", str(policy), "--unix", str(sock)])
+    try:
+        wait_for(sock.exists, 20, "sidecar socket", proc)
+        assert (sock.parent.stat().st_mode & 0o777) == 0o750
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

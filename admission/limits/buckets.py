@@ -16,13 +16,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from admission import store
 from admission.errors import AdmissionError, BackendUnavailable, RequestTooLarge, Throttled
 from admission.lag import LoopLag
 from admission.limits.args import U, acquire_args, settle_args
+from admission.limits.figures import Figures
 from admission.limits.local import LocalLimits
 from admission.metrics import Metrics
 from admission.policy import FailureMode, Policy, Tenant
@@ -32,7 +32,6 @@ log = logging.getLogger(__name__)
 
 RETRY_AFTER_FAILURE_S = 1.0
 BUSY_WAIT_S = 15.0  # how long an admission waits in line for a pooled Redis connection
-ROOM_FRESH_S = 1.0  # a tenant's figures from Redis older than this never let a request ahead
 
 
 class Acquired(NamedTuple):
@@ -50,19 +49,6 @@ class Acquired(NamedTuple):
 # What settling takes per reservation: tenant (None: unknown), request id, actual tokens,
 # and whether it is the release of a request answered ahead.
 Settling = tuple[Tenant | None, str, int, bool]
-
-
-@dataclass(slots=True)
-class _Room:
-    """A tenant's figures in the last reply from Redis: levels after that debit (micro-units),
-    requests running and requests in the burst window."""
-
-    at: float
-    req_u: int
-    tok_u: int
-    running: int
-    in_window: int
-    ahead_ok: bool = True  # False after a refusal: nothing is let through ahead until a debit
 
 
 class Limiter:
@@ -83,8 +69,7 @@ class Limiter:
         self.lag = LoopLag()  # the server runs its probe; a late loop is not an outage
         self._local = LocalLimits(clock)
         self.busy_wait_s = BUSY_WAIT_S
-        self._room: dict[str, _Room] = {}  # tenant → its figures in the last reply
-        self._ahead: dict[str, tuple[int, int]] = {}  # tenant → (requests, tokens) unconfirmed
+        self.figures = Figures(clock)  # each tenant's buckets as this sidecar last saw them
 
     @property
     def backlog(self) -> store.Backlog:
@@ -95,49 +80,17 @@ class Limiter:
         return self.clock() < self._down_until
 
     def room_ahead(self, tenant: Tenant, tokens: int) -> bool:
-        """Whether the tenant's last figures from Redis (at most ROOM_FRESH_S old) leave room
-        for twice what this sidecar would then have let through ahead and not seen booked
-        (this request included), on every limit: then a forced debit may follow the answer.
-        Refill since then is not counted. The other half is left to what other sidecars take
-        meanwhile: a limit is passed only if they take more than that within the figures'
-        age (counted: `admission_ahead_total{result="over_limits"}`), and the debt is paid."""
-        r = self._room.get(tenant.id)
-        if r is None or not r.ahead_ok or self.degraded or self.clock() - r.at > ROOM_FRESH_S:
-            return False
-        n, tok = self._ahead.get(tenant.id, (0, 0))
-        m, lim = 2 * (n + 1), tenant.limits
-        return (
-            r.req_u >= m * U
-            and r.tok_u >= 2 * (tok + tokens) * U
-            and (not lim.max_concurrent or r.running + m <= lim.max_concurrent)
-            and (not lim.burst_max or r.in_window + m <= lim.burst_max)
-        )
+        """Whether a request may be answered before Redis books it (`Figures.room_ahead`)."""
+        return not self.degraded and self.figures.room_ahead(tenant, tokens)
 
     def headroom(self, tenant: Tenant, denied: str = "", wait_s: float = 0.0) -> dict[str, float]:
-        """The tenant's request and token buckets as the last reply from Redis left them,
-        refilled since: capacity, what is left, seconds until full again (OpenAI's
-        x-ratelimit-* headers). `denied`: the limit that refused this request (nothing left of
-        it for `wait_s`). Without a reply yet (or in the failure mode), capacities only."""
-        lim = tenant.limits
-        out: dict[str, float] = {"requests": lim.request_burst, "tokens": lim.token_burst}
-        r = self._room.get(tenant.id)
-        if r is not None and not self.degraded:
-            dt = max(0.0, self.clock() - r.at)
-            # What was let through ahead of its debit is taken off too: the figures an answer
-            # carries never rise while the debits they precede are on their way.
-            n, tok = self._ahead.get(tenant.id, (0, 0))
-            for kind, level, cap, rate, ahead in (
-                ("requests", r.req_u / U, lim.request_burst, lim.requests_per_s, n),
-                ("tokens", r.tok_u / U, lim.token_burst, lim.tokens_per_min / 60, tok),
-            ):
-                now = min(cap, level + rate * dt)
-                out[f"{kind}_remaining"] = max(0, int(now) - ahead)
-                out[f"{kind}_reset_s"] = round((cap - now) / rate, 3) if rate > 0 else 0.0
-        if denied:
-            kind = "tokens" if denied.startswith("tokens") else "requests"
-            out[f"{kind}_remaining"] = 0
-            out[f"{kind}_reset_s"] = round(wait_s, 3)
-        return out
+        """The x-ratelimit-* figures for an answer to `tenant` (`Figures.headroom`)."""
+        return self.figures.headroom(tenant, denied, wait_s, known=not self.degraded)
+
+    def count_ahead(self, tenant: Tenant, tokens: int) -> Callable[[], None]:
+        """Count a request let through ahead of its forced debit until the returned function
+        is called, when its round trip is over (`Figures.count_ahead`)."""
+        return self.figures.count_ahead(tenant, tokens)
 
     def debit(
         self,
@@ -198,43 +151,11 @@ class Limiter:
         if int(res[0]) == 1:
             if len(res) < 6:  # a request asked again, charged already: no figures
                 return Acquired("redis")
-            self._room[tenant.id] = _Room(
-                self.clock(), int(res[1]), int(res[2]), int(res[3]), int(res[4])
-            )
+            self.figures.debited(tenant, res)
             return Acquired("redis", over=_s(res[5]))
         reason = _s(res[1])
-        self._refused(tenant, reason)
+        self.figures.refused(tenant, reason)
         return Acquired("redis", _denial(reason, res, tokens))
-
-    def _refused(self, tenant: Tenant, reason: str) -> None:
-        """Keep the tenant's figures after a refusal, refilled to now, the refusing bucket
-        emptied: the refusal's headers carry both buckets, and nothing is let through ahead
-        until a debit succeeds again."""
-        r = self._room.get(tenant.id)
-        if r is None:
-            return
-        lim, now = tenant.limits, self.clock()
-        dt = max(0.0, now - r.at)
-        req = min(lim.request_burst * U, r.req_u + lim.requests_per_s * dt * U)
-        tok = min(lim.token_burst * U, r.tok_u + lim.tokens_per_min / 60 * dt * U)
-        if reason.startswith("requests"):
-            req = 0
-        elif reason.startswith("tokens"):
-            tok = 0
-        self._room[tenant.id] = _Room(now, int(req), int(tok), r.running, r.in_window, False)
-
-    def count_ahead(self, tenant: Tenant, tokens: int) -> Callable[[], None]:
-        """Count a request let through ahead of its forced debit (`room_ahead` sees it) until
-        the returned function is called, when its round trip is over."""
-        n, tok = self._ahead.get(tenant.id, (0, 0))
-        self._ahead[tenant.id] = (n + 1, tok + tokens)
-
-        def done() -> None:
-            n, tok = self._ahead.pop(tenant.id, (1, tokens))
-            if n > 1:
-                self._ahead[tenant.id] = (n - 1, tok - tokens)
-
-        return done
 
     async def round_trip(
         self,
