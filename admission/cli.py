@@ -95,6 +95,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     _raise_open_files()
     _use_uvloop()
+    _socket_dirs(args.socket_group, args.unix, args.admit_unix, args.edge_table)
     holder = PolicyHolder(Path(args.policy), policy, Metrics())
     exposed = args.port is not None and not is_loopback(args.host)
     access = Access(edge_over_tcp=args.edge_over_tcp, admin_token=token, exposed=exposed)
@@ -106,7 +107,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await runner.setup()
         sites: list[web.BaseSite] = []
-        _socket_dirs(args.unix, args.admit_unix, args.edge_table)
         if args.unix:
             Path(args.unix).unlink(missing_ok=True)
             sites.append(web.UnixSite(runner, args.unix, backlog=LISTEN_BACKLOG))
@@ -227,12 +227,20 @@ def cmd_batch_worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def _socket_dirs(*paths: str | None) -> None:
-    """Create the directories of the sidecar's sockets (0750: NGINX's workers reach them
-    through the socket group); an existing one is left as it is."""
+def _socket_dirs(group: str | None, *paths: str | None) -> None:
+    """Create the directories of the sidecar's sockets that do not exist yet: 0750, of the
+    socket group (NGINX's workers go through it to the sockets), as systemd's RuntimeDirectory
+    would. An existing one is left as it is."""
     for p in paths:
-        if p:
-            Path(p).parent.mkdir(mode=0o750, parents=True, exist_ok=True)
+        d = Path(p).parent if p else None
+        if d is None or d.exists():
+            continue
+        try:
+            d.mkdir(mode=0o750, parents=True)
+        except FileExistsError:  # another sidecar started beside this one made it
+            continue
+        if group:
+            os.chown(d, -1, grp.getgrnam(group).gr_gid)
 
 
 def _raise_open_files(want: int = 65536) -> None:
@@ -355,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     n.add_argument("--socket-dir", default=SOCKET_DIR, help="where their sockets are")
     n.add_argument("--group", default="www-data", help="NGINX's workers' group")
     n.add_argument("--admission", help="path of the admission command (default: this one)")
+    n.add_argument("--admin-token-file", help="the sidecars' admin token (`admission admin-token`)")
     n.set_defaults(fn=cmd_nginx_snippets)
 
     m = sub.add_parser("monitoring", help="write the Prometheus alert rules and Grafana dashboard")

@@ -62,10 +62,11 @@ def cmd_nginx_snippets(args: argparse.Namespace) -> int:
     for written in snippets.render(policy, out, args.sidecars, socket_dir):
         print(written)
     (out / "systemd").mkdir(exist_ok=True)
-    for name, text in snippets.units(_exe(args), path, socket_dir, args.group).items():
+    token = Path(args.admin_token_file).absolute() if args.admin_token_file else None
+    for name, text in snippets.units(_exe(args), path, socket_dir, args.group, token).items():
         (out / "systemd" / name).write_text(text)
         print(out / "systemd" / name)
-    run = snippets.commands(_exe(args), path, socket_dir, args.group, args.sidecars)
+    run = snippets.commands(_exe(args), path, socket_dir, args.group, args.sidecars, token)
     print(snippets.note(out, socket_dir, args.group, run))
     return 0
 

@@ -161,6 +161,9 @@ def edge_table(
         "default_max_tokens": policy.edge.default_max_tokens,
         "lease_ttl_s": policy.queue.lease_ttl_s,
         "sidecar_failure_mode": policy.edge.sidecar_failure_mode,
+        "admit_embeddings": policy.edge.admit_embeddings,
+        # Path → upstream; the edge passes the longest matching path after the key check.
+        "passthrough": dict(policy.edge.passthrough),
         "nodes": {
             n.id: {"url": n.url, "models": list(n.models), "serving": n.id not in unusable}
             for n in policy.nodes.values()

@@ -113,7 +113,9 @@ a log format of your own must never include $http_authorization.
 """
 
 
-def units(exe: str, policy: Path, socket_dir: Path, group: str) -> dict[str, str]:
+def units(
+    exe: str, policy: Path, socket_dir: Path, group: str, token: Path | None = None
+) -> dict[str, str]:
     """The shipped systemd units filled in: unit name → text. A socket directory under /run is
     the sidecars' RuntimeDirectory (systemd creates it, 0750); elsewhere it must exist."""
     if socket_dir.parent == Path("/run"):
@@ -129,6 +131,7 @@ def units(exe: str, policy: Path, socket_dir: Path, group: str) -> dict[str, str
         "@@SOCKET_DIR@@": str(socket_dir),
         "@@GROUP@@": group,
         "@@RUNTIME_DIRECTORY@@": runtime,
+        "@@ADMIN_TOKEN@@": f" --admin-token-file {token}" if token else "",
     }
     return {
         unit.name: fill(unit.read_text(), subs)
@@ -137,12 +140,15 @@ def units(exe: str, policy: Path, socket_dir: Path, group: str) -> dict[str, str
     }
 
 
-def commands(exe: str, policy: Path, socket_dir: Path, group: str, sidecars: int) -> list[str]:
+def commands(
+    exe: str, policy: Path, socket_dir: Path, group: str, sidecars: int, token: Path | None = None
+) -> list[str]:
     """The processes the rendered NGINX files expect, as shell commands (what the units run)."""
     serve = [
         f"{exe} serve --policy {policy} --unix {socket_dir}/sidecar-{i}.sock "
         f"--admit-unix {socket_dir}/admit-{i}.sock --socket-group {group} "
         f"--edge-table {socket_dir}/edge.json --port {ADMIN_PORT + i}"
+        + (f" --admin-token-file {token}" if token else "")
         for i in range(sidecars)
     ]
     return [*serve, f"{exe} agent --policy {policy}"]

@@ -214,6 +214,59 @@ async def generate(request: web.Request) -> web.StreamResponse:
         raise
 
 
+async def embed(request: web.Request) -> web.Response:
+    """/v1/embeddings as a pooling engine answers it: each input is prefilled (one engine step
+    of its prompt, scheduled with the rest), nothing is generated; `usage` in OpenAI's shape
+    (prompt and total tokens, no completion count)."""
+    engine = request.app[ENGINE]
+    try:
+        body = await request.json()
+    except json.JSONDecodeError:
+        raise web.HTTPBadRequest(
+            text=err_body("invalid JSON"), content_type="application/json"
+        ) from None
+    raw = body.get("input")
+    inputs = raw if isinstance(raw, list) and raw and not isinstance(raw[0], int) else [raw]
+    if not all(isinstance(x, str | list) and x for x in inputs):
+        raise web.HTTPBadRequest(
+            text=err_body("input must be a string or a list of them"),
+            content_type="application/json",
+        )
+    done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    seqs: list[Seq] = []
+
+    def all_done(_s: Seq) -> None:
+        if all(q.finish_reason for q in seqs) and not done.done():
+            done.set_result(None)
+
+    for x in inputs:
+        n, _text = prompt_of({"prompt": x}, False, request.app.get(TOKENS))
+        seqs.append(Seq(n, 1, priority=int(body.get("priority", 0)), arrival=time.monotonic()))
+        seqs[-1].on_token = all_done
+    await engine.request_path()
+    for seq in seqs:
+        engine.submit(seq)
+    try:
+        await done
+    except asyncio.CancelledError:
+        for seq in seqs:
+            engine.abort(seq)
+        raise
+    prompt = sum(q.prompt_tokens for q in seqs)
+    data = [
+        {"object": "embedding", "index": i, "embedding": [round(random.random(), 6)] * 8}
+        for i in range(len(seqs))
+    ]
+    return web.json_response(
+        {
+            "object": "list",
+            "model": engine.model,
+            "data": data,
+            "usage": {"prompt_tokens": prompt, "total_tokens": prompt},
+        }
+    )
+
+
 async def models(request: web.Request) -> web.Response:
     e = request.app[ENGINE]
     return web.json_response(
@@ -278,6 +331,7 @@ def build_app(engine: Engine, tokenizer: str = "") -> web.Application:
     app.cleanup_ctx.append(loop_ctx)
     app.router.add_post("/v1/completions", generate)
     app.router.add_post("/v1/chat/completions", generate)
+    app.router.add_post("/v1/embeddings", embed)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/version", version)

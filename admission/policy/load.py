@@ -6,7 +6,9 @@ Nothing half-valid ever reaches the running service: `parse_policy` either retur
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -192,7 +194,57 @@ def _edge(c: Checker, raw: Any) -> EdgeSettings:
             m, "chars_per_token", "edge", d.chars_per_token, lo=0, lo_open=True
         ),
         default_max_tokens=c.integer(m, "default_max_tokens", "edge", d.default_max_tokens, lo=1),
+        admit_embeddings=c.boolean(m, "admit_embeddings", "edge", d.admit_embeddings),
+        passthrough=_passthrough(c, m.get("passthrough", {})),
     )
+
+
+# Paths the edge answers itself: never passed through.
+EDGE_PATHS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/models",
+    "/v1/files",
+    "/v1/batches",
+)
+
+
+def _passthrough(c: Checker, raw: Any) -> dict[str, str]:
+    """edge.passthrough: `/v1/...` path → `http://IP:PORT` (an address, not a name: NGINX
+    resolves names in proxy_pass only with a resolver of its own)."""
+    m = c.mapping(raw, "edge.passthrough", None) or {}
+    out: dict[str, str] = {}
+    for path, url in m.items():
+        where = f"edge.passthrough.{path}"
+        if (
+            not isinstance(path, str)
+            or not re.fullmatch(r"/v1/[A-Za-z0-9_./-]+", path)
+            or (".." in path or path.endswith("/"))
+        ):
+            c.err(where, "must be a path under /v1/, e.g. /v1/responses")
+            continue
+        if any(
+            path == e or path.startswith(e + "/") or e.startswith(path + "/") for e in EDGE_PATHS
+        ):
+            c.err(where, "is a path the edge admits or serves itself: it cannot be passed through")
+            continue
+        if not isinstance(url, str) or not _address_url(url):
+            c.err(where, f"must be http://IP:PORT (an IP address, no path), got {shown(url)}")
+            continue
+        out[path] = url
+    return out
+
+
+def _address_url(url: str) -> bool:
+    m = re.fullmatch(r"https?://(\[[0-9a-fA-F:.]+\]|[0-9.]+):(\d{1,5})", url)
+    if not m:
+        return False
+    try:
+        ipaddress.ip_address(m.group(1).strip("[]"))
+    except ValueError:
+        return False
+    return 0 < int(m.group(2)) < 65536
 
 
 def _tiers(c: Checker, raw: Any) -> dict[str, float]:

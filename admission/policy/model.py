@@ -206,6 +206,9 @@ class EdgeSettings:
     )  # no sidecar reachable: open = proxy unadmitted (logged)
     chars_per_token: float = 4.0  # prompt-size estimate at the edge
     default_max_tokens: int = 256  # cost estimate when a request sets no max_tokens
+    admit_embeddings: bool = False  # /v1/embeddings admitted and charged by input tokens (or 404)
+    # Other /v1/ paths passed after the key check only (not admitted, not charged): path → URL.
+    passthrough: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

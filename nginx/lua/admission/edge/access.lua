@@ -43,8 +43,13 @@ function _M.run()
     return respond.unidentified(tenant)
   end
   local t = edge_table.get()
-  local chat = ngx_var.uri == "/v1/chat/completions"
-  local f, status, code, msg = request.read(chat, t.chars_per_token or 4, t.default_max_tokens or 256,
+  local uri = ngx_var.uri
+  local kind = uri == "/v1/chat/completions" and "chat"
+    or (uri == "/v1/embeddings" and "embeddings") or "completion"
+  if kind == "embeddings" and not t.admit_embeddings then
+    return respond.not_served() -- edge.admit_embeddings off: as every path the edge does not serve
+  end
+  local f, status, code, msg = request.read(kind, t.chars_per_token or 4, t.default_max_tokens or 256,
                                            tenant.salt)
   if not f then
     return respond.error(status, code, msg)
@@ -123,12 +128,19 @@ local BATCH_PATHS = {
 }
 
 local function batch_path()
-  local raw = string.match(ngx_var.request_uri or "", "^[^?]*")
-  if raw ~= ngx_var.uri then return false end -- encoded or unnormalised: not ours
+  local raw = plain_path()
+  if not raw then return false end -- encoded or unnormalised: not ours
   for _, pattern in ipairs(BATCH_PATHS) do
     if string.find(raw, pattern) then return true end
   end
   return false
+end
+
+-- The request's path as sent, when NGINX's normalised one is the same (nothing encoded, no
+-- dot segments): only such a path is matched against the policy's lists.
+local function plain_path()
+  local raw = string.match(ngx_var.request_uri or "", "^[^?]*")
+  return raw == ngx_var.uri and raw or nil
 end
 
 function _M.forward_tenant()
@@ -142,6 +154,32 @@ function _M.forward_tenant()
   end
   ngx.req.set_header("X-Admission-Tenant", tid)
   ngx.req.clear_header("Authorization")
+end
+
+-- Any other /v1/ path: 404 (respond.not_served) unless edge.passthrough names it (or a path
+-- it lies under, the longest first); then the key is checked as for every call, the tenant
+-- named to the upstream and the key itself dropped, and NGINX proxies to the named URL. Not
+-- admitted, limited or charged: for APIs the engines' ledger does not cover.
+function _M.passthrough()
+  local path = plain_path()
+  local to, best = nil, 0
+  for prefix, url in pairs(path and edge_table.get().passthrough or {}) do
+    local n = #prefix
+    if n > best and (path == prefix or string.sub(path, 1, n + 1) == prefix .. "/") then
+      to, best = url, n
+    end
+  end
+  if not to then
+    return respond.not_served()
+  end
+  identify.strip_internal_headers()
+  local tid, tenant = identify.tenant()
+  if not tid then
+    return respond.unidentified(tenant)
+  end
+  ngx.req.set_header("X-Admission-Tenant", tid)
+  ngx.req.clear_header("Authorization")
+  ngx_var.admission_passthrough = to
 end
 
 return _M

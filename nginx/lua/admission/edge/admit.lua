@@ -5,6 +5,7 @@
 -- admission_sidecar upstream). The ask is held until the sidecar admits, refuses or times the
 -- request out; a client that leaves meanwhile closes the connection, which cancels it.
 local cjson = require "cjson.safe"
+local failures = require "admission.edge.failures"
 
 local ngx = ngx
 local capture = ngx.location.capture
@@ -63,9 +64,18 @@ local function over_socket(line)
   while tries < n do
     next_socket = next_socket % n + 1
     tries = tries + 1
-    local sock = tcp()
-    sock:settimeouts(1000, 5000, 660000) -- the read is a long poll: longer than any deadline
-    local ok = sock:connect(sockets[next_socket])
+    local path = sockets[next_socket]
+    local sock, ok, cerr = nil, false, nil
+    if failures.usable(path) then -- else: it refused a connect lately (failures.lua)
+      sock = tcp()
+      sock:settimeouts(1000, 5000, 660000) -- the read is a long poll: longer than any deadline
+      ok, cerr = sock:connect(path)
+      if ok then
+        failures.connected("the admission socket", path)
+      else
+        failures.connect_failed("the admission socket", path, cerr)
+      end
+    end
     if ok then
       local got = sock:send(line) and sock:receive("*l")
       if got then

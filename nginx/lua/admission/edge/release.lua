@@ -9,6 +9,7 @@
 -- (lua_shared_dict admission_releases) loses a release — logged — and even then leases and
 -- reservations expire on their own.
 local cjson = require "cjson.safe"
+local failures = require "admission.edge.failures"
 local usage = require "admission.edge.usage"
 
 local ngx = ngx
@@ -42,9 +43,18 @@ local function post(body)
   local answered = false
   for i = 1, n do
     next_socket = next_socket % n + 1 -- spread batches over the sidecars
-    local sock = tcp()
-    sock:settimeouts(200, 2000, 5000)
-    local ok = sock:connect("unix:" .. sockets[next_socket])
+    local path = sockets[next_socket]
+    local sock, ok, cerr = nil, false, nil
+    if failures.usable(path) then -- else: it refused a connect lately (failures.lua)
+      sock = tcp()
+      sock:settimeouts(200, 2000, 5000)
+      ok, cerr = sock:connect("unix:" .. path)
+      if ok then
+        failures.connected("the release socket", path)
+      else
+        failures.connect_failed("the release socket", path, cerr)
+      end
+    end
     if ok then
       local req = "POST /release HTTP/1.1\r\nHost: sidecar\r\nContent-Type: application/json\r\n"
         .. "Content-Length: " .. #body .. "\r\n\r\n" .. body

@@ -228,13 +228,35 @@ local function prompts(p)
   return { p } -- one prompt of token ids
 end
 
+-- /v1/embeddings: the input (a string, strings, token ids or lists of them) is the whole
+-- charge; the engine generates nothing, so one output token is booked (a lease needs a cap of
+-- at least 1) and the release settles the charge to the engine's prompt count.
+local function embeddings(body, raw, chars_per_token, salt)
+  local input = body.input
+  if type(input) ~= "string" and (type(input) ~= "table" or #input == 0) then
+    return nil, 400, "invalid_request",
+      "input must be a string, an array of strings or an array of token ids"
+  end
+  local chars, tokens = 0, 0
+  for _, p in ipairs(prompts(input)) do
+    local c, t = size(p)
+    chars, tokens = chars + c, tokens + t
+  end
+  return {
+    model = body.model, max_tokens = 1, charged_output = 1, stream = false,
+    prompt_tokens = math_floor(chars / chars_per_token) + tokens + 1,
+    raw = raw, embeddings = true, salt = salt,
+  }
+end
+
 -- Returns features {model, max_tokens, charged_output, stream, prompt_tokens, prefix, raw, chat,
 -- salt} (prefix: the head's block hashes, or nil; salt: the tenant's cache salt, nil while the
 -- edge table has none: the request is then booked uncached, alone in the engine's cache) or
 -- nil, status, code, message. The output cap is what vLLM will use: max_completion_tokens
 -- before max_tokens (as vLLM reads them), the policy's default when neither is set; the charge
 -- multiplies it by n / best_of and by the number of prompts.
-function _M.read(chat, chars_per_token, default_max_tokens, salt)
+function _M.read(kind, chars_per_token, default_max_tokens, salt)
+  local chat = kind == "chat"
   ngx.req.read_body()
   local raw = ngx.req.get_body_data()
   if not raw then
@@ -260,6 +282,9 @@ function _M.read(chat, chars_per_token, default_max_tokens, salt)
     return nil, 400, "invalid_request", bad
   end
   local cap = mct or mt or default_max_tokens
+  if kind == "embeddings" then
+    return embeddings(body, raw, chars_per_token, salt)
+  end
   if body.stream ~= nil and type(body.stream) ~= "boolean" then
     return nil, 400, "invalid_request", "stream must be true or false"
   end
@@ -331,8 +356,10 @@ function _M.rewrite(features, priority)
   local empty = str_find(head, "^%s*{%s*$") ~= nil
   local cap = features.max_tokens
   local salt = features.salt or ("r" .. ngx.var.request_id)
-  local extra = '"priority":' .. priority .. ',"max_tokens":' .. cap
-    .. ',"cache_salt":"' .. salt .. '"'
+  local extra = '"priority":' .. priority .. ',"cache_salt":"' .. salt .. '"'
+  if not features.embeddings then
+    extra = extra .. ',"max_tokens":' .. cap
+  end
   if features.chat then
     extra = extra .. ',"max_completion_tokens":' .. cap
   end

@@ -60,10 +60,20 @@ end
 
 -- A path the edge does not serve (admission_locations.conf): 404 as OpenAI answers one, so an
 -- engine endpoint the edge does not admit and charge never reaches an engine.
+-- The message names what this edge does serve, as the policy has it (edge.admit_embeddings,
+-- edge.passthrough).
 function _M.not_served()
+  local t = require("admission.edge.table").get() or {}
+  local paths = { "/v1/chat/completions", "/v1/completions" }
+  if t.admit_embeddings then paths[#paths + 1] = "/v1/embeddings" end
+  paths[#paths + 1] = "/v1/models"
+  local more = {}
+  for p in pairs(type(t.passthrough) == "table" and t.passthrough or {}) do more[#more + 1] = p end
+  table.sort(more)
+  for _, p in ipairs(more) do paths[#paths + 1] = p end
   return _M.error(404, "unknown_url", "Unknown request URL: " .. ngx.req.get_method() .. " "
-                  .. ngx.var.uri .. ". This edge serves /v1/chat/completions, /v1/completions, "
-                  .. "/v1/models, /v1/files and /v1/batches.")
+                  .. ngx.var.uri .. ". This edge serves " .. table.concat(paths, ", ")
+                  .. ", /v1/files and /v1/batches.")
 end
 
 -- A request identify.tenant() could not attribute. Without an edge table (the sidecars have not

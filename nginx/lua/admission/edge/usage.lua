@@ -153,6 +153,9 @@ function _M.extract(ctx)
     doc = cjson.decode(buf)
   end
   local u = type(doc) == "table" and doc.usage
+  if type(u) == "table" and u.completion_tokens == nil and ngx.var.uri == "/v1/embeddings" then
+    u.completion_tokens = 0 -- an embedding generates nothing (OpenAI's usage has no count)
+  end
   -- Both counts or nothing: a null or missing count makes the sidecar keep what was booked.
   if type(u) ~= "table" or type(u.prompt_tokens) ~= "number"
       or type(u.completion_tokens) ~= "number" then
