@@ -83,7 +83,7 @@ http {{
             client_max_body_size 4m;
             client_body_buffer_size 4m;
             content_by_lua_block {{
-                local f, status, _code, msg = require("admission.edge.request").read(true, 1, 16)
+                local f, status, _code, msg = require("admission.edge.request").read("chat", 1, 16)
                 if not f then
                     ngx.status = status
                     ngx.say(msg)

@@ -127,6 +127,13 @@ local BATCH_PATHS = {
   "^/v1/batches$", "^/v1/batches/[%w_%-]+$", "^/v1/batches/[%w_%-]+/cancel$",
 }
 
+-- The request's path as sent, when NGINX's normalised one is the same (nothing encoded, no
+-- dot segments): only such a path is matched against the policy's lists.
+local function plain_path()
+  local raw = string.match(ngx_var.request_uri or "", "^[^?]*")
+  return raw == ngx_var.uri and raw or nil
+end
+
 local function batch_path()
   local raw = plain_path()
   if not raw then return false end -- encoded or unnormalised: not ours
@@ -134,13 +141,6 @@ local function batch_path()
     if string.find(raw, pattern) then return true end
   end
   return false
-end
-
--- The request's path as sent, when NGINX's normalised one is the same (nothing encoded, no
--- dot segments): only such a path is matched against the policy's lists.
-local function plain_path()
-  local raw = string.match(ngx_var.request_uri or "", "^[^?]*")
-  return raw == ngx_var.uri and raw or nil
 end
 
 function _M.forward_tenant()
