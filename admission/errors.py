@@ -192,7 +192,7 @@ class BackendUnavailable(AdmissionError):
     error_type = "service_unavailable"
 
     def __init__(
-        self, message: str, *, code: str = "backend_unavailable", retry_after: float = 1.0
+        self, message: str, *, code: str = "limiter_unavailable", retry_after: float = 1.0
     ):
         super().__init__(message, code=code)
         self.retry_after = retry_after
