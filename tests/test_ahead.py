@@ -137,8 +137,10 @@ async def test_a_requests_refusal_reports_the_token_bucket_as_it_is(
     await one(d, p)
     with pytest.raises(Throttled) as refused:
         await one(d, p)
-    rl = refused.value.ratelimit if refused.value.ratelimit else d.limiter.headroom(
-        tenant, "requests_per_s"
+    rl = (
+        refused.value.ratelimit
+        if refused.value.ratelimit
+        else d.limiter.headroom(tenant, "requests_per_s")
     )
     assert rl["requests_remaining"] == 0
     assert 0 < rl["tokens_remaining"] < 60000, rl  # the first request took 50 (1,000/s refill)

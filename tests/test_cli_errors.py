@@ -14,6 +14,8 @@ import pytest
 from devstack.procs import free_port
 
 ADMISSION = str(Path(sys.executable).with_name("admission"))
+
+
 def _subcommands() -> list[str]:
     """Every subcommand the parser knows, plugins (up, demo, bench) included."""
     import argparse
