@@ -30,7 +30,7 @@ from admission.metrics import Metrics
 from admission.policy import Policy, Tenant
 from admission.reload import PolicyHolder
 from admission.scheduling import Dispatcher, prefixes
-from admission.scheduling.leases import REQUEST_ID
+from admission.scheduling.ticket import REQUEST_ID
 
 log = logging.getLogger(__name__)
 

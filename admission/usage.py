@@ -13,7 +13,7 @@ from typing import Any
 
 from admission.errors import BadRequest
 from admission.policy import Policy
-from admission.scheduling.leases import parse_ticket
+from admission.scheduling.ticket import parse_ticket
 
 log = logging.getLogger(__name__)
 

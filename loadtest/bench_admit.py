@@ -24,6 +24,7 @@ import redis
 from admission.nodes.state import NodeState, Status
 from admission.store import keys
 from devstack.procs import RedisServer, sidecar_command, stop_process, wait_for
+from loadtest.records import percentile
 from loadtest.scratch import add_flag, scratch
 
 POLICY = """
@@ -36,11 +37,6 @@ nodes:
   n1: {{url: "http://127.0.0.1:9", models: [m], memory_source: kv, max_inflight: 100000}}
 """
 TENANT = '  t{i}: {{keys: ["sha256:{d}"], limits: {{requests_per_s: 100000, request_burst: 100000, tokens_per_min: 1000000000, token_burst: 100000000}}}}'
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
 
 
 async def one(
@@ -153,8 +149,8 @@ def main() -> None:
         lat, late = asyncio.run(open_loop(sock, a.seconds, a.rate))
         ms = [x * 1000 for x in lat]
         print(
-            f"open loop at {a.rate:,.0f}/s for {a.seconds:.0f}s: /admit latency p50 {pct(ms, 50):.2f} ms, "
-            f"p99 {pct(ms, 99):.2f} ms, max {max(ms):.2f} ms (n={len(ms)}, mean send lateness {late * 1000:.2f} ms)"
+            f"open loop at {a.rate:,.0f}/s for {a.seconds:.0f}s: /admit latency p50 {percentile(ms, 50):.2f} ms, "
+            f"p99 {percentile(ms, 99):.2f} ms, max {max(ms):.2f} ms (n={len(ms)}, mean send lateness {late * 1000:.2f} ms)"
         )
     finally:
         stop_process(proc)

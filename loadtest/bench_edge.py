@@ -24,13 +24,9 @@ from typing import Any
 import aiohttp
 
 from devstack.procs import free_port, http_ok, stop_process, wait_for
+from loadtest.records import percentile
 from loadtest.scratch import add_flag, scratch
 from loadtest.stub import beside_plain_nginx, nginx_stub
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))]
 
 
 async def load(
@@ -216,14 +212,16 @@ def main() -> None:
         after_c = samples(stack.sidecar_url)
         print(
             f"{a.rate:.0f} req/s on each path for {a.seconds:.0f}s, stub latency {a.delay_ms:.0f} ms "
-            f"(generator lateness p50 {pct(late, 50):.2f} ms, p99 {pct(late, 99):.2f} ms)"
+            f"(generator lateness p50 {percentile(late, 50):.2f} ms, p99 {percentile(late, 99):.2f} ms)"
         )
         print(f"{'path':<20} {'n':>6} {'err':>4} {'p50 ms':>8} {'p99 ms':>8}")
         for k, v in lat.items():
-            print(f"{k:<20} {len(v):>6} {errors[k]:>4} {pct(v, 50):>8.2f} {pct(v, 99):>8.2f}")
+            print(
+                f"{k:<20} {len(v):>6} {errors[k]:>4} {percentile(v, 50):>8.2f} {percentile(v, 99):>8.2f}"
+            )
         d, f = lat["nginx direct"], lat["nginx + admission"]
         print(
-            f"{'added by admission':<20} {'':>6} {'':>4} {pct(f, 50) - pct(d, 50):>8.2f} {pct(f, 99) - pct(d, 99):>8.2f}"
+            f"{'added by admission':<20} {'':>6} {'':>4} {percentile(f, 50) - percentile(d, 50):>8.2f} {percentile(f, 99) - percentile(d, 99):>8.2f}"
         )
         # Of what is added, the part spent inside the sidecar (ask read → answer written), and
         # of that its Redis round trips; the rest is the hops (NGINX ↔ sidecar, each process's

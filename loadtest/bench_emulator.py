@@ -27,17 +27,13 @@ import aiohttp
 from devstack.procs import free_port, stop_process, wait_for
 from engine.profiles import PROFILES
 from engine.scheduler import Scheduler, Seq
+from loadtest.records import percentile
 
 PUBLIC = {
     "a100-40gb-llama3-8b": "vendor article (ENGINE_FACTS.md): A100 40 GB, Llama-3-8B Q4, short chat, "
     "continuous batching ~55-65 req/s with P99 < 200 ms; FIFO without batching ~12-15 req/s",
     "h100-80gb-llama3-70b": "decode bound by weights/HBM: 70 GB fp8 over 2 x 3.35 TB/s ≈ 10 ms a step",
 }
-
-
-def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p / 100 * len(xs)))] if xs else float("nan")
 
 
 def simulate(profile: str, rate: float, seconds: float, seed: int = 1) -> dict[str, float]:
@@ -69,8 +65,8 @@ def simulate(profile: str, rate: float, seconds: float, seed: int = 1) -> dict[s
         "rate": rate,
         "rps": len(finished) / span,
         "tok_s": sum(q.generated for q in finished) / span,
-        "ttft_p50": pct(ttft, 50) * 1000,
-        "ttft_p99": pct(ttft, 99) * 1000,
+        "ttft_p50": percentile(ttft, 50) * 1000,
+        "ttft_p99": percentile(ttft, 99) * 1000,
         "kv_max": kv_max,
         "preempt": float(s.preemptions_total),
     }

@@ -23,7 +23,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from loadtest import drawn
-from loadtest.fuzz import Case, Tally, check
+from loadtest.fuzz_checks import Case, Tally, check
 
 KEYS = ("sk-demo-etl", "sk-demo-acme")
 

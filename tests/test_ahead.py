@@ -18,8 +18,9 @@ from admission.errors import Throttled
 from admission.policy import Policy
 from admission.scheduling import Dispatcher, leases
 from admission.scheduling.ahead import MAX_OUT
-from admission.scheduling.leases import Ask
+from admission.scheduling.ask import Ask
 from admission.scheduling.placing import Admission
+from admission.scheduling.ticket import answered_ahead, make_ticket, parse_ticket
 from admission.store import Call, keys
 from devstack.procs import RedisServer
 from tests.test_dispatcher import make
@@ -82,7 +83,7 @@ async def test_with_room_the_answer_does_not_wait_for_redis_and_the_release_wait
     assert ahead(d, "confirmed") == 1
     assert await redis.zscore(keys.node_leases("n1"), second.ticket) is None
     assert await redis.zscore(keys.node_leases("n1"), first.ticket) is not None
-    rid, _node, _t = leases.parse_ticket(second.ticket)
+    rid, _node, _t = parse_ticket(second.ticket)
     assert not await redis.exists(keys.tenant_keys("t1", rid)[4])  # its reservation settled
     await client.aclose()
 
@@ -269,7 +270,7 @@ async def test_a_release_at_another_sidecar_before_the_booking_leaves_nothing_bo
     await a.ahead.settled([adm.ticket])
     assert await redis.zcard(keys.node_leases("n1")) == 0
     assert int(await redis.hget(keys.node_ledger("n1"), "kv")) == 0
-    rid, _node, _t = leases.parse_ticket(adm.ticket)
+    rid, _node, _t = parse_ticket(adm.ticket)
     assert not await redis.exists(keys.tenant_keys("t1", rid)[4])  # nothing reserved
     tokens_after = int(await redis.hget(keys.tenant_keys("t1", "x")[1], "l"))
     assert tokens_before - tokens_after == pytest.approx(7_000_000, abs=20_000)  # what it used
@@ -284,13 +285,13 @@ async def test_a_release_at_another_sidecar_before_the_booking_leaves_nothing_bo
 
 
 def test_a_ticket_answered_ahead_is_marked_and_parses() -> None:
-    t = leases.make_ticket("abcdefgh", "n1", "t1", ahead=True)
-    assert t == "abcdefgh:n1:t1:a" and leases.answered_ahead(t)
-    assert leases.parse_ticket(t) == ("abcdefgh", "n1", "t1")
-    assert not leases.answered_ahead(leases.make_ticket("abcdefgh", "n1", "t1"))
+    t = make_ticket("abcdefgh", "n1", "t1", ahead=True)
+    assert t == "abcdefgh:n1:t1:a" and answered_ahead(t)
+    assert parse_ticket(t) == ("abcdefgh", "n1", "t1")
+    assert not answered_ahead(make_ticket("abcdefgh", "n1", "t1"))
     for bad in ("abcdefgh:n1:t1:b", "abcdefgh:n1:t1:a:a", "abcdefgh:n1"):
         with pytest.raises(ValueError):
-            leases.parse_ticket(bad)
+            parse_ticket(bad)
 
 
 async def test_a_sidecar_lets_through_ahead_at_most_half_the_room_it_sees(

@@ -20,9 +20,11 @@ from admission.metrics import Metrics
 from admission.nodes.state import Status
 from admission.policy import Policy
 from admission.scheduling import Dispatcher
+from admission.scheduling.ask import Ask
 from admission.scheduling.priority import BANDS
 from admission.scheduling.queue import Item
 from admission.scheduling.routing import ask_for, eligible, fallbacks
+from admission.scheduling.ticket import make_ticket
 from admission.scheduling.views import NodeView
 from admission.store import Call, Store, connect, keys
 from devstack.procs import RedisServer
@@ -239,7 +241,7 @@ async def full_node(redis_server: RedisServer) -> tuple[Policy, Dispatcher, Any]
     p = tenant_policy(redis_server.url, "{requests_per_s: 100, tokens_per_min: 60000}")
     p = dataclasses.replace(p, nodes={"n1": dataclasses.replace(p.nodes["n1"], max_inflight=1)})
     d, client = make(p)
-    take = leases.take(p.nodes["n1"], OCCUPANT, 60, leases.Ask(10, 50))
+    take = leases.take(p.nodes["n1"], OCCUPANT, 60, Ask(10, 50))
     assert leases.granted((await d.store.scripts.run(take))[0])
     return p, d, client
 
@@ -252,7 +254,7 @@ async def late_copy_books_nothing(d: Dispatcher, redis: Any, rid: str) -> None:
     await d.store.scripts.run(leases.give_back(OCCUPANT, released=True))
     assert await d.store.backlog.flush()
     node = d.policy().nodes["n1"]
-    late = leases.take(node, leases.make_ticket(rid, "n1", "t1"), 60, leases.Ask(10, 50))
+    late = leases.take(node, make_ticket(rid, "n1", "t1"), 60, Ask(10, 50))
     (res,) = await d.store.scripts.run(late)
     assert leases.over(res) == "released"
     assert await redis.zcard(keys.node_leases("n1")) == 0

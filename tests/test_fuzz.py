@@ -11,15 +11,8 @@ from pathlib import Path
 import pytest
 
 from devstack.stack import DEFAULT_POLICY, Stack
-from loadtest.fuzz import (
-    DEMO_KEYS,
-    FUZZ_KEY,
-    FUZZ_TENANT,
-    Case,
-    _after,
-    check,
-    fuzz_edge,
-)
+from loadtest.fuzz import DEMO_KEYS, FUZZ_KEY, FUZZ_TENANT, _after, fuzz_edge
+from loadtest.fuzz_checks import Case, check
 from loadtest.fuzz_policy import fuzz_policy
 
 pytestmark = pytest.mark.timeout(300)
@@ -53,7 +46,7 @@ def test_edge_answers_every_drawn_request_with_a_defined_answer(stack: Stack) ->
 def test_batch_api_answers_every_drawn_operation_with_a_defined_answer(stack: Stack) -> None:
     """Files and batches: drawn uploads (encodings, separators, junk lines, purposes, lives)
     and calls on real, foreign and impossible ids; every answer defined, nothing left behind."""
-    from loadtest.fuzz import Tally
+    from loadtest.fuzz_checks import Tally
     from loadtest.fuzz_batch import fuzz_batch
 
     tally = Tally()

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from admission.nodes.state import Status
 from admission.policy import load_policy
 from admission.scheduling import leases
-from admission.scheduling.leases import Ask
+from admission.scheduling.ask import Ask
 from admission.scheduling.routing import why_not
 from admission.scheduling.views import NodeView
 from admission.store import Scripts, keys

@@ -20,9 +20,9 @@ from admission.access import Access
 from admission.policy import parse_policy
 from admission.policy.diff import describe
 from admission.reload import edge_table
-from admission.scheduling.leases import make_ticket, new_request_id
 from admission.scheduling.outputs import FLOOR, MIN_ANSWERS, UrgentOutputs
 from admission.scheduling.queue import FairQueue, Item
+from admission.scheduling.ticket import make_ticket, new_request_id
 from admission.store import keys
 from admission.usage import release_args, release_finish
 from devstack.inspect import metric_sums, refunded

@@ -60,3 +60,107 @@ def test_the_limiter_knows_nothing_of_scheduling() -> None:
             assert not node.module.startswith("admission.scheduling"), node.module
         if isinstance(node, ast.arg):
             assert node.arg not in ("also", "lease", "give_back", "ticket"), node.arg
+
+
+def module_graph(*tops: str) -> dict[str, set[str]]:
+    """Module → the modules it imports (type-only imports too), within `tops`. `from pkg import
+    name` is an edge to pkg.name when that is a module, else to pkg."""
+    files = {}
+    for top in tops:
+        for f in (ROOT / top).rglob("*.py"):
+            name = ".".join(f.relative_to(ROOT).with_suffix("").parts)
+            files[name.removesuffix(".__init__")] = f
+    graph: dict[str, set[str]] = {m: set() for m in files}
+    for m, f in files.items():
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [
+                    f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in files else node.module
+                    for a in node.names
+                ]
+            else:
+                continue
+            graph[m] |= {t for t in targets if t in files and t != m}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_between_modules() -> None:
+    """Not between any two modules of the product, the dev stack, the engine or loadtest,
+    type-only imports included: a module that needs another's type takes it as a collaborator
+    (scheduling/running.py's Loop, scheduling/release.py's Releases), not a back-reference."""
+    assert cycles(module_graph("admission", "devstack", "engine", "loadtest")) == []
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == [["a", "b", "c"]]
+
+
+def test_only_the_package_face_imports_the_dispatcher() -> None:
+    graph = module_graph("admission")
+    users = {m for m, deps in graph.items() if "admission.scheduling.dispatcher" in deps}
+    assert users == {"admission.scheduling"}
+
+
+# The scheduling rules: pure (no asyncio, Redis or aiohttp), time passed in. The cluster side
+# (nodetable, reading, shares, placements, leases, trip, ahead, placing, release, running,
+# dispatcher) is what talks to Redis.
+RULES = (
+    "queue",
+    "priority",
+    "outputs",
+    "shedding",
+    "late",
+    "routing",
+    "candidates",
+    "views",
+    "prefixes",
+    "ask",
+    "ticket",
+    "gauges",
+)
+
+
+def test_the_scheduling_rules_import_no_asyncio_redis_or_aiohttp() -> None:
+    import subprocess
+    import sys
+
+    for rule in RULES:
+        probe = (
+            f"import sys; import admission.scheduling.{rule}; "
+            "print(sorted({'asyncio', 'redis', 'aiohttp'} & set(sys.modules)))"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT
+        )
+        assert out.stdout.strip() == "[]", (rule, out.stdout)

@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 
 from admission.policy import Node
 from admission.scheduling import leases
+from admission.scheduling.ask import Ask
+from admission.scheduling.ticket import make_ticket
 from admission.store import Scripts, keys
 from devstack.procs import RedisServer
 
@@ -72,7 +74,7 @@ def test_ledger_never_negative_always_cleared_and_shared(
             for op, i, who, tokens, rt in ops:
                 t = ticket(i)
                 if op == "take":
-                    ask = leases.Ask(
+                    ask = Ask(
                         tokens,
                         tokens * 2,
                         0.0,
@@ -120,9 +122,9 @@ def test_ledger_never_negative_always_cleared_and_shared(
 
 async def test_expired_leases_leave_the_ledger(redis: Any) -> None:
     s = Scripts(redis)
-    await s.run(leases.take(NODE, ticket(1), 0.05, leases.Ask(10, 100)))
+    await s.run(leases.take(NODE, ticket(1), 0.05, Ask(10, 100)))
     await asyncio.sleep(0.1)
-    res = (await s.run(leases.take(NODE, ticket(2), 60, leases.Ask(10, 50))))[0]
+    res = (await s.run(leases.take(NODE, ticket(2), 60, Ask(10, 50))))[0]
     assert leases.granted(res)
     _p, kv, entries = await ledger(redis)
     assert kv == 50 and set(entries) == {ticket(2)}
@@ -130,13 +132,13 @@ async def test_expired_leases_leave_the_ledger(redis: Any) -> None:
 
 async def test_prefill_budget_and_drain_by_rate(redis: Any) -> None:
     s = Scripts(redis)
-    ask = leases.Ask(900, 1000, prefill_rate=1000.0, prefill_budget=1000)
+    ask = Ask(900, 1000, prefill_rate=1000.0, prefill_budget=1000)
     assert leases.granted((await s.run(leases.take(NODE, ticket(1), 60, ask)))[0])  # idle: yes
     res = (await s.run(leases.take(NODE, ticket(2), 60, ask)))[0]
     assert leases.refusal(res) is not None and leases.refusal(res)[0] == "prefill"  # type: ignore[index]
     await asyncio.sleep(0.85)  # ~850 of the 900 pending tokens cleared at 1,000 tokens/s
     assert leases.granted((await s.run(leases.take(NODE, ticket(3), 60, ask)))[0])
-    unbudgeted = leases.Ask(900, 1000, prefill_rate=1000.0, prefill_budget=0)  # realtime
+    unbudgeted = Ask(900, 1000, prefill_rate=1000.0, prefill_budget=0)  # realtime
     assert leases.granted((await s.run(leases.take(NODE, ticket(4), 60, unbudgeted)))[0])
     pending, _kv, _e = await ledger(redis)
     assert 1400 < pending < 1900  # ~1,850, less whatever drained while a busy machine was slow
@@ -150,7 +152,7 @@ async def test_a_node_with_no_lease_left_has_nothing_pending_whatever_its_rate(
     at a time) has not drained what it booked. Before, such an idle node stayed "busy" and a
     realtime chat was answered 429 slo_unreachable (tests/test_supervision.py under load)."""
     s = Scripts(redis)
-    ask = leases.Ask(900, 1000, prefill_rate=20.0, prefill_budget=20)
+    ask = Ask(900, 1000, prefill_rate=20.0, prefill_budget=20)
     assert leases.granted((await s.run(leases.take(NODE, ticket(1), 60, ask)))[0])  # idle: yes
     res = (await s.run(leases.take(NODE, ticket(2), 60, ask)))[0]
     assert leases.refusal(res)[0] == "prefill"  # type: ignore[index]  # 900 pending at 20/s
@@ -164,13 +166,13 @@ async def test_lower_classes_get_only_idle_prefill_where_the_urgent_class_runs(
     """With urgent KV booked on a node, a lower-class ask within its budget still waits until
     the node's pending prefill has cleared; the urgent class itself is never gated by it."""
     s = Scripts(redis)
-    batch = leases.Ask(100, 200, prefill_rate=1000.0, prefill_budget=1000)
+    batch = Ask(100, 200, prefill_rate=1000.0, prefill_budget=1000)
     assert leases.granted((await s.run(leases.take(NODE, ticket(1), 60, batch)))[0])
     assert leases.granted((await s.run(leases.take(NODE, ticket(2), 60, batch)))[0])  # 200 < 1,000
     await s.run(leases.give_back(ticket(1)))
     await s.run(leases.give_back(ticket(2)))
     await asyncio.sleep(0.25)  # the 200 pending tokens clear at 1,000 tokens/s
-    rt = leases.Ask(100, 200, prefill_rate=1000.0, urgent=True)
+    rt = Ask(100, 200, prefill_rate=1000.0, urgent=True)
     assert leases.granted((await s.run(leases.take(NODE, ticket(3), 60, rt)))[0])
     res = (await s.run(leases.take(NODE, ticket(4), 60, batch)))[0]
     assert leases.refusal(res) is not None and leases.refusal(res)[0] == "prefill"  # type: ignore[index]
@@ -189,11 +191,11 @@ async def test_urgent_reserve_keeps_lower_classes_off_what_realtime_needs(redis:
     plus what of it waits) below the reserve limit; realtime itself is not held by it."""
     s = Scripts(redis)
 
-    def rt(tokens: int) -> leases.Ask:
-        return leases.Ask(10, tokens, kv_limit=1000, urgent=True)
+    def rt(tokens: int) -> Ask:
+        return Ask(10, tokens, kv_limit=1000, urgent=True)
 
-    def batch(tokens: int, waiting: int = 0) -> leases.Ask:
-        return leases.Ask(10, tokens, kv_limit=900, reserve_limit=1000, urgent_waiting=waiting)
+    def batch(tokens: int, waiting: int = 0) -> Ask:
+        return Ask(10, tokens, kv_limit=900, reserve_limit=1000, urgent_waiting=waiting)
 
     for i in range(3):  # realtime peaks at 600 tokens
         assert leases.granted((await s.run(leases.take(NODE, ticket(i), 60, rt(200))))[0])
@@ -221,13 +223,13 @@ async def test_urgent_class_counts_only_its_own_kv(redis: Any) -> None:
     limit (vLLM preempts the lower classes for it), and refused past it by its own KV."""
     s = Scripts(redis)
     for i in range(2):
-        ask = leases.Ask(10, 450, kv_limit=900)
+        ask = Ask(10, 450, kv_limit=900)
         assert leases.granted((await s.run(leases.take(NODE, ticket(i), 60, ask)))[0])
-    rt = leases.Ask(10, 600, kv_limit=1000, urgent=True)
+    rt = Ask(10, 600, kv_limit=1000, urgent=True)
     assert leases.granted((await s.run(leases.take(NODE, ticket(5), 60, rt)))[0])  # 1,500 booked
     res = (await s.run(leases.take(NODE, ticket(6), 60, rt)))[0]  # its own 600 + 600 > 1,000
     assert leases.refusal(res) is not None and leases.refusal(res)[0] == "memory"  # type: ignore[index]
-    res = (await s.run(leases.take(NODE, ticket(7), 60, leases.Ask(10, 10, kv_limit=900))))[0]
+    res = (await s.run(leases.take(NODE, ticket(7), 60, Ask(10, 10, kv_limit=900))))[0]
     assert leases.refusal(res) is not None and leases.refusal(res)[0] == "memory"  # type: ignore[index]
     h = await fields(redis)
     assert int(h["kv"]) == 1500 and int(h["u"]) == 600
@@ -235,13 +237,13 @@ async def test_urgent_class_counts_only_its_own_kv(redis: Any) -> None:
 
 async def test_urgent_reserve_decays_once_realtime_is_gone(redis: Any) -> None:
     s = Scripts(redis)
-    big = leases.Ask(10, 800, kv_limit=1000, urgent=True)
+    big = Ask(10, 800, kv_limit=1000, urgent=True)
     assert leases.granted((await s.run(leases.take(NODE, ticket(1), 60, big)))[0])
     await s.run(leases.give_back(ticket(1)))
     # rewind the reserve's clock by 40 s (two half-lives): 800 → 200
     h = await fields(redis)
     await redis.hset(keys.node_ledger("n1"), "rt", int(h["rt"]) - 40_000_000)
-    batch = leases.Ask(10, 750, kv_limit=900, reserve_limit=1000)
+    batch = Ask(10, 750, kv_limit=900, reserve_limit=1000)
     assert leases.granted((await s.run(leases.take(NODE, ticket(2), 60, batch)))[0])
     assert 190 < float((await fields(redis))["r"]) < 210
 
@@ -252,20 +254,20 @@ async def test_a_lease_that_reaches_redis_after_its_release_books_nothing(redis:
     lease left until its TTL, tests/test_many_sidecars.py now and then). A lease released in the
     usual order leaves no mark, and the same ticket's undo (not a release) none either."""
     s = Scripts(redis)
-    late = leases.make_ticket("d" * 32, "n1", "t")
+    late = make_ticket("d" * 32, "n1", "t")
     await s.run(leases.give_back(late, released=True))  # the release came first
-    res = (await s.run(leases.take(NODE, late, 60, leases.Ask(100, 200))))[0]
+    res = (await s.run(leases.take(NODE, late, 60, Ask(100, 200))))[0]
     assert leases.over(res) == "released"
     assert await redis.zcard(keys.node_leases("n1")) == 0
     _pending, kv, entries = await ledger(redis)
     assert kv == 0 and not entries
-    usual = leases.make_ticket("e" * 32, "n1", "t")
-    assert leases.granted((await s.run(leases.take(NODE, usual, 60, leases.Ask(100, 200))))[0])
+    usual = make_ticket("e" * 32, "n1", "t")
+    assert leases.granted((await s.run(leases.take(NODE, usual, 60, Ask(100, 200))))[0])
     await s.run(leases.give_back(usual, released=True))
     assert not await redis.zscore(keys.node_gone("n1"), usual)  # found and removed: no mark
-    undone = leases.make_ticket("c" * 32, "n1", "t")
+    undone = make_ticket("c" * 32, "n1", "t")
     await s.run(leases.give_back(undone))  # an undo: the same ticket may still lease later
-    again = (await s.run(leases.take(NODE, undone, 60, leases.Ask(100, 200))))[0]
+    again = (await s.run(leases.take(NODE, undone, 60, Ask(100, 200))))[0]
     assert leases.granted(again) and leases.over(again) == ""
 
 
@@ -277,8 +279,8 @@ async def test_a_lease_given_back_for_good_is_not_booked_again_by_a_late_copy(
     out command again) books nothing — before, it stayed until its TTL. The plain undo leaves
     no mark (test above)."""
     s = Scripts(redis)
-    gone = leases.make_ticket("f" * 32, "n1", "t")
-    ask = leases.Ask(100, 200)
+    gone = make_ticket("f" * 32, "n1", "t")
+    ask = Ask(100, 200)
     assert leases.granted((await s.run(leases.take(NODE, gone, 60, ask)))[0])
     await s.run(leases.give_back(gone, final=True))
     assert await redis.zscore(keys.node_gone("n1"), gone)  # found and removed: marked anyway
@@ -296,10 +298,10 @@ async def test_a_lease_asked_again_and_refused_keeps_no_booking(redis: Any) -> N
     leases after 6,000 clients, tests/test_overload.py)."""
     s = Scripts(redis)
     first, other = ticket(1), ticket(2)
-    big = leases.Ask(10, 800, kv_limit=1000)
+    big = Ask(10, 800, kv_limit=1000)
     assert leases.granted((await s.run(leases.take(NODE, other, 60, big)))[0])
     for urgent in (False, True):
-        ask = leases.Ask(10, 100, kv_limit=1000, urgent=urgent)
+        ask = Ask(10, 100, kv_limit=1000, urgent=urgent)
         assert leases.granted((await s.run(leases.take(NODE, first, 60, ask)))[0])
         retry = dataclasses.replace(ask, kv_limit=50)  # the node's room shrank meanwhile
         res = (await s.run(leases.take(NODE, first, 60, retry)))[0]
@@ -317,8 +319,8 @@ async def test_a_forced_booking_asked_again_after_its_release_books_nothing(redi
     the second, the mark being taken by the first) and the lease stayed until its TTL (9–19
     leases after 1,024–6,000 clients on a loaded machine, tests/test_overload.py)."""
     s = Scripts(redis)
-    t = leases.make_ticket("f" * 32, "n1", "t", ahead=True)
-    ask = leases.Ask(100, 200)
+    t = make_ticket("f" * 32, "n1", "t", ahead=True)
+    ask = Ask(100, 200)
     assert leases.granted((await s.run(leases.take(NODE, t, 60, ask, force=True)))[0])
     await s.run(leases.give_back(t, released=True))
     for _ in range(2):

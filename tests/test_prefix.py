@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from admission.policy import Node
 from admission.scheduling import leases, routing
+from admission.scheduling.ask import Ask
 from admission.scheduling.prefixes import NO_PREFIX, Prefix, PrefixIndex, parse
 from admission.scheduling.views import NodeView
 from admission.store import Scripts, keys
@@ -44,8 +45,8 @@ async def fields(redis: Any) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in h.items()}
 
 
-def ask(prompt: int, kv: int, blocks: tuple[str, ...], **kw: Any) -> leases.Ask:
-    return leases.Ask(prompt, kv, prefix=Prefix(blocks, SIZE) if blocks else NO_PREFIX, **kw)
+def ask(prompt: int, kv: int, blocks: tuple[str, ...], **kw: Any) -> Ask:
+    return Ask(prompt, kv, prefix=Prefix(blocks, SIZE) if blocks else NO_PREFIX, **kw)
 
 
 ops = st.lists(

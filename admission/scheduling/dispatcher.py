@@ -33,16 +33,18 @@ from admission.errors import (
 from admission.limits import Limiter, shadow
 from admission.metrics import Metrics
 from admission.policy import Policy, Tenant
-from admission.scheduling import leases, running, trip
+from admission.scheduling import leases, trip
 from admission.scheduling.ahead import Ahead
+from admission.scheduling.ask import Ask
 from admission.scheduling.late import late_heads
-from admission.scheduling.leases import Ask
 from admission.scheduling.nodetable import NodeTable
 from admission.scheduling.placing import Admission, Placer
 from admission.scheduling.prefixes import NO_PREFIX, Prefix
 from admission.scheduling.queue import FairQueue, Item
-from admission.scheduling.release import Released, release_many
+from admission.scheduling.release import Released, Releases
 from admission.scheduling.routing import urgent
+from admission.scheduling.running import REFRESH_S, Loop
+from admission.scheduling.ticket import make_ticket, new_request_id
 from admission.scheduling.views import NodeView
 from admission.store import Store
 
@@ -78,6 +80,10 @@ class Dispatcher:
         self.place = Placer(st, policy, metrics, self.nodes, clock, self.wake)
         self.nodes.lag = self.place.lag = limiter.lag  # one probe: the server's loop
         self.nodes.waiting_pairs = self.queue.waiting_tenants
+        self.releases = Releases(policy, self.ahead, self.nodes, limiter, self.place)
+        self.loop = Loop(
+            clock, metrics, self.nodes, self.place, self.queue, self.dispatch, self.wake
+        )
 
     def set_policy(self, policy: Policy) -> None:
         self.queue.set_policy(policy)
@@ -111,9 +117,9 @@ class Dispatcher:
         # tenant's answers of the class run (outputs.answer_kv), at most max_tokens — a tenant
         # sending a generous cap is neither booked nor charged its turn for tokens it never gets.
         expected = prompt_tokens + self.nodes.outputs.answer_kv(model, cls, tenant.id, max_tokens)
-        rid = rid or leases.new_request_id()
+        rid = rid or new_request_id()
         self._shed(policy, tenant, cls, model, expected)
-        await self.nodes.fresh(2 * running.REFRESH_S)  # after a quiet spell; busy, the loop polls
+        await self.nodes.fresh(2 * REFRESH_S)  # after a quiet spell; busy, the loop polls
         arrived = self.clock() - waited_s  # (re-asked: when it first arrived elsewhere)
         deadline = arrived + policy.classes[cls].deadline_s
         item = Item(tenant.id, cls, expected, model, arrived, deadline, rid=rid, asked=cost)
@@ -129,7 +135,7 @@ class Dispatcher:
         if nodes:
             (view, ask), now = nodes[0], self.clock()
             ahead = self.ahead.may(policy, tenant, cls, cost, view, ask, now)
-            ticket = leases.make_ticket(rid, view.node.id, tenant.id, ahead)
+            ticket = make_ticket(rid, view.node.id, tenant.id, ahead)
             if ahead:
                 forced = leases.take(view.node, ticket, ttl_s, ask, force=True)
                 booking = trip.forced(
@@ -201,7 +207,7 @@ class Dispatcher:
         reported, cached prompt tokens it found; -1: unknown). `names`: each one's (model,
         class) as the edge sent them, or None; `finishes`: how each answer ended (the engine's
         finish_reason; None: not said)."""
-        return await release_many(self, entries, names, finishes)
+        return await self.releases.settle(entries, names, finishes)
 
     # -- the queue ---------------------------------------------------------------------------
     def _fast_path(self, item: Item) -> list[tuple[NodeView, Ask]] | None:
@@ -308,7 +314,7 @@ class Dispatcher:
     # -- the loop ---------------------------------------------------------------------------
     async def run(self) -> None:
         """Read node views and dispatch the queue, until cancelled (running.py)."""
-        await running.run(self)
+        await self.loop.run()
 
     async def dispatch(self) -> int:
         """Admit as many queued requests as nodes have room for; return how many."""

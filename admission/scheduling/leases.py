@@ -1,81 +1,21 @@
-"""Tickets and node leases: the in-flight slots a request holds on a node, taken atomically in
-Redis (lease.lua) so several sidecars never over-admit one node together.
-
-A ticket is `<request id>:<node>:<tenant>`, so any sidecar process can take the release;
-`:a` at the end marks a request answered ahead of its booking (ahead.py): its release, finding
-nothing booked yet, leaves a mark so that the booking on its way books nothing.
+"""Node leases: the in-flight slots a request holds on a node, taken atomically in Redis
+(lease.lua) so several sidecars never over-admit one node together. What a request asks of a
+node is `ask.Ask`; the lease's name is its `ticket.Ticket`.
 """
 
 from __future__ import annotations
 
 import logging
-import re
-import secrets
-from dataclasses import dataclass
 from typing import Any
 
 from admission.policy import Node
-from admission.scheduling.prefixes import NO_PREFIX, Prefix
+from admission.scheduling.ask import Ask
+from admission.scheduling.ticket import parse_ticket
 from admission.store import Call, keys
 
 log = logging.getLogger(__name__)
 
 U = 1_000_000  # µs per second: lease TTLs are in Redis TIME units
-
-
-# A request id: ours (16 hex digits) or the edge's (NGINX's $request_id, 32 hex digits).
-REQUEST_ID = re.compile(r"[A-Za-z0-9_-]{8,64}")
-
-
-def new_request_id() -> str:
-    return secrets.token_hex(8)
-
-
-def make_ticket(rid: str, node: str, tenant: str, ahead: bool = False) -> str:
-    return f"{rid}:{node}:{tenant}:a" if ahead else f"{rid}:{node}:{tenant}"
-
-
-def answered_ahead(ticket: str) -> bool:
-    return ticket.endswith(":a")
-
-
-def parse_ticket(ticket: str) -> tuple[str, str, str]:
-    """(request id, node, tenant) of a ticket; ValueError if it is not one of ours."""
-    parts = ticket.split(":")
-    if len(parts) == 4 and parts[3] == "a":
-        parts.pop()
-    if len(parts) != 3 or not all(parts) or not REQUEST_ID.fullmatch(parts[0]):
-        raise ValueError("malformed ticket")
-    return parts[0], parts[1], parts[2]
-
-
-@dataclass(frozen=True)
-class Ask:
-    """What one request would add to a node's ledger, and the limits its class must respect."""
-
-    prompt_tokens: int  # pending prefill
-    kv_tokens: int  # KV reserved until release: prompt estimate + output cap
-    prefill_rate: float = 0.0  # the node's measured rate, tokens/s (0: unknown)
-    prefill_budget: int = 0  # max pending prefill tokens after this one (0: not gated)
-    kv_limit: int = -1  # max reserved KV tokens after this one (-1: not gated)
-    urgent: bool = False  # the class admitted until drain: its KV builds the urgent reserve
-    reserve_limit: int = -1  # other classes: their KV + this + the urgent reserve stay below
-    urgent_waiting: int = 0  # urgent KV the caller has waiting for this node
-    decode_limit_s: float = 0.0  # lower classes: the node's measured s/token must not be above
-    # (0: no guard); checked by the sidecar only (routing.why_not), not sent to Redis
-    prefix: Prefix = NO_PREFIX  # the prompt's head: lease.lua books what the node lacks of it
-    pool_blocks: int = 0  # prefix blocks the node's KV pool keeps (0: unbounded)
-    hit_tokens: int = 0  # prompt tokens this sidecar expects the node to have computed
-
-    @property
-    def prefill_tokens(self) -> int:
-        """Pending prefill this request adds, as this sidecar guesses it (Redis decides)."""
-        return max(0, self.prompt_tokens - self.hit_tokens)
-
-    @property
-    def new_kv(self) -> int:
-        """KV this request adds to the node's booking, as this sidecar guesses it."""
-        return max(0, self.kv_tokens - self.hit_tokens)
 
 
 def take(node: Node, ticket: str, ttl_s: float, ask: Ask, force: bool = False) -> Call:

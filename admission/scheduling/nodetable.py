@@ -19,9 +19,9 @@ from admission.metrics import Metrics
 from admission.nodes import feed
 from admission.nodes.state import Status
 from admission.policy import FailureMode, Policy
+from admission.scheduling.ask import Ask
 from admission.scheduling.candidates import EXAMINE, Candidates, prefix_nodes
 from admission.scheduling.gauges import NodeGauges
-from admission.scheduling.leases import Ask
 from admission.scheduling.outputs import UrgentOutputs
 from admission.scheduling.placements import Placements
 from admission.scheduling.prefixes import NO_PREFIX, Prefix

@@ -18,7 +18,7 @@ from typing import Any
 from admission.metrics import Metrics
 from admission.nodes.feed import after
 from admission.scheduling import leases
-from admission.scheduling.leases import Ask
+from admission.scheduling.ask import Ask
 from admission.scheduling.prefixes import Prefix, PrefixIndex, pool_blocks
 from admission.scheduling.views import NodeView
 from admission.store import keys

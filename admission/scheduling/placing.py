@@ -16,11 +16,12 @@ from admission.lag import LoopLag
 from admission.metrics import Metrics
 from admission.policy import FailureMode, Policy
 from admission.scheduling import leases
-from admission.scheduling.leases import Ask
+from admission.scheduling.ask import Ask
 from admission.scheduling.nodetable import NodeTable
 from admission.scheduling.priority import engine_priority
 from admission.scheduling.queue import Item
 from admission.scheduling.shedding import FairShed
+from admission.scheduling.ticket import make_ticket, parse_ticket
 from admission.scheduling.views import NodeView
 from admission.store import REDIS_DOWN, Call, PoolBusy, Store, dropped, keys
 
@@ -67,7 +68,7 @@ class Placer:
     async def lease(self, item: Item, nodes: list[tuple[NodeView, Ask]]) -> Admission | None:
         """Take a lease on the best node; None if its ledger refused (another sidecar booked)."""
         node, ask = nodes[0]
-        ticket = leases.make_ticket(item.rid, node.node.id, item.tenant)
+        ticket = make_ticket(item.rid, node.node.id, item.tenant)
         call = leases.take(node.node, ticket, self.policy().queue.lease_ttl_s, ask)
         late_until, again, resent = self.clock() + LATE_WAIT_S, True, False
 
@@ -167,7 +168,7 @@ class Placer:
     async def give_back(self, ticket: str) -> None:
         """Give back a lease granted to a request that will not run on it (refused, timed out,
         gone, or asked again elsewhere): for good (`leases.give_back`'s `final`)."""
-        _rid, node, _tenant = leases.parse_ticket(ticket)
+        _rid, node, _tenant = parse_ticket(ticket)
         self.freed(node)
         call = leases.give_back(ticket, final=True)
         try:
@@ -181,15 +182,13 @@ class Placer:
         """`ticket` placed a request asked again: a lease of the same request on another node
         of the model (its lost first sidecar took it, and no release will come for it) goes
         back — its node part only: the reservation is the live request's."""
-        rid, keep, tenant = leases.parse_ticket(ticket)
+        rid, keep, tenant = parse_ticket(ticket)
         nodes = [n for n, v in self.nodes.views.items() if n != keep and model in v.node.models]
-        others = [
-            leases.make_ticket(rid, n, tenant, ahead) for n in nodes for ahead in (False, True)
-        ]
+        others = [make_ticket(rid, n, tenant, ahead) for n in nodes for ahead in (False, True)]
         try:
             pipe = self.store.redis.pipeline(transaction=False)
             for t in others:
-                pipe.zscore(keys.node_leases(leases.parse_ticket(t)[1]), t)
+                pipe.zscore(keys.node_leases(parse_ticket(t)[1]), t)
             found = [t for t, at in zip(others, await pipe.execute(), strict=True) if at]
         except REDIS_DOWN:
             return  # they expire at lease_ttl_s

@@ -39,7 +39,7 @@ from typing import Any
 
 from admission.nodes.state import Status
 from admission.policy import AdmitUntil, Node, Policy
-from admission.scheduling.leases import Ask
+from admission.scheduling.ask import Ask
 from admission.scheduling.outputs import decode_limit_s, own_decode_limit_s
 from admission.scheduling.prefixes import NO_PREFIX, Prefix, home_rank, pool_blocks
 from admission.scheduling.views import NodeView

@@ -16,10 +16,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
-if TYPE_CHECKING:
-    from admission.scheduling.dispatcher import Dispatcher
+from admission.metrics import Metrics
+from admission.scheduling.nodetable import NodeTable
+from admission.scheduling.placing import Placer
+from admission.scheduling.queue import FairQueue
 
 log = logging.getLogger(__name__)
 
@@ -27,30 +30,44 @@ REFRESH_S = 0.1  # node-state poll period while requests flow: a fraction of the
 IDLE_REFRESH_S = 0.5  # ... and while none has (idle CPU); a decision reads first if > 0.2 s
 
 
-async def run(d: Dispatcher) -> None:
-    """Refresh node views and dispatch, until cancelled. An unexpected error is logged and the
-    loop goes on: a dead dispatcher would leave every queued request to time out."""
-    next_refresh = 0.0
-    while True:
-        try:
-            now = d.clock()
-            d.metrics.held_recent.tick(now)
-            if now >= next_refresh:
-                await d.nodes.refresh()
-                idle = not (d.place.active or len(d.queue))
-                next_refresh = now + (IDLE_REFRESH_S if idle else REFRESH_S)
-                d.place.active = False
-            started = time.process_time()
-            await d.dispatch()
-            d.metrics.dispatch_seconds.observe(time.process_time() - started)
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            log.exception("dispatcher step failed; continuing")
-            d.metrics.redis_errors.labels("dispatch").inc()
-        d.wake.clear()
-        wait = REFRESH_S if len(d.queue) else max(0.0, next_refresh - d.clock())
-        try:
-            await asyncio.wait_for(d.wake.wait(), wait)
-        except TimeoutError:
-            pass
+@dataclass
+class Loop:
+    """The dispatcher's loop, given what it uses: the node table it refreshes, the placer whose
+    activity sets the pace, the queue it waits on, the pass it runs and the event that wakes
+    it (a request queued, a lease given back)."""
+
+    clock: Callable[[], float]
+    metrics: Metrics
+    nodes: NodeTable
+    place: Placer
+    queue: FairQueue
+    dispatch: Callable[[], Awaitable[int]]
+    wake: asyncio.Event
+
+    async def run(self) -> None:
+        """Refresh node views and dispatch, until cancelled. An unexpected error is logged and
+        the loop goes on: a dead dispatcher would leave every queued request to time out."""
+        next_refresh = 0.0
+        while True:
+            try:
+                now = self.clock()
+                self.metrics.held_recent.tick(now)
+                if now >= next_refresh:
+                    await self.nodes.refresh()
+                    idle = not (self.place.active or len(self.queue))
+                    next_refresh = now + (IDLE_REFRESH_S if idle else REFRESH_S)
+                    self.place.active = False
+                started = time.process_time()
+                await self.dispatch()
+                self.metrics.dispatch_seconds.observe(time.process_time() - started)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("dispatcher step failed; continuing")
+                self.metrics.redis_errors.labels("dispatch").inc()
+            self.wake.clear()
+            wait = REFRESH_S if len(self.queue) else max(0.0, next_refresh - self.clock())
+            try:
+                await asyncio.wait_for(self.wake.wait(), wait)
+            except TimeoutError:
+                pass

@@ -13,7 +13,7 @@ from typing import Any
 
 from admission.nodes.state import NodeState, Status
 from admission.policy import Node
-from admission.scheduling.leases import Ask
+from admission.scheduling.ask import Ask
 
 RESERVE_HALF_S = 20.0  # the urgent reserve halves in this time (lease.lua's RESERVE_HALF_US)
 CLOSED = (Status.DOWN, Status.DRAIN, Status.MAINTENANCE)  # nodes that take nothing new
