@@ -46,8 +46,8 @@ def test_edge_answers_every_drawn_request_with_a_defined_answer(stack: Stack) ->
 def test_batch_api_answers_every_drawn_operation_with_a_defined_answer(stack: Stack) -> None:
     """Files and batches: drawn uploads (encodings, separators, junk lines, purposes, lives)
     and calls on real, foreign and impossible ids; every answer defined, nothing left behind."""
-    from loadtest.fuzz_checks import Tally
     from loadtest.fuzz_batch import fuzz_batch
+    from loadtest.fuzz_checks import Tally
 
     tally = Tally()
     fuzz_batch(stack.url, 300, tally)
