@@ -8,7 +8,11 @@ import re
 
 from tests.conftest import ROOT
 
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted((ROOT / "docs" / "decisions").glob("*.md")),
+]
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 PATH = re.compile(
     r"`((?:admission|engine|devstack|loadtest|tests|docs|scripts)/[\w./@-]+?\.(?:py|lua|md|conf|"
@@ -45,3 +49,15 @@ def test_named_paths_and_tests_exist() -> None:
 def test_the_front_page_is_short() -> None:
     """README.md is what a first-time user reads: at most 200 lines; the rest lives in docs/."""
     assert len((ROOT / "README.md").read_text().splitlines()) <= 200
+
+
+def test_the_docs_show_the_present_in_their_sizes() -> None:
+    """The architecture is a map (the decisions are records of their own), the benchmarks page
+    holds today's figures (their history is in git), and each decision is short."""
+    lines = {d.relative_to(ROOT).as_posix(): len(d.read_text().splitlines()) for d in DOCS}
+    assert lines["docs/architecture.md"] <= 350
+    assert lines["docs/benchmarks.md"] <= 500
+    records = {d: n for d, n in lines.items() if d.startswith("docs/decisions/")}
+    assert len(records) >= 10 and max(records.values()) <= 40, records
+    listed = (ROOT / "docs" / "architecture.md").read_text()
+    assert all(d.removeprefix("docs/") in listed for d in records), "a record not on the map"
