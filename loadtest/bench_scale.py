@@ -38,8 +38,9 @@ from admission.nodes.feed import Publisher
 from admission.nodes.state import NodeState, Status
 from devstack.procs import RedisServer, sidecar_command, stop_process, wait_for
 from loadtest import bench_admit
-from loadtest.bench_admit import closed_loop, pct
+from loadtest.bench_admit import closed_loop
 from loadtest.bench_edge import histograms_in, inside
+from loadtest.records import percentile
 from loadtest.scratch import add_flag, scratch
 
 POLICY = bench_admit.POLICY.split("nodes:")[0] + "nodes:\n{nodes}\n"  # any number of nodes
@@ -240,7 +241,11 @@ def run_size(n: int, a: argparse.Namespace, work: Path) -> dict[str, float | str
         lat, _kinds, late = asyncio.run(open_loop(sock, a.seconds, a.rate))
         h1 = asyncio.run(decision_times(sock))
         ms = [x * 1000 for x in lat]
-        out["p50_ms"], out["p99_ms"], out["late_ms"] = pct(ms, 50), pct(ms, 99), late * 1000
+        out["p50_ms"], out["p99_ms"], out["late_ms"] = (
+            percentile(ms, 50),
+            percentile(ms, 99),
+            late * 1000,
+        )
         out["inside"] = inside_shares(h0, h1)
         if a.overload:
             # Tenant limits low enough to bind: each tenant gets at most its rate (+ burst).
