@@ -8,6 +8,7 @@ line and counted in `admission_policy_reloads_total{result="invalid"}`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import json
 import logging
@@ -20,7 +21,7 @@ from pathlib import Path
 from admission import cache_salt
 from admission.errors import PolicyError
 from admission.metrics import Metrics
-from admission.policy import Policy, load_policy
+from admission.policy import Node, Policy, load_policy
 from admission.scheduling.priority import BANDS
 
 log = logging.getLogger(__name__)
@@ -35,11 +36,14 @@ def _digest(path: Path) -> str:
 
 
 class PolicyHolder:
-    """The running policy, swapped atomically; listeners run after each successful swap."""
+    """The running policy, swapped atomically; listeners run after each successful swap. The
+    running policy is the file's (`file_policy`) with the nodes that registered themselves
+    (`set_registered`, nodes/registry.py) among its nodes."""
 
     def __init__(self, path: Path, policy: Policy, metrics: Metrics) -> None:
         self.path = path
-        self.current = policy
+        self.current = self.file_policy = policy
+        self.registered: dict[str, Node] = {}
         self.metrics = metrics
         self.listeners: list[Callable[[Policy], None]] = []
         self.version, self.loaded_at = _digest(path), time.time()
@@ -69,8 +73,38 @@ class PolicyHolder:
             self.rejected = False
             self.metrics.policy_rejected.set(0)
             log.warning("policy %s valid again (version %s)", self.path, _digest(self.path))
-        if new == self.current:
+        self.file_policy = new
+        if not self._swap():
             return True
+        self.metrics.policy_reloads.labels("ok").inc()
+        self.version, self.loaded_at = _digest(self.path), time.time()
+        self.metrics.policy_loaded.set(self.loaded_at)
+        log.info("policy %s reloaded: version %s", self.path, self.version)
+        return True
+
+    def set_registered(self, nodes: dict[str, Node]) -> None:
+        """The registered nodes the sidecar believes now; the policy swaps if they changed."""
+        if nodes == self.registered:
+            return
+        joined = sorted(set(nodes) - set(self.registered))
+        left = sorted(set(self.registered) - set(nodes))
+        self.registered = nodes
+        if self._swap():
+            log.warning(
+                "discovery: %d registered node(s)%s%s",
+                len(nodes),
+                f"; joined: {', '.join(joined)}" if joined else "",
+                f"; left: {', '.join(left)}" if left else "",
+            )
+
+    def _swap(self) -> bool:
+        """Make the file's policy with the registered nodes the running one; whether it moved."""
+        new = self.file_policy
+        extra = {k: v for k, v in self.registered.items() if k not in new.nodes}
+        if extra:
+            new = dataclasses.replace(new, nodes={**new.nodes, **extra})
+        if new == self.current:
+            return False
         self.current = new
         for listener in self.listeners:
             try:
@@ -80,10 +114,6 @@ class PolicyHolder:
                 # (the dispatcher) on the old policy, nor stop the watcher: log and go on.
                 self.metrics.policy_reloads.labels("listener_error").inc()
                 log.exception("policy listener %r failed; the others have the new policy", listener)
-        self.metrics.policy_reloads.labels("ok").inc()
-        self.version, self.loaded_at = _digest(self.path), time.time()
-        self.metrics.policy_loaded.set(self.loaded_at)
-        log.info("policy %s reloaded: version %s", self.path, self.version)
         return True
 
     async def watch(self) -> None:

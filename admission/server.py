@@ -30,6 +30,7 @@ from admission.errors import (
 )
 from admission.limits import Limiter
 from admission.metrics import Metrics
+from admission.nodes.registry import Membership
 from admission.reload import PolicyHolder, write_edge_table
 from admission.scheduling import Dispatcher
 from admission.store import Store, connect_batch
@@ -277,11 +278,20 @@ def build_app(
         app[DECIDER] = Decider(holder, app[METRICS], d, app[LIMITER], app[RECENT])
         if edge_table is not None:  # nodes closing or opening change the edge's fail-open peers
             d.nodes.on_unusable = lambda closed: write_table(holder.current, closed)
+        # Registered nodes (nodes/registry.py), read once before serving: a restarted sidecar
+        # knows them at once.
+        members = Membership(app[STORE].redis, lambda: holder.file_policy, holder.set_registered)
+        try:
+            await asyncio.wait_for(members.step(), 2.0)
+        except Exception as exc:  # Redis away: its loop reads them when it answers
+            log.warning("discovery: registry not read at start (%s)", type(exc).__name__)
         await d.nodes.refresh()
         task = app[DISPATCH_TASK] = asyncio.create_task(d.run(), name="dispatcher")
         task.add_done_callback(_log_death)
         probe = asyncio.create_task(app[LIMITER].lag.run(), name="loop-lag")
+        discovery = asyncio.create_task(members.run(), name="discovery")
         yield
+        await _stop(discovery)
         await _stop(probe)
         await _stop(task)
         await d.ahead.close()

@@ -10,6 +10,7 @@ these; they never scrape engines.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Any
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from admission.nodes import memory
+from admission.nodes import feed, memory, registry
 from admission.nodes.feed import Publisher
 from admission.nodes.gpu import GpuReader, NvmlReader, SimulatedGpuReader
 from admission.nodes.rates import Booking, PrefillRate, PrefillSpeed, PrefixHits, Tpot
@@ -199,9 +200,19 @@ class Agent:
     """Publishes the state of `node_ids` (default: every node in the policy) to Redis."""
 
     def __init__(
-        self, redis: Any, policy: Policy, node_ids: list[str] | None = None, period_s: float = 0.2
+        self,
+        redis: Any,
+        policy: Policy,
+        node_ids: list[str] | None = None,
+        period_s: float = 0.2,
+        registration: tuple[Node, bytes] | None = None,
     ) -> None:
         self.redis = redis
+        self.registration = registration  # (the node it registers, the discovery secret)
+        if registration is not None:  # it watches that node alone, as a policy node
+            node = registration[0]
+            policy = dataclasses.replace(policy, nodes={**policy.nodes, node.id: node})
+            node_ids = [node.id]
         self.policy = policy
         self.node_ids = node_ids
         self.period_s = period_s
@@ -235,6 +246,8 @@ class Agent:
         pipe = self.redis.pipeline(transaction=False)
         stale_s = self.policy.watermarks.stale_after_s
         self.publisher.publish(pipe, list(states), time.monotonic(), stale_s)
+        if self.registration is not None:
+            registry.heartbeat(pipe, self.registration[0].id)
         # Each ledger's prefill booked (lease.lua's `pb`), for the next sample's rates: read in
         # the same round trip, a tick late (the estimate spans ~20 s).
         for n in nodes:
@@ -260,29 +273,80 @@ class Agent:
         from admission.policy import load_policy
 
         try:
-            self.policy = load_policy(path)
+            policy = load_policy(path)
+            if self.registration is not None:  # the node it registered stays its node
+                node = self.registration[0]
+                policy = dataclasses.replace(policy, nodes={**policy.nodes, node.id: node})
+            self.policy = policy
             log.info("agent: policy %s reloaded", path)
         except PolicyError as exc:
             log.error("agent: policy %s rejected, keeping the running one:", path)
             for problem in exc.problems:
                 log.error("  %s", problem)
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def run(self, stop: asyncio.Event, grace_s: float = 0.0) -> None:
+        """Sample until `stop`; a registered node then leaves gracefully (`leave`)."""
         async with aiohttp.ClientSession() as session:
+            if self.registration is not None:
+                await self.register()
             last: dict[str, str] = {}
+            checked = time.monotonic()
             while not stop.is_set():
                 try:
                     for st in await self.tick(session):
                         if last.get(st.node) != st.state:
                             log.info("node %s: %s (memory %s)", st.node, st.state, st.memory)
                             last[st.node] = st.state
+                    if self.registration is not None and time.monotonic() - checked > 10:
+                        checked = time.monotonic()  # forgotten (a Redis flush): again
+                        if not await self.redis.hexists(keys.REGISTRY, self.registration[0].id):
+                            await self.register()
                 except Exception as exc:  # keep sampling through Redis blips
                     log.error("agent tick failed: %s", exc)
                 try:
                     await asyncio.wait_for(stop.wait(), self.period_s)
                 except TimeoutError:
                     pass
+            if self.registration is not None:
+                await self.leave(session, grace_s)
         self.nvml.close()
+
+    async def register(self) -> None:
+        """Sign and write the node's registration; a drain left by its last leave is cleared
+        (the node is back)."""
+        node, secret = self.registration or (None, b"")
+        assert node is not None
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.delete(keys.node_admin(node.id))
+        feed.add(pipe, node.id, "a", "")
+        await pipe.execute()
+        await registry.register(self.redis, secret, node)
+        log.info("node %s registered (%s, models %s)", node.id, node.url, ", ".join(node.models))
+
+    async def leave(self, session: aiohttp.ClientSession, grace_s: float) -> None:
+        """Graceful leave (SIGTERM: a preStop, a spot notice, a rolling upgrade): drain the node
+        — every sidecar routes nothing new there from its next refresh —, keep its state fresh
+        while its leases end (up to `grace_s`), then deregister. The drain stays until the node
+        registers again, so no sidecar routes there between the two."""
+        node = self.registration[0] if self.registration else None
+        if node is None:
+            return
+        pipe = self.redis.pipeline(transaction=False)
+        pipe.set(keys.node_admin(node.id), "drain")
+        feed.add(pipe, node.id, "a", "drain")
+        await pipe.execute()
+        deadline = time.monotonic() + grace_s
+        left = await self.redis.zcard(keys.node_leases(node.id))
+        log.warning("node %s leaving: drained; %d request(s) to end (%ss)", node.id, left, grace_s)
+        while left and time.monotonic() < deadline:
+            await asyncio.sleep(self.period_s)
+            try:
+                await self.tick(session)
+                left = await self.redis.zcard(keys.node_leases(node.id))
+            except Exception as exc:
+                log.error("agent tick failed while leaving: %s", exc)
+        await registry.deregister(self.redis, node.id)
+        log.warning("node %s deregistered (%d request(s) still running)", node.id, left)
 
 
 __all__ = ["OPEN", "Agent", "EngineSample", "NodeProbe", "parse_vllm_metrics"]

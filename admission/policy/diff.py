@@ -35,6 +35,26 @@ def _fields(kind: str, old: Any, new: Any, skip: tuple[str, ...] = ()) -> list[s
     return out
 
 
+def _discovery(old: Policy, new: Policy) -> list[str]:
+    """`discovery:` in plain words: registration turned on or off, which networks may register."""
+    a, b = old.discovery, new.discovery
+    out = []
+    if a.enabled != b.enabled:
+        out.append(
+            "discovery: nodes may now register themselves (admission agent --register)"
+            if b.enabled
+            else "discovery: off: registered nodes leave the views, listed ones stay"
+        )
+    for net in sorted(set(b.allow) - set(a.allow)):
+        out.append(f"discovery: nodes in {net} may register")
+    for net in sorted(set(a.allow) - set(b.allow)):
+        out.append(f"discovery: nodes in {net} may no longer register (those registered leave)")
+    if a.secret_file != b.secret_file:
+        out.append("discovery: registrations are checked against another secret file")
+    out += _fields("discovery", a, b, ("enabled", "allow", "secret_file"))
+    return out
+
+
 def describe(old: Policy, new: Policy) -> list[str]:
     """One line per change; empty when the policies mean the same."""
     out: list[str] = []
@@ -69,6 +89,7 @@ def describe(old: Policy, new: Policy) -> list[str]:
     out += _fields("watermarks", old.watermarks, new.watermarks)
     out += _fields("queue", old.queue, new.queue)
     out += _fields("edge", old.edge, new.edge)
+    out += _discovery(old, new)
     for nid in sorted(set(new.nodes) - set(old.nodes)):
         out.append(f"node {nid} added ({new.nodes[nid].url})")
     for nid in sorted(set(old.nodes) - set(new.nodes)):

@@ -15,19 +15,18 @@ from typing import Any
 import yaml
 
 from admission.errors import PolicyError
-from admission.policy.checks import Checker, duplicate_keys, is_id, line_map, shown
+from admission.policy.checks import Checker, duplicate_keys, line_map, shown
 from admission.policy.model import (
     AdmitUntil,
     ClassPolicy,
     EdgeSettings,
-    MemorySource,
-    Node,
     OnLate,
     Policy,
     QueueSettings,
     RedisSettings,
     Watermarks,
 )
+from admission.policy.nodes import parse_discovery, parse_nodes
 from admission.policy.pools import parse_batch, parse_pools
 from admission.policy.removed import removed as _removed
 from admission.policy.tenants import tenants as _tenants
@@ -87,6 +86,7 @@ _TOP = {
     "shadow",
     "pools",
     "batch",
+    "discovery",
 }
 
 
@@ -104,7 +104,8 @@ def _build(c: Checker, data: Any) -> Policy | None:
     classes = _classes(c, top.get("classes"))
     shadow = c.boolean(top, "shadow", "", False)  # every tenant's limits in shadow mode
     tenants = _tenants(c, top.get("tenants"), tiers, classes, shadow)
-    nodes = _nodes(c, top.get("nodes"))
+    nodes = parse_nodes(c, top.get("nodes"))
+    discovery = parse_discovery(c, top.get("discovery", {}))
     pools, tenant_pool = parse_pools(c, top.get("pools"), tenants, nodes)
     batch = parse_batch(c, top.get("batch", {}), classes)
     key_index: dict[str, str] = {}
@@ -114,14 +115,25 @@ def _build(c: Checker, data: Any) -> Policy | None:
                 c.err(f"tenants.{t.id}.keys[{i}]", f"key already belongs to tenant {key_index[d]}")
             key_index[d] = t.id
     served = {m for n in nodes.values() for m in n.models}
-    for t in tenants.values():
+    for t in tenants.values() if not discovery.enabled else ():  # registered nodes come later
         for i, m in enumerate(t.models):
             if m not in served:
                 c.err(f"tenants.{t.id}.models[{i}]", f"no node serves model {m!r}")
     if c.problems:
         return None
     return Policy(
-        redis, queue, wm, edge, classes, tenants, nodes, key_index, pools, tenant_pool, batch
+        redis,
+        queue,
+        wm,
+        edge,
+        classes,
+        tenants,
+        nodes,
+        key_index,
+        pools,
+        tenant_pool,
+        batch,
+        discovery,
     )
 
 
@@ -298,60 +310,3 @@ def _classes(c: Checker, raw: Any) -> dict[str, ClassPolicy]:
         c.err("classes", f"priority values must be distinct, got {prios}")
     out.sort(key=lambda k: k.priority)
     return {k.name: k for k in out}
-
-
-_NODE_KEYS = {
-    "url",
-    "models",
-    "memory_source",
-    "max_inflight",
-    "kv_pool_bytes",
-    "gpus",
-    "device_url",
-    "pool",
-}
-
-
-def _nodes(c: Checker, raw: Any) -> dict[str, Node]:
-    m = c.mapping(raw, "nodes", None)
-    if m is None:
-        return {}
-    out: dict[str, Node] = {}
-    urls: dict[str, str] = {}
-    for nid, body in m.items():
-        p = f"nodes.{nid}"
-        if not is_id(nid):
-            c.err(p, "node id must be letters, digits, '-', '_' or '.'")
-        b = c.mapping(body, p, _NODE_KEYS, required={"url", "models"}) or {}
-        url = c.string(b, "url", p, "", prefixes=("http://", "https://")).rstrip("/")
-        if url and url in urls:
-            c.err(f"{p}.url", f"same URL as node {urls[url]}")
-        urls[url] = str(nid)
-        models = tuple(c.string_list(b, "models", p, []))
-        if not models:
-            c.err(f"{p}.models", "must list at least one model")
-        gpus = b.get("gpus", [0])
-        if not isinstance(gpus, list) or not all(_gpu_ref(g) for g in gpus):
-            c.err(
-                f"{p}.gpus", "must be a list of NVML device indices (>= 0) or UUIDs (GPU-…, MIG-…)"
-            )
-            gpus = [0]
-        kv = b.get("kv_pool_bytes")
-        out[str(nid)] = Node(
-            id=str(nid),
-            url=url,
-            models=models,
-            memory_source=c.choice(b, "memory_source", p, MemorySource.EFFECTIVE),
-            max_inflight=c.integer(b, "max_inflight", p, 64, lo=1),
-            kv_pool_bytes=c.integer(b, "kv_pool_bytes", p, 0, lo=1) if kv is not None else None,
-            gpus=tuple(gpus),
-            device_url=c.string(b, "device_url", p, "") or None,
-            pool=c.string(b, "pool", p, "") or None,
-        )
-    return out
-
-
-def _gpu_ref(g: Any) -> bool:
-    return (isinstance(g, int) and not isinstance(g, bool) and g >= 0) or (
-        isinstance(g, str) and g.startswith(("GPU-", "MIG-"))
-    )

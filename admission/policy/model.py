@@ -171,6 +171,17 @@ class Node:
 
 
 @dataclass(frozen=True)
+class Discovery:
+    """`discovery:`: nodes that register themselves (admission agent --register)."""
+
+    enabled: bool = False
+    allow: tuple[str, ...] = ()  # networks a registered node's URL must be in
+    secret_file: str | None = None  # the shared secret registrations are signed with
+    forget_after_s: float = 300.0  # a registered node silent this long leaves the views
+    max_nodes: int = 4096  # registrations taken at most (the registry's bound)
+
+
+@dataclass(frozen=True)
 class Pool:
     """Nodes some tenants own (policy/pools.py)."""
 
@@ -224,6 +235,7 @@ class Policy:
     pools: dict[str, Pool] = field(default_factory=dict)
     tenant_pool: dict[str, str] = field(default_factory=dict)  # tenant id → the pool it owns
     batch: BatchSettings = field(default_factory=BatchSettings)
+    discovery: Discovery = field(default_factory=Discovery)
 
     def class_above(self, name: str) -> str:
         """The next more urgent class (aging), or `name` itself at the top."""

@@ -89,6 +89,13 @@ def node_admin(node: str) -> str:
     return f"{PREFIX}:{{n:{node}}}:admin"
 
 
+# Registered nodes (nodes/registry.py): each node's signed spec, a version bumped on every
+# change (sidecars read the specs only when it moved), and each one's last heartbeat.
+REGISTRY = f"{PREFIX}:registry"
+REGISTRY_VERSION = f"{PREFIX}:registry:v"
+REGISTRY_ALIVE = f"{PREFIX}:registry:alive"
+
+
 def all_tenant_keys_pattern() -> str:
     return f"{PREFIX}:{{t:*"
 
