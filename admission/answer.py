@@ -212,6 +212,7 @@ class Decider:
             raise
         finally:
             metrics.decided(tenant.id, cls, outcome, reason, time.perf_counter() - started)
+            dispatcher.demand.decided(model, outcome, reason)
             waited = adm.queued_s if outcome == "admitted" else 0.0
             self.recent.decided(tenant.id, cls, outcome, reason, waited, rid or "")
             if outcome not in ("admitted", "cancelled"):

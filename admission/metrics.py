@@ -179,6 +179,13 @@ class Metrics:
             ["model"],
             registry=r,
         )
+        self.model_nodes_needed = Gauge(
+            "admission_model_nodes_needed",
+            "Nodes the current demand needs per model to meet its classes' targets (the "
+            "demand signal; scheduling/demand.py): scale out above admission_model_nodes_serving.",
+            ["model"],
+            registry=r,
+        )
         self.model_nodes = Gauge(
             "admission_model_nodes_serving",
             "Nodes open or held per model, as this sidecar last saw them (0: no_capacity).",

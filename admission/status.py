@@ -123,6 +123,8 @@ def snapshot(
         "prefix": dispatcher.nodes.placements.snapshot(),
         "refusals": _grouped(recent.refusals),
         "held": _held(dispatcher, policy, mono),
+        # Per model: nodes serving and nodes the demand needs (scheduling/demand.py).
+        "demand": dispatcher.demand.now(),
     }
 
 

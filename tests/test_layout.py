@@ -148,6 +148,7 @@ RULES = (
     "ask",
     "ticket",
     "gauges",
+    "demand",
 )
 
 

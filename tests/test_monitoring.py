@@ -54,6 +54,7 @@ def exported() -> set[str]:
     m.queue_depth.labels("realtime").set(1)
     m.node_state.labels("n", "open").set(1)
     m.model_nodes.labels("m").set(1)
+    m.model_nodes_needed.labels("m").set(1)
     m.node_memory.labels("n").set(0.5)
     m.node_inflight.labels("n").set(1)
     m.gate[("n", "batch", "reserve")] += 1

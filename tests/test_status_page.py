@@ -180,6 +180,7 @@ async def test_status_json_is_read_only_and_carries_no_secrets(sidecar: Any) -> 
         "prefix",
         "refusals",
         "held",
+        "demand",
     }
     assert doc["fair_shed"] == []  # no class past capacity
     assert doc["answers_booked"] == []  # no answer learned yet: every request books its cap

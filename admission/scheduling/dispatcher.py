@@ -36,6 +36,7 @@ from admission.policy import Policy, Tenant
 from admission.scheduling import leases, trip
 from admission.scheduling.ahead import Ahead
 from admission.scheduling.ask import Ask
+from admission.scheduling.demand import DemandSignal
 from admission.scheduling.late import late_heads
 from admission.scheduling.nodetable import NodeTable
 from admission.scheduling.placing import Admission, Placer
@@ -80,6 +81,10 @@ class Dispatcher:
         self.place = Placer(st, policy, metrics, self.nodes, clock, self.wake)
         self.nodes.lag = self.place.lag = limiter.lag  # one probe: the server's loop
         self.nodes.waiting_pairs = self.queue.waiting_tenants
+        # What an autoscaler reads (demand.py): published after each refresh.
+        self.demand = DemandSignal(
+            policy, lambda: self.nodes.views.values(), self.queue, metrics, clock
+        )
         self.releases = Releases(policy, self.ahead, self.nodes, limiter, self.place)
         self.loop = Loop(
             clock, metrics, self.nodes, self.place, self.queue, self.dispatch, self.wake

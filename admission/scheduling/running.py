@@ -43,6 +43,7 @@ class Loop:
     queue: FairQueue
     dispatch: Callable[[], Awaitable[int]]
     wake: asyncio.Event
+    refreshed: Callable[[float], None] = lambda _now: None  # after each refresh (the demand)
 
     async def run(self) -> None:
         """Refresh node views and dispatch, until cancelled. An unexpected error is logged and
@@ -54,6 +55,7 @@ class Loop:
                 self.metrics.held_recent.tick(now)
                 if now >= next_refresh:
                     await self.nodes.refresh()
+                    self.refreshed(now)
                     idle = not (self.place.active or len(self.queue))
                     next_refresh = now + (IDLE_REFRESH_S if idle else REFRESH_S)
                     self.place.active = False
