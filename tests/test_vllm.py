@@ -386,7 +386,11 @@ def test_real_vllm_an_aborted_plain_request_is_charged(vstack: Stack) -> None:
     ).encode()
     with socket.create_connection(("127.0.0.1", vstack.port)) as s:
         s.sendall(head + body)
-        time.sleep(2.0)  # generating: no status line yet for a plain answer
+        # Leave once vLLM is generating it (no status line yet for a plain answer): a fixed
+        # sleep let a fast CPU finish all 2,000 tokens before the client left.
+        deadline = time.monotonic() + 30
+        while generated() - tokens < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
     assert not wait_unbooked(vstack.redis_url)  # released
     time.sleep(0.5)
     # vLLM was generating it when the client left: some of its 2,000 tokens, not all.
