@@ -8,7 +8,9 @@ The method, in three steps:
    utilisation by the resource that binds it first: requests in flight over `max_inflight`,
    projected KV memory (measured, or the ledger's reserved KV at the node's measured cost per
    token, above the memory weights take) over what the hold watermark leaves, and pending prefill over what the node clears within the
-   most urgent class's TTFT target at its measured prefill rate. The sum is `busy`, in nodes.
+   most urgent class's TTFT target at its measured prefill rate. The sum is `busy`, in nodes;
+   while requests wait in the queue every serving node counts as full (the product holds work
+   in its queue well before a node's resources run out: the queue is the overflow).
 2. **How much more is asked than served.** Over the last WINDOW_S, requests admitted (A) and
    refused for want of capacity (R: `slo_unreachable`, `over_fair_share`, `queue_timeout`,
    `queue_full`, `no_capacity`), and the requests waiting now (W): the demand factor is
@@ -86,9 +88,11 @@ class Demand:
                 for m in v.node.models:
                     by_model.setdefault(m, []).append(v)
         for model, serving in sorted(by_model.items()):
-            busy = sum(utilisation(v, hold, ttft_s, now) for v in serving)
             admitted, short = self.counts(model, now)
             w = waiting.get(model, 0)
+            busy = sum(utilisation(v, hold, ttft_s, now) for v in serving)
+            if w:  # requests wait: what the nodes could not take; every one of them is full
+                busy = max(busy, float(len(serving)))
             asked = admitted + short + w
             factor = asked / admitted if admitted else 1.0
             needed = 0
