@@ -35,6 +35,34 @@ def _digest(path: Path) -> str:
         return "unknown"
 
 
+def watched_dirs(path: Path) -> list[Path]:
+    """The directories whose changes can change the policy: the one the path names, and the
+    target's when the path is a symlink into another directory. A Kubernetes ConfigMap volume
+    is the first kind: `policies.yaml` → `..data/policies.yaml`, and an update swaps the
+    `..data` link to a new timestamped directory and deletes the old one, so the resolved
+    directory is never the one to watch there."""
+    named = path.absolute().parent
+    target = path.resolve().parent
+    if target == named or target.is_relative_to(named):
+        return [named]
+    return [named, target]
+
+
+def policy_filter(path: Path) -> Callable[[object, str], bool]:
+    """Events that may have changed the policy (the directories may be busy: logs, Redis AOF next
+    to a local stack's policy): the file itself, its symlink's target, or the `..data` swap of a
+    ConfigMap volume. A name compare first, resolve() only for the rest."""
+    name, target = path.name, path.resolve()
+
+    def wanted(_change: object, changed: str) -> bool:
+        base = Path(changed).name
+        if base in ("..data", name):
+            return True
+        return changed.endswith(target.name) and Path(changed).resolve() == target
+
+    return wanted
+
+
 class PolicyHolder:
     """The running policy, swapped atomically; listeners run after each successful swap. The
     running policy is the file's (`file_policy`) with the nodes that registered themselves
@@ -126,7 +154,6 @@ class PolicyHolder:
             loop.add_signal_handler(signal.SIGHUP, hup.set)
         except (RuntimeError, ValueError):  # not the main thread (tests): file watching only
             pass
-        target = self.path.resolve()
 
         async def on_hup() -> None:
             while True:
@@ -140,12 +167,12 @@ class PolicyHolder:
 
         hup_task = asyncio.create_task(on_hup())
         try:
-            # Not recursive, and a name compare before any resolve(): the directory may be busy
-            # (logs, Redis AOF next to a local stack's policy) and every event is filtered here.
-            name = target.name
-            only_policy = lambda _c, path: path.endswith(name) and Path(path).resolve() == target  # noqa: E731
             async for _changes in awatch(
-                target.parent, watch_filter=only_policy, debounce=200, step=50, recursive=False
+                *watched_dirs(self.path),
+                watch_filter=policy_filter(self.path),
+                debounce=200,
+                step=50,
+                recursive=False,
             ):
                 try:
                     self.reload()

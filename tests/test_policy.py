@@ -244,3 +244,42 @@ def test_check_diff_says_what_a_change_means(tmp_path: Path) -> None:
         cwd=tmp_path,
     )
     assert same.stdout.strip() == "no change in meaning"
+
+
+async def test_a_configmap_update_reloads_the_policy(tmp_path: Path) -> None:
+    """A Kubernetes ConfigMap volume: `policies.yaml` → `..data/policies.yaml`, `..data` → a
+    timestamped directory; an update writes a new directory, swaps `..data` by rename and deletes
+    the old one. The watcher sees it (it watched the deleted directory before)."""
+    import asyncio
+
+    from admission.metrics import Metrics
+    from admission.reload import PolicyHolder
+
+    base = _BASE.replace("REDIS_URL", "redis://127.0.0.1:1/0")
+
+    def version(name: str, text: str) -> None:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "policies.yaml").write_text(text)
+        (tmp_path / "..data_tmp").symlink_to(name)
+        (tmp_path / "..data_tmp").rename(tmp_path / "..data")
+
+    version("..2026_12_07_a", base)
+    f = tmp_path / "policies.yaml"
+    f.symlink_to("..data/policies.yaml")
+    holder = PolicyHolder(f, load_policy(f), Metrics())
+    watching = asyncio.create_task(holder.watch())
+    try:
+        await asyncio.sleep(0.5)
+        # Twice: the first swap deletes the directory the policy first resolved to.
+        for old, new, deadline in (("a", "b", 7), ("b", "c", 9)):
+            version(f"..2026_12_07_{new}", base.replace("deadline_s: 5", f"deadline_s: {deadline}"))
+            for gone in (tmp_path / f"..2026_12_07_{old}").iterdir():
+                gone.unlink()
+            (tmp_path / f"..2026_12_07_{old}").rmdir()
+            for _ in range(50):
+                if holder.current.classes["realtime"].deadline_s == deadline:
+                    break
+                await asyncio.sleep(0.1)
+            assert holder.current.classes["realtime"].deadline_s == deadline
+    finally:
+        watching.cancel()
