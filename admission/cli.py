@@ -1,4 +1,4 @@
-"""The `admission` command: check, serve, agent, node, example-policy.
+"""The `admission` command: check, serve, agent, node, and the commands that write an install.
 
 Development commands (`up`, `demo`, `bench`) come from other installed packages through the
 `admission.commands` entry point group: the product never imports them.
@@ -17,6 +17,7 @@ from admission.errors import PolicyError
 from admission.install import (
     cmd_admin_token,
     cmd_example_policy,
+    cmd_k8s_manifests,
     cmd_monitoring,
     cmd_nginx_snippets,
     cmd_systemd_units,
@@ -183,6 +184,25 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("monitoring", help="write the Prometheus alert rules and Grafana dashboard")
     m.add_argument("--out", required=True, help="directory, e.g. /etc/prometheus/admission")
     m.set_defaults(fn=cmd_monitoring)
+
+    k = sub.add_parser("k8s-manifests", help="write Kubernetes manifests for this policy")
+    k.add_argument("--out", required=True, help="directory (a kustomize base: kubectl apply -k)")
+    k.add_argument("--policy", default=DEFAULT_POLICY, help=POLICY_HELP)
+    k.add_argument("--image", required=True, help="the image holding NGINX and admission")
+    k.add_argument("--namespace", default="admission")
+    k.add_argument("--redis-url", help="an existing Redis (default: a one-pod trial StatefulSet)")
+    k.add_argument(
+        "--prometheus-url",
+        default="http://prometheus-operated.monitoring.svc:9090",
+        help="where KEDA reads the demand signal",
+    )
+    k.add_argument(
+        "--model", action="append", help="deploy vLLM for it (repeatable; default: the policy's)"
+    )
+    k.add_argument("--edge-replicas", type=int, default=2)
+    k.add_argument("--max-nodes", type=int, default=8, help="per model, the autoscaler's ceiling")
+    k.add_argument("--grace-s", type=int, default=120, help="a leaving node's requests' time")
+    k.set_defaults(fn=cmd_k8s_manifests)
 
     for ep in entry_points(group="admission.commands"):
         try:

@@ -82,5 +82,48 @@ def cmd_monitoring(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_k8s_manifests(args: argparse.Namespace) -> int:
+    """Render the Kubernetes manifests for this policy into --out (a kustomize base)."""
+    from admission import kubernetes as k8s
+
+    policy = load_policy(args.policy)
+    cluster = k8s.Cluster(
+        image=args.image,
+        namespace=args.namespace,
+        redis_url=args.redis_url,
+        prometheus_url=args.prometheus_url,
+        edge_replicas=args.edge_replicas,
+        max_nodes=args.max_nodes,
+        grace_s=args.grace_s,
+        models=tuple(args.model or ()),
+    )
+    if not (cluster.models or k8s.served_models(policy)):
+        raise CommandError(
+            "the policy names no model (no listed node, no tenant's models): name the models "
+            "to deploy vLLM for with --model (repeatable)"
+        )
+    files = k8s.render(policy, Path(args.policy).read_text(), cluster)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in k8s.written_before(out) - set(files):  # a render of the past: e.g. redis.yaml
+        (out / stale).unlink(missing_ok=True)
+        print(f"{out / stale} removed")
+    for name, objs in files.items():
+        (out / name).write_text(k8s.dump(objs))
+        print(out / name)
+    if not policy.discovery.enabled:
+        print(
+            "note: the policy's discovery.enabled is false, so the vLLM pods' agents cannot "
+            "register: set discovery: {enabled: true, allow: [<the pod network>], secret_file: "
+            "...} (docs/operations.md, Running on Kubernetes)"
+        )
+    print(
+        f"Then: kubectl create namespace {args.namespace}; kubectl -n {args.namespace} create "
+        f"secret generic {k8s.SECRETS} --from-file=admin-token=<file> "
+        f"--from-file=discovery-secret=<file>; kubectl apply -k {out}"
+    )
+    return 0
+
+
 def _exe(args: argparse.Namespace) -> str:
     return getattr(args, "admission", None) or str(Path(sys.executable).with_name("admission"))
