@@ -16,6 +16,9 @@ every 0.2 s; states that do not move, as on a steady cluster). Then, per size:
 4. overload: open loop at twice what the closed loop carried, 16 tenants with a limit of
    `--tenant-rps` requests/s each: answers by kind, whether any came from fail-open (the
    sidecar's log), and whether any tenant got more than its limit admitted.
+`--registered`: each size also with its nodes registered instead of listed (issue 65): the
+policy lists none, its `discovery:` is on, and the same nodes are written to the registry as
+`admission agent --register` writes them (signed), the agents heartbeating each tick.
 The table compares sizes as ratios within one run (these machines are noisy).
 """
 
@@ -34,8 +37,11 @@ from pathlib import Path
 import aiohttp
 import redis
 
+from admission.nodes import registry
 from admission.nodes.feed import Publisher
 from admission.nodes.state import NodeState, Status
+from admission.policy import load_policy
+from admission.store import keys
 from devstack.procs import RedisServer, sidecar_command, stop_process, wait_for
 from loadtest import bench_admit
 from loadtest.bench_admit import closed_loop
@@ -44,6 +50,8 @@ from loadtest.records import percentile
 from loadtest.scratch import add_flag, scratch
 
 POLICY = bench_admit.POLICY.split("nodes:")[0] + "nodes:\n{nodes}\n"  # any number of nodes
+DISCOVERY = 'discovery: {{enabled: true, allow: ["127.0.0.0/8"], secret_file: "{secret}"}}\n'
+SECRET = b"bench-scale-registration-secret"
 TENANT = (
     '  t{i}: {{keys: ["sha256:{d}"], limits: {{requests_per_s: {rps}, request_burst: {rps},'
     " tokens_per_min: 1000000000, token_burst: 100000000}}}}"
@@ -67,9 +75,12 @@ class Agents(multiprocessing.Process):
     the load generator is not slowed); counts the commands it sends. `nice`: its scheduling
     niceness (real agents run on the GPU hosts, not beside the load generator)."""
 
-    def __init__(self, url: str, n: int, cluster: bool = False, nice: int = 0) -> None:
+    def __init__(
+        self, url: str, n: int, cluster: bool = False, nice: int = 0, registered: bool = False
+    ) -> None:
         super().__init__(daemon=True)
         self.url, self.n, self.cluster, self.nice = url, n, cluster, nice
+        self.registered = registered  # also heartbeat each node's registration
         self.count = multiprocessing.Value("q", 0)
         self.stop = multiprocessing.Event()
         self.drain = multiprocessing.Event()  # set: node n{drain_node} is published drained
@@ -102,6 +113,10 @@ class Agents(multiprocessing.Process):
                 )
             pipe = r.pipeline(transaction=False)
             told = pub.publish(pipe, states, time.monotonic(), 3.0)
+            if self.registered:
+                for st in states:
+                    registry.heartbeat(pipe, st.node)
+                told += len(states)
             pipe.execute()
             if draining:
                 self.drained_at.value = time.time()
@@ -187,19 +202,42 @@ def pin_rest(cpu: int) -> None:
         os.sched_setaffinity(0, rest)
 
 
-def run_size(n: int, a: argparse.Namespace, work: Path) -> dict[str, float | str]:
-    rs = RedisServer(work / f"redis-{n}")
+def register_all(url: str, listed: Path) -> None:
+    """Write every node of the `listed` policy to the registry, signed, as agents do."""
+    r = redis.Redis.from_url(url)
+    pipe = r.pipeline(transaction=False)
+    now = int(time.time() * 1000)
+    for node in load_policy(listed).nodes.values():
+        pipe.hset(keys.REGISTRY, node.id, registry.signed(SECRET, node))
+        pipe.zadd(keys.REGISTRY_ALIVE, {node.id: now})
+    pipe.incr(keys.REGISTRY_VERSION)
+    pipe.execute()
+    r.close()
+
+
+def run_size(
+    n: int, a: argparse.Namespace, work: Path, registered: bool = False
+) -> dict[str, float | str]:
+    name = f"{n}-registered" if registered else str(n)
+    rs = RedisServer(work / f"redis-{name}")
     rs.start()
-    policy = work / f"policies-{n}.yaml"
+    policy = work / f"policies-{name}.yaml"
     tenants = "\n".join(
         TENANT.format(i=i, d=hashlib.sha256(f"k{i}".encode()).hexdigest(), rps=100000)
         for i in range(16)
     )
     nodes = "\n".join(NODE.format(i=i, port=10000 + i) for i in range(n))
     policy.write_text(POLICY.format(url=rs.url, tenants=tenants, nodes=nodes))
-    sock = str(work / f"sidecar-{n}.sock")
-    log = (work / f"sidecar-{n}.log").open("w")
-    agents = Agents(rs.url, n, nice=10 if a.pin else 0)
+    if registered:  # the same nodes, in the registry instead of the policy
+        register_all(rs.url, policy)
+        secret = work / "discovery.secret"
+        secret.write_bytes(SECRET + b"\n")
+        nodes = "  {}"
+        text = POLICY.format(url=rs.url, tenants=tenants, nodes="").replace("nodes:\n", "nodes: {}")
+        policy.write_text(text + DISCOVERY.format(secret=secret))
+    sock = str(work / f"sidecar-{name}.sock")
+    log = (work / f"sidecar-{name}.log").open("w")
+    agents = Agents(rs.url, n, nice=10 if a.pin else 0, registered=registered)
     agents.start()
     cmd = sidecar_command(str(policy), sock, "info")
     cmd[1:1] = os.environ.get("BENCH_PY_ARGS", "").split()  # e.g. "-m cProfile -o FILE"
@@ -211,12 +249,14 @@ def run_size(n: int, a: argparse.Namespace, work: Path) -> dict[str, float | str
         stderr=log,
     )
     r = redis.Redis.from_url(rs.url)
-    out: dict[str, float | str] = {"nodes": n}
+    out: dict[str, float | str] = {"nodes": f"{n:,}" + (" registered" if registered else "")}
     try:
         wait_for(lambda: os.path.exists(sock) or proc.poll() is not None, 30, "sidecar")
         if proc.poll() is not None:
             raise SystemExit(f"the sidecar exited: {log.name}")
         time.sleep(3)  # its first full read, and the idle poll
+        if registered:
+            wait_for(lambda: f"{n} registered node(s)" in Path(log.name).read_text(), 30, "nodes")
         (c0, rc0, _n0), a0, t0 = redis_load(r), agents.commands, time.monotonic()
         cpu0 = cpu_s(proc.pid)
         time.sleep(a.seconds)
@@ -253,7 +293,10 @@ def run_size(n: int, a: argparse.Namespace, work: Path) -> dict[str, float | str
                 TENANT.format(i=i, d=hashlib.sha256(f"k{i}".encode()).hexdigest(), rps=a.tenant_rps)
                 for i in range(16)
             )
-            policy.write_text(POLICY.format(url=rs.url, tenants=tenants, nodes=nodes))
+            text = POLICY.format(url=rs.url, tenants=tenants, nodes=nodes)
+            if registered:
+                text = text.replace("nodes:\n  {}", "nodes: {}") + DISCOVERY.format(secret=secret)
+            policy.write_text(text)
             time.sleep(2)  # reloaded
             rate = 2 * max(out["closed_per_s"], 1.0)
             lat, kinds, late = asyncio.run(open_loop(sock, a.seconds, rate))
@@ -293,6 +336,9 @@ def main() -> None:
     ap.add_argument("--overload", action="store_true", help="also run the overload phase")
     ap.add_argument("--tenant-rps", type=float, default=20)
     ap.add_argument(
+        "--registered", action="store_true", help="each size also with its nodes registered"
+    )
+    ap.add_argument(
         "--pin",
         action="store_true",
         help="the sidecar on the last CPU alone; the generator, agents and Redis on the others",
@@ -303,7 +349,11 @@ def main() -> None:
     if a.pin:
         pin_rest(a.pin_cpu)
     work = scratch("bench-scale-", a.keep_work)
-    rows = [run_size(int(n), a, work) for n in a.nodes.split(",")]
+    rows = []
+    for n in a.nodes.split(","):
+        rows.append(run_size(int(n), a, work))
+        if a.registered:
+            rows.append(run_size(int(n), a, work, registered=True))
     base = rows[0]
     print(
         "| nodes | sidecar CPU per admission + release | admissions + releases / s |"
@@ -314,7 +364,7 @@ def main() -> None:
     for row in rows:
         ratio = float(row["cpu_us_per_admission"]) / float(base["cpu_us_per_admission"])
         print(
-            f"| {row['nodes']:,} | {row['cpu_us_per_admission']:,.0f} µs ({ratio:.2f}×) |"
+            f"| {row['nodes']} | {row['cpu_us_per_admission']:,.0f} µs ({ratio:.2f}×) |"
             f" {row['closed_per_s']:,.0f} | {row['p50_ms']:.2f} / {row['p99_ms']:.2f} ms"
             f" (send lateness ≤ {row['late_ms']:.1f} ms) | {row['inside']} |"
             f" {row['idle_cores']:.3f} cores |"
@@ -327,7 +377,7 @@ def main() -> None:
     print("|---:|---:|---:|---:|")
     for row in rows:
         print(
-            f"| {row['nodes']:,} | {row['redis_us_per_admission']:,.0f} µs |"
+            f"| {row['nodes']} | {row['redis_us_per_admission']:,.0f} µs |"
             f" {row['redis_cmds_per_admission']:.1f} / {row['redis_bytes_per_admission']:,.0f} |"
             f" {row['idle_redis_cores']:.3f} cores |"
         )

@@ -121,6 +121,10 @@ class Membership:
         self._alive_at = 0.0
         self._alive: set[str] = set()
         self._refused: dict[str, str] = {}  # node → why, logged once per reason
+        # Each registration checked once (signature, spec) per policy and secret, not per look:
+        # node → (its raw registration, the node or None, why not).
+        self._checked: dict[str, tuple[str, Node | None, str]] = {}
+        self._checked_for: tuple[Policy, bytes | None] | None = None
 
     async def step(self) -> None:
         """One look: the version; the specs when it moved; the heartbeats every ALIVE_EVERY_S."""
@@ -143,8 +147,18 @@ class Membership:
 
     def believed(self, policy: Policy, secret: bytes | None) -> dict[str, Node]:
         out: dict[str, Node] = {}
+        cached = self._checked_for
+        if cached is None or cached[0] is not policy or cached[1] != secret:
+            self._checked, self._checked_for = {}, (policy, secret)
+        for gone in self._checked.keys() - self._raw.keys():
+            del self._checked[gone]
         for nid in sorted(self._raw):
-            node, why = self._check(policy, secret, nid, self._raw[nid])
+            raw = self._raw[nid]
+            hit = self._checked.get(nid)
+            if hit is None or hit[0] != raw:
+                hit = (raw, *self._check(policy, secret, nid, raw))
+                self._checked[nid] = hit
+            node, why = hit[1], hit[2]
             if node is None:
                 if self._refused.get(nid) != why:
                     self._refused[nid] = why
