@@ -117,10 +117,18 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--url", default=env("ADMISSION_NODE_URL"), help="its vLLM's base URL")
     a.add_argument("--models", default=env("ADMISSION_NODE_MODELS"), help="comma-separated")
     a.add_argument("--pool", default=env("ADMISSION_NODE_POOL"), help="a pool of the policy")
+    max_inflight = env("ADMISSION_NODE_MAX_INFLIGHT")
     a.add_argument(
-        "--max-inflight", type=int, default=int(env("ADMISSION_NODE_MAX_INFLIGHT", "64"))
+        "--max-inflight",
+        type=int,
+        default=int(max_inflight) if max_inflight else None,
+        help="default: discovery.defaults, else 64",
     )
-    a.add_argument("--memory-source", default=env("ADMISSION_NODE_MEMORY_SOURCE", "effective"))
+    a.add_argument(
+        "--memory-source",
+        default=env("ADMISSION_NODE_MEMORY_SOURCE"),
+        help="default: discovery.defaults, else effective",
+    )
     a.add_argument("--device-url", default=env("ADMISSION_NODE_DEVICE_URL"), help="emulator only")
     a.add_argument(
         "--grace-s",

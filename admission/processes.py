@@ -129,9 +129,10 @@ def cmd_agent(args: argparse.Namespace) -> int:
     return 0
 
 
-def _registration(args: argparse.Namespace, policy: Any) -> tuple[Any, bytes]:
-    """The node `agent --register` registers, checked as the sidecars will check it, and the
-    secret it is signed with."""
+def _registration(args: argparse.Namespace, policy: Any) -> tuple[Any, bytes, dict[str, Any]]:
+    """The node `agent --register` registers, checked as the sidecars will check it, the
+    secret it is signed with and the spec it signs (what was given: the sidecars fill the rest
+    from their policy's discovery.defaults)."""
     from admission.nodes.registry import read_secret
     from admission.policy.nodes import registered_node
 
@@ -147,19 +148,14 @@ def _registration(args: argparse.Namespace, policy: Any) -> tuple[Any, bytes]:
         raise CommandError(
             "--register needs --node-id, --url and --models (or their $ADMISSION_NODE_*)"
         )
-    spec: dict[str, Any] = {
-        "url": args.url,
-        "models": [m for m in args.models.split(",") if m],
-        "max_inflight": args.max_inflight,
-        "memory_source": args.memory_source,
-    }
-    for name in ("pool", "device_url"):
+    spec: dict[str, Any] = {"url": args.url, "models": [m for m in args.models.split(",") if m]}
+    for name in ("max_inflight", "memory_source", "pool", "device_url"):
         if getattr(args, name):
             spec[name] = getattr(args, name)
     node, why = registered_node(policy, args.node_id, spec)
     if node is None:
         raise CommandError(f"node {args.node_id} cannot register: {why}")
-    return node, secret
+    return node, secret, spec
 
 
 def cmd_node(args: argparse.Namespace) -> int:

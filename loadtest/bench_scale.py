@@ -208,7 +208,7 @@ def register_all(url: str, listed: Path) -> None:
     pipe = r.pipeline(transaction=False)
     now = int(time.time() * 1000)
     for node in load_policy(listed).nodes.values():
-        pipe.hset(keys.REGISTRY, node.id, registry.signed(SECRET, node))
+        pipe.hset(keys.REGISTRY, node.id, registry.signed(SECRET, node.id, registry.spec_of(node)))
         pipe.zadd(keys.REGISTRY_ALIVE, {node.id: now})
     pipe.incr(keys.REGISTRY_VERSION)
     pipe.execute()

@@ -275,7 +275,7 @@ def test_the_pods_run_as_rendered(redis_server: RedisServer, work: Path) -> None
         }
         # Both sidecars read the registry, and NGINX's model list their table, within a second:
         # until then a request may meet one that does not know the model yet (404).
-        wait_for(lambda: call(url + "/v1/chat/completions", body)[0] == 200, 5, "the model")
+        wait_for(lambda: call(url + "/v1/chat/completions", body)[0] == 200, 15, "the model")
         status, answer = call(url + "/v1/chat/completions", body)
         assert status == 200, answer
         assert answer["choices"][0]["message"]["content"]

@@ -211,7 +211,7 @@ def test_a_fresh_sidecar_finds_the_registered_nodes_in_redis(stack: Stack) -> No
 
     async def go() -> dict[str, Any]:
         client = sync_redis.asyncio.Redis.from_url(stack.redis_url)
-        await registry.register(client, SECRET.encode(), node)
+        await registry.register(client, SECRET.encode(), node.id, registry.spec_of(node))
         try:
             holder = PolicyHolder(stack.runtime_policy, policy, Metrics())
             members = registry.Membership(client, lambda: holder.file_policy, holder.set_registered)
@@ -223,3 +223,64 @@ def test_a_fresh_sidecar_finds_the_registered_nodes_in_redis(stack: Stack) -> No
 
     nodes = asyncio.run(go())
     assert nodes["node-y"] == node and "node-0" in nodes
+
+
+def test_discovery_defaults_fill_what_a_registration_leaves_out(tmp_path: Path) -> None:
+    """`discovery.defaults`: per model, then "*", for the keys a registering agent was not
+    given; what it was given wins; a bad default is a policy problem with its path; `check
+    --diff` says what a change means."""
+    import argparse
+
+    import yaml
+
+    from admission.errors import PolicyError
+    from admission.processes import _registration
+
+    secret = tmp_path / "s"
+    secret.write_text(SECRET)
+    raw = yaml.safe_load(DEFAULT_POLICY.read_text())
+    raw["discovery"] = {
+        "enabled": True,
+        "allow": ["127.0.0.0/8"],
+        "secret_file": str(secret),
+        "defaults": {"*": {"max_inflight": 16}, "llama-3-8b": {"memory_source": "kv"}},
+    }
+    new = tmp_path / "new.yaml"
+    new.write_text(yaml.safe_dump(raw))
+    policy = load_policy(new)
+    spec = {"url": "http://127.0.0.1:8000", "models": ["llama-3-8b"]}
+    node, why = registered_node(policy, "gpu-7", spec)
+    assert node is not None, why
+    assert (node.max_inflight, node.memory_source.value) == (16, "kv")
+    node, _ = registered_node(policy, "gpu-7", {**spec, "max_inflight": 4})
+    assert node is not None and node.max_inflight == 4
+    # The agent signs only what it was given: the sidecars' defaults apply.
+    args = argparse.Namespace(
+        node_id="gpu-7",
+        url=spec["url"],
+        models="llama-3-8b",
+        max_inflight=None,
+        memory_source=None,
+        pool=None,
+        device_url=None,
+    )
+    node, _key, signed_spec = _registration(args, policy)
+    assert signed_spec == spec and node.max_inflight == 16
+    # A default a listed node could not have is refused, with its path.
+    raw["discovery"]["defaults"]["*"]["max_inflight"] = 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(raw))
+    with pytest.raises(PolicyError) as err:
+        load_policy(bad)
+    assert any(p.startswith("discovery.defaults.*") for p in err.value.problems), err.value
+    # check --diff
+    raw["discovery"]["defaults"]["*"]["max_inflight"] = 32
+    bad.write_text(yaml.safe_dump(raw))
+    out = subprocess.run(
+        [sys.executable, "-m", "admission.cli", "check", "--diff", str(new), str(bad)],
+        capture_output=True,
+        text=True,
+    )
+    assert "registered nodes of every model that do not say their max_inflight take 32" in (
+        out.stdout
+    ), out.stdout + out.stderr

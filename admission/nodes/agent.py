@@ -205,10 +205,12 @@ class Agent:
         policy: Policy,
         node_ids: list[str] | None = None,
         period_s: float = 0.2,
-        registration: tuple[Node, bytes] | None = None,
+        registration: tuple[Node, bytes, dict[str, Any]] | None = None,
     ) -> None:
         self.redis = redis
-        self.registration = registration  # (the node it registers, the discovery secret)
+        # (the node it registers, the discovery secret, the spec it signs: what it was given,
+        # the rest left to the policy's discovery.defaults)
+        self.registration = registration
         if registration is not None:  # it watches that node alone, as a policy node
             node = registration[0]
             policy = dataclasses.replace(policy, nodes={**policy.nodes, node.id: node})
@@ -314,13 +316,13 @@ class Agent:
     async def register(self) -> None:
         """Sign and write the node's registration; a drain left by its last leave is cleared
         (the node is back)."""
-        node, secret = self.registration or (None, b"")
-        assert node is not None
+        assert self.registration is not None
+        node, secret, spec = self.registration
         pipe = self.redis.pipeline(transaction=False)
         pipe.delete(keys.node_admin(node.id))
         feed.add(pipe, node.id, "a", "")
         await pipe.execute()
-        await registry.register(self.redis, secret, node)
+        await registry.register(self.redis, secret, node.id, spec)
         log.info("node %s registered (%s, models %s)", node.id, node.url, ", ".join(node.models))
 
     async def leave(self, session: aiohttp.ClientSession, grace_s: float) -> None:

@@ -71,17 +71,16 @@ def _mac(secret: bytes, nid: str, spec: dict[str, Any]) -> str:
     return hmac.new(secret, text.encode(), hashlib.sha256).hexdigest()
 
 
-def signed(secret: bytes, node: Node) -> str:
-    spec = spec_of(node)
-    return json.dumps({"spec": spec, "mac": _mac(secret, node.id, spec)}, sort_keys=True)
+def signed(secret: bytes, nid: str, spec: dict[str, Any]) -> str:
+    return json.dumps({"spec": spec, "mac": _mac(secret, nid, spec)}, sort_keys=True)
 
 
 # -- the agent's side ----------------------------------------------------------------------------
-async def register(redis: Any, secret: bytes, node: Node) -> None:
+async def register(redis: Any, secret: bytes, nid: str, spec: dict[str, Any]) -> None:
     """Write (or rewrite) the node's signed spec, mark it heard now, move the version."""
     pipe = redis.pipeline(transaction=False)
-    pipe.hset(keys.REGISTRY, node.id, signed(secret, node))
-    pipe.zadd(keys.REGISTRY_ALIVE, {node.id: int(time.time() * 1000)})
+    pipe.hset(keys.REGISTRY, nid, signed(secret, nid, spec))
+    pipe.zadd(keys.REGISTRY_ALIVE, {nid: int(time.time() * 1000)})
     pipe.incr(keys.REGISTRY_VERSION)
     await pipe.execute()
 

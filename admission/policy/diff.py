@@ -51,7 +51,16 @@ def _discovery(old: Policy, new: Policy) -> list[str]:
         out.append(f"discovery: nodes in {net} may no longer register (those registered leave)")
     if a.secret_file != b.secret_file:
         out.append("discovery: registrations are checked against another secret file")
-    out += _fields("discovery", a, b, ("enabled", "allow", "secret_file"))
+    for model in sorted(set(a.defaults) | set(b.defaults)):
+        was, now = a.defaults.get(model, {}), b.defaults.get(model, {})
+        which = "every model" if model == "*" else f"model {model}"
+        for key in sorted(set(was) | set(now)):
+            if was.get(key) != now.get(key):
+                out.append(
+                    f"discovery: registered nodes of {which} that do not say their {key} take "
+                    f"{now.get(key, 'the built-in default')} (was {was.get(key, 'the built-in default')})"
+                )
+    out += _fields("discovery", a, b, ("enabled", "allow", "secret_file", "defaults"))
     return out
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 
 class FailureMode(StrEnum):
@@ -179,6 +180,8 @@ class Discovery:
     secret_file: str | None = None  # the shared secret registrations are signed with
     forget_after_s: float = 300.0  # a registered node silent this long leaves the views
     max_nodes: int = 4096  # registrations taken at most (the registry's bound)
+    # model (or "*": every model) → node keys a registration that leaves them out takes
+    defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

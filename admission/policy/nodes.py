@@ -70,6 +70,9 @@ def _gpu_ref(g: Any) -> bool:
     )
 
 
+DEFAULT_KEYS = {"max_inflight", "memory_source", "kv_pool_bytes", "pool"}
+
+
 def parse_discovery(c: Checker, raw: Any) -> Discovery:
     m = c.mapping(raw, "discovery", set(Discovery.__dataclass_fields__)) or {}
     d = Discovery()
@@ -85,12 +88,40 @@ def parse_discovery(c: Checker, raw: Any) -> Discovery:
         secret_file=c.string(m, "secret_file", "discovery", "") or None,
         forget_after_s=c.number(m, "forget_after_s", "discovery", d.forget_after_s, lo=1),
         max_nodes=c.integer(m, "max_nodes", "discovery", d.max_nodes, lo=1),
+        defaults=_defaults(c, m.get("defaults")),
     )
     if out.enabled and not out.allow:
         c.err("discovery.allow", "must name the networks registered nodes may be in")
     if out.enabled and not out.secret_file:
         c.err("discovery.secret_file", "is required: registrations must carry its secret")
     return out
+
+
+def _defaults(c: Checker, raw: Any) -> dict[str, dict[str, Any]]:
+    """`discovery.defaults`: per model (or "*"), node keys checked as a listed node's are."""
+    out: dict[str, dict[str, Any]] = {}
+    if raw is None:
+        return out
+    m = c.mapping(raw, "discovery.defaults", None) or {}
+    for model, body in m.items():
+        p = f"discovery.defaults.{model}"
+        b = c.mapping(body, p, DEFAULT_KEYS) or {}
+        probe = Checker({})
+        parse_nodes(probe, {"probe": {"url": "http://127.0.0.1", "models": ["m"], **b}})
+        for problem in probe.problems:
+            c.err(p, problem.replace("nodes.probe.", "").replace("nodes.probe", ""))
+        out[str(model)] = dict(b)
+    return out
+
+
+def with_defaults(spec: Any, defaults: dict[str, dict[str, Any]]) -> Any:
+    """A registration's spec with what it leaves out taken from `discovery.defaults`: its first
+    model's entry, then "*"."""
+    if not isinstance(spec, dict):
+        return spec
+    models = spec.get("models")
+    first = models[0] if isinstance(models, list) and models else None
+    return {**defaults.get("*", {}), **defaults.get(str(first), {}), **spec}
 
 
 def allowed(url: str, allow: tuple[str, ...]) -> bool:
@@ -110,7 +141,7 @@ def registered_node(policy: Policy, nid: str, spec: Any) -> tuple[Node | None, s
     if nid in policy.nodes:
         return None, "the policy lists a node of that id"
     c = Checker({})
-    nodes = parse_nodes(c, {nid: spec})
+    nodes = parse_nodes(c, {nid: with_defaults(spec, policy.discovery.defaults)})
     if c.problems or nid not in nodes:
         return None, "; ".join(c.problems) or "not a node entry"
     node = nodes[nid]
