@@ -17,10 +17,10 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from admission.access import Access, is_loopback, read_token
 from admission.cli_errors import CommandError
 from admission.metrics import Metrics
 from admission.policy import load_policy
+from admission.trust import Access, is_loopback, read_token
 
 # Connections NGINX may open at once before the sidecar accepts them. aiohttp's default (128)
 # overflows under a burst of a few hundred clients: connect() on a full unix-socket backlog fails

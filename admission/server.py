@@ -19,7 +19,6 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from admission import cache_salt, status
-from admission.access import Access
 from admission.answer import DECIDER, Decider, error_body, loads, ratelimit_headers
 from admission.batch.api import BatchApi
 from admission.batch.store import BatchStore
@@ -34,6 +33,7 @@ from admission.nodes.registry import Membership
 from admission.reload import PolicyHolder, write_edge_table
 from admission.scheduling import Dispatcher
 from admission.store import Store, connect_batch
+from admission.trust import Access
 from admission.usage import RefusedReleases, release_args, release_finish, release_names
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ def build_app(
 ) -> web.Application:
     """The sidecar application; resources open and close in its cleanup contexts. `access`
     defaults to what an in-process test client needs (the edge's calls over TCP); `serve`
-    passes the production trust model (admission.access)."""
+    passes the production trust model (admission.trust)."""
     app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024)
     app[ACCESS] = access or Access(edge_over_tcp=True)
     app[RECENT] = status.Recent()

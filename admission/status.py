@@ -20,7 +20,7 @@ from importlib import resources
 from typing import Any
 
 from admission.policy import Policy
-from admission.scheduling.outputs import decode_limit_s, own_decode_limit_s
+from admission.scheduling.answer_lengths import decode_limit_s, own_decode_limit_s
 from admission.scheduling.routing import urgent, urgent_present
 
 WINDOW_S = 60.0  # wait percentiles over this much recent history
@@ -116,8 +116,8 @@ def snapshot(
         "nodes": dispatcher.nodes.snapshot(),
         "pressure": dispatcher.nodes.pressure_snapshot(),
         "decode_guard": _decode_guard(dispatcher),
-        # KV a request books for its answer, where its tenant's answers are known (outputs.py);
-        # elsewhere its max_tokens.
+        # KV a request books for its answer, where its tenant's answers are known
+        # (answer_lengths.py); elsewhere its max_tokens.
         "answers_booked": dispatcher.nodes.outputs.booked_answers(),
         "fair_shed": dispatcher.place.shed.snapshot(mono),
         "prefix": dispatcher.nodes.placements.snapshot(),
@@ -130,7 +130,7 @@ def snapshot(
 
 def _decode_guard(dispatcher: Any) -> dict[str, Any]:
     """The urgent class's mean answer length as learned, the decode speed it asks of a node
-    before lower classes may go there (outputs.py; null: no tpot target), whether the
+    before lower classes may go there (answer_lengths.py; null: no tpot target), whether the
     guard acts now (the urgent class has KV booked on some node, as of this sidecar's last
     read of the ledger, or waits here), past what speed the urgent class itself waits
     (`own_limit_ms`; null: it does not — it serves late, or its answers are not learned yet),

@@ -132,7 +132,7 @@ def release_args(
 def release_finish(body: dict[str, Any]) -> str | None:
     """How the engine ended the answer (its finish_reason, as the edge read it: "stop",
     "length", ...), or None when the edge did not say: only an answer that ended on its own
-    teaches what the tenant's answers run to (scheduling/outputs.py)."""
+    teaches what the tenant's answers run to (scheduling/answer_lengths.py)."""
     finish = body.get("finish")
     return finish if isinstance(finish, str) and 0 < len(finish) <= 32 else None
 

@@ -283,7 +283,7 @@ def run_edge(
 
 def _after(stack: Any, secrets_sent: set[str]) -> list[str]:
     """Health, leftovers and logs once the traffic stopped."""
-    from devstack.inspect import log_findings, sidecar_health, wait_unbooked
+    from devstack.probes import log_findings, sidecar_health, wait_unbooked
 
     problems = []
     health = sidecar_health(stack.sock_dir)

@@ -88,7 +88,7 @@ def _abort(url: str, key: str, stream: bool, after_s: float) -> None:
 def fuzz_isolation(stack: Any, n_cases: int, seed: int | None = None) -> tuple[list[str], int]:
     """Run `n_cases` drawn cases against `stack` (a devstack Stack): the failures, described,
     and how many times the owner's own second copy was found cached."""
-    from devstack.inspect import refunded, wait_unbooked
+    from devstack.probes import refunded, wait_unbooked
 
     failures: list[str] = []
     own_hits = [0]

@@ -1,4 +1,4 @@
-"""Answering ahead of the Redis round trip (scheduling/ahead.py): the answer does not wait for
+"""Answering ahead of the Redis round trip (scheduling/answer_ahead.py): the answer does not wait for
 Redis when the last figures show room for one more; Redis still books every request, a release
 never overtakes its booking, and what went past a limit is booked, counted and paid back."""
 
@@ -17,9 +17,9 @@ from redis import exceptions as rex
 from admission.errors import Throttled
 from admission.policy import Policy
 from admission.scheduling import Dispatcher, leases
-from admission.scheduling.ahead import MAX_OUT
+from admission.scheduling.answer_ahead import MAX_OUT
 from admission.scheduling.ask import Ask
-from admission.scheduling.placing import Admission
+from admission.scheduling.take_lease import Admission
 from admission.scheduling.ticket import answered_ahead, make_ticket, parse_ticket
 from admission.store import Call, keys
 from devstack.procs import RedisServer

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from admission.scheduling.outputs import ANSWERS, MIN_ANSWERS, UrgentOutputs
+from admission.scheduling.answer_lengths import ANSWERS, MIN_ANSWERS, UrgentOutputs
 from admission.store import keys
 from devstack.procs import RedisServer
 from engine.api import build_app

@@ -36,7 +36,7 @@ import aiohttp
 import pytest
 import redis
 
-from devstack.inspect import log_findings, sidecar_health, unix_get, wait_unbooked
+from devstack.probes import log_findings, sidecar_health, unix_get, wait_unbooked
 from devstack.stack import DEFAULT_POLICY, Stack
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]

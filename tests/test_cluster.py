@@ -18,7 +18,7 @@ import redis.exceptions as rex
 from admission.errors import Throttled
 from admission.limits import Limiter
 from admission.metrics import Metrics
-from admission.scheduling import leases, trip
+from admission.scheduling import leases, round_trip
 from admission.scheduling.ask import Ask
 from admission.store import Store, connect
 from devstack.procs import RedisServer, free_port
@@ -134,15 +134,15 @@ async def test_acquire_with_lease_and_settle_with_release_on_cluster(cluster: st
         T1 = f"{'1' * 16}:n1:t1"
         lease = leases.take(node1, T1, 60, Ask(10, 100))
         t1 = p.tenants["t1"]
-        acq, res = await trip.debit(lim, t1, "a", 100, 60, lease=lease, ticket=T1)
+        acq, res = await round_trip.debit(lim, t1, "a", 100, 60, lease=lease, ticket=T1)
         assert acq.mode == "redis" and int(res[0]) == 1
         # The node views' failure mode asks when Redis last answered (nodetable.py).
         assert time.monotonic() - st.scripts.answered_at < 5
         lease2 = leases.take(node1, f"{'2' * 16}:n1:t1", 60, Ask(10, 100))
-        _acq, res2 = await trip.debit(lim, t1, "b", 100, 60, lease=lease2)
+        _acq, res2 = await round_trip.debit(lim, t1, "b", 100, 60, lease=lease2)
         assert int(res2[0]) == 0  # cap 1 across the cluster
         release = leases.give_back(T1)
-        assert await trip.settle(lim, [(t1, "a", 10, False)], [release]) == [90]
+        assert await round_trip.settle(lim, [(t1, "a", 10, False)], [release]) == [90]
         assert await client.zcard(keys.node_leases("n1")) == 0
     finally:
         await client.aclose()
@@ -178,11 +178,13 @@ async def test_a_caller_gone_mid_round_trip_on_cluster_leaves_nothing_booked(clu
         def debit(rid: str) -> Any:
             ticket = f"{rid}:n1:t1"
             lease = leases.take(node, ticket, 60, Ask(10, 100))
-            return trip.debit(lim, t1, rid, 100, 60, lease=lease, ticket=ticket)
+            return round_trip.debit(lim, t1, rid, 100, 60, lease=lease, ticket=ticket)
 
         warm = "w" * 16  # pooled connections to every master: the next calls go out at once
         assert leases.granted((await debit(warm))[1])
-        assert await trip.settle(lim, [(t1, warm, 100, False)], [leases.give_back(f"{warm}:n1:t1")])
+        assert await round_trip.settle(
+            lim, [(t1, warm, 100, False)], [leases.give_back(f"{warm}:n1:t1")]
+        )
         masters = [aioredis.Redis(host=n.host, port=n.port) for n in client.get_primaries()]
         busy = [asyncio.ensure_future(m.eval(BUSY_LUA, 0, 200)) for m in masters]
         await asyncio.sleep(0.02)

@@ -18,8 +18,8 @@ import openai
 import pytest
 
 from admission.scheduling.priority import BANDS
-from devstack.inspect import metric_sums
-from devstack.inspect import refunded as refunded_at
+from devstack.probes import metric_sums
+from devstack.probes import refunded as refunded_at
 from devstack.procs import free_port, port_open, stop_process, wait_for
 from devstack.stack import DEFAULT_POLICY, Stack
 
@@ -402,7 +402,7 @@ def test_a_400_after_generating_is_charged_not_refunded(stack: Stack) -> None:
     # Its booking goes with its release (asynchronous), and the booking of a request that
     # failed after generating is given back like any other: the next test starts from an idle
     # ledger, not behind ~6,000 tokens of pending prefill.
-    from devstack.inspect import wait_unbooked
+    from devstack.probes import wait_unbooked
 
     assert wait_unbooked(stack.redis_url) == {}
 

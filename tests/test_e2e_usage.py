@@ -35,7 +35,7 @@ def test_a_shared_system_prompt_is_fingerprinted_booked_once_and_found_cached(
     import redis as sync_redis
 
     from admission.store import keys
-    from devstack.inspect import wait_unbooked
+    from devstack.probes import wait_unbooked
 
     system = "You are the support assistant of a large company. " * 90  # ~4,500 characters
     before = sum(node_counter(stack, p, "vllm:prefix_cache_hits_total") for p in stack.node_ports)

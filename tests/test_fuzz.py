@@ -72,7 +72,7 @@ def test_the_checker_catches_what_it_must() -> None:
 
 
 def test_log_check_finds_keys_and_tracebacks(tmp_path: Path) -> None:
-    from devstack.inspect import log_findings
+    from devstack.probes import log_findings
 
     (tmp_path / "sidecar-0.log").write_text("Traceback (most recent call last):\n")
     (tmp_path / "nginx-error.log").write_text(f"client sent Bearer {DEMO_KEYS[0]}\n")
@@ -93,7 +93,7 @@ def test_policy_loader_survives_mutations() -> None:
 
 
 def test_log_check_finds_per_request_nginx_warnings(tmp_path: Path) -> None:
-    from devstack.inspect import log_findings
+    from devstack.probes import log_findings
 
     (tmp_path / "nginx-error.log").write_text('[warn] using uninitialized "x" variable\n')
     assert log_findings(tmp_path, set()) == [

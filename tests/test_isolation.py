@@ -16,16 +16,16 @@ import pytest
 import redis as redis_sync
 from aiohttp.test_utils import TestClient, TestServer
 
-from admission.access import Access
 from admission.policy import parse_policy
 from admission.policy.diff import describe
 from admission.reload import edge_table
-from admission.scheduling.outputs import FLOOR, MIN_ANSWERS, UrgentOutputs
+from admission.scheduling.answer_lengths import FLOOR, MIN_ANSWERS, UrgentOutputs
 from admission.scheduling.queue import FairQueue, Item
 from admission.scheduling.ticket import make_ticket, new_request_id
 from admission.store import keys
+from admission.trust import Access
 from admission.usage import release_args, release_finish
-from devstack.inspect import metric_sums, refunded
+from devstack.probes import metric_sums, refunded
 from devstack.stack import DEFAULT_POLICY, Stack
 from tests.conftest import BASE_POLICY, make_policy, started
 

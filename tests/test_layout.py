@@ -52,7 +52,7 @@ def test_no_module_over_400_lines() -> None:
 
 def test_the_limiter_knows_nothing_of_scheduling() -> None:
     # Tenant limits are a layer below the dispatcher: it composes the limiter's calls with its
-    # own lease (scheduling/trip.py); the limiter neither imports scheduling nor takes a
+    # own lease (scheduling/round_trip.py); the limiter neither imports scheduling nor takes a
     # companion call to carry.
     src = "\n".join(f.read_text() for f in (ROOT / "admission" / "limits").rglob("*.py"))
     for node in ast.walk(ast.parse(src)):
@@ -133,14 +133,14 @@ def test_only_the_package_face_imports_the_dispatcher() -> None:
 
 
 # The scheduling rules: pure (no asyncio, Redis or aiohttp), time passed in. The cluster side
-# (nodetable, reading, shares, placements, leases, trip, ahead, placing, release, running,
-# dispatcher) is what talks to Redis.
+# (nodetable, refresh_reads, shares, head_locations, leases, round_trip, answer_ahead,
+# take_lease, release, running, dispatcher) is what talks to Redis.
 RULES = (
     "queue",
     "priority",
-    "outputs",
+    "answer_lengths",
     "shedding",
-    "late",
+    "late_heads",
     "routing",
     "candidates",
     "views",

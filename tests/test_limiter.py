@@ -13,7 +13,7 @@ from admission.errors import RequestTooLarge, Throttled
 from admission.limits import Acquired, Limiter
 from admission.metrics import Metrics
 from admission.policy import Policy
-from admission.scheduling import trip
+from admission.scheduling import round_trip
 from admission.store import Call, Store, connect, keys
 from devstack.procs import RedisServer
 from tests.conftest import ROOT, make_policy
@@ -305,7 +305,9 @@ async def test_noscript_retry_runs_only_the_calls_that_failed(
     lim, client = await make_limiter(p)
     await redis.script_flush()
     await redis.script_load(lim.store.scripts.source["acquire"])
-    acq, leased = await trip.debit(lim, p.tenants["t1"], "a", 1, 60, lease=lease("n1", "a:n1:t1"))
+    acq, leased = await round_trip.debit(
+        lim, p.tenants["t1"], "a", 1, 60, lease=lease("n1", "a:n1:t1")
+    )
     assert acq.mode == "redis" and acq.denied is None and int(leased[0]) == 1
     level = int(await redis.hget(keys.tenant_keys("t1", "x")[0], "l"))
     assert level == 4 * U  # one request of the burst of 5, not two

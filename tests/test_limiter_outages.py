@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 from redis import exceptions as rex
 
 from admission.errors import BackendUnavailable, Throttled
-from admission.lag import WINDOW_S
 from admission.limits import Acquired, Limiter
+from admission.loop_lag import WINDOW_S
 from admission.metrics import Metrics
 from admission.policy import Policy, Tenant
-from admission.scheduling import trip
+from admission.scheduling import round_trip
 from admission.store import Call, Store, connect, keys
 from devstack.procs import RedisServer
 from tests.test_limiter import lease, make_limiter, take, tenant_policy
@@ -77,11 +77,11 @@ async def test_release_while_redis_is_away_is_replayed(
     )
     lim, client = await make_limiter(p)
     t = p.tenants["t1"]
-    acq, leased = await trip.debit(lim, t, "a", 50, 600, lease=lease("n1", "a:n1:t1"))
+    acq, leased = await round_trip.debit(lim, t, "a", 50, 600, lease=lease("n1", "a:n1:t1"))
     assert acq.mode == "redis" and acq.denied is None and int(leased[0]) == 1
     lim._down_until = lim.clock() + 60  # Redis just failed: degraded for a while
     release = Call(None, [], ["ZREM", keys.node_leases("n1"), "a:n1:t1"])
-    assert await trip.settle(lim, [(t, "a", 20, False)], [release]) == [0]
+    assert await round_trip.settle(lim, [(t, "a", 20, False)], [release]) == [0]
     assert len(lim.backlog) == 1
     assert await redis.zcard(keys.node_leases("n1")) == 1  # not yet given back
     lim._down_until = 0.0
@@ -112,7 +112,7 @@ async def test_timed_out_acquire_that_ran_is_given_back(
         raise rex.TimeoutError("Timeout reading from socket")
 
     lim.store.scripts.run = ran_then_timed_out  # type: ignore[method-assign]
-    acq, got = await trip.debit(lim, t, "a", 50, 600, lease=lease("n1", "a:n1:t1"))
+    acq, got = await round_trip.debit(lim, t, "a", 50, 600, lease=lease("n1", "a:n1:t1"))
     assert acq.mode == "local"
     assert got is None  # "may have run": the caller (the dispatcher) decides about it
     if mode == "open":

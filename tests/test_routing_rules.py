@@ -71,7 +71,7 @@ def test_lower_classes_go_first_where_the_urgent_class_has_no_kv(
 def test_decode_guard_follows_what_the_urgent_class_answers_need(
     redis_server: RedisServer,
 ) -> None:
-    from admission.scheduling.outputs import MAX_OPEN, UrgentOutputs, decode_limit_s
+    from admission.scheduling.answer_lengths import MAX_OPEN, UrgentOutputs, decode_limit_s
 
     slo = "slo: {ttft_ms: 1000, e2e_ms: 10000, tpot_ms: 60}"
     text = BASE_POLICY.replace("deadline_s: 5}", f"deadline_s: 5, admit_until: drain, {slo}}}")
@@ -126,7 +126,7 @@ def test_the_urgent_class_that_refuses_late_waits_off_a_node_where_it_would_fini
     # Realtime (until drain, e2e 10 s, TTFT 1 s, tpot 60 ms) that refuses late: a node whose
     # running requests see more than the looser of tpot_ms and what e2e asks of answers as long
     # as realtime's are (120 tokens: 75 ms) takes none of it; it waits, and is refused early.
-    from admission.scheduling.outputs import REFUSING_S, UrgentOutputs, own_decode_limit_s
+    from admission.scheduling.answer_lengths import REFUSING_S, UrgentOutputs, own_decode_limit_s
 
     slo = "slo: {ttft_ms: 1000, e2e_ms: 10000, tpot_ms: 60}"
     serves_late = BASE_POLICY.replace(

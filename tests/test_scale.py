@@ -19,7 +19,7 @@ from admission.policy import FailureMode, Policy, parse_policy
 from admission.scheduling import Dispatcher
 from admission.scheduling.candidates import EXAMINE, MAX_EXAMINE, PREFIX_NODES, Candidates
 from admission.scheduling.prefixes import Prefix
-from admission.scheduling.reading import SWEEP, TOUCHED
+from admission.scheduling.refresh_reads import SWEEP, TOUCHED
 from admission.scheduling.routing import eligible
 from admission.scheduling.views import NodeView
 from admission.store import Store, connect, keys

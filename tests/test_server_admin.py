@@ -14,11 +14,11 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from admission.access import Access
 from admission.metrics import Metrics
 from admission.policy import load_policy
 from admission.reload import PolicyHolder
 from admission.server import DISPATCH_TASK, build_app
+from admission.trust import Access
 from devstack.procs import RedisServer
 from tests.conftest import BASE_POLICY
 from tests.test_server import admit_body, set_node, sidecar

@@ -29,7 +29,7 @@ from admission.scheduling.shedding import (
 WEIGHTS = {"acme": 5.0, "globex": 3.0, "hobbyist": 1.0}
 
 
-LATE_S = 0.5  # a request waiting longer is refused late (late.py's role)
+LATE_S = 0.5  # a request waiting longer is refused late (late_heads.py's role)
 BURST_S = 0.25  # node slots: up to this many seconds' worth start at once
 MARK_S = 5.0  # outputs.REFUSING_S: how long a late refusal marks the class past capacity
 

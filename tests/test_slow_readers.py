@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import redis
 
-from devstack.inspect import wait_unbooked
+from devstack.probes import wait_unbooked
 from devstack.stack import DEFAULT_POLICY, Stack
 
 pytestmark = pytest.mark.timeout(240)

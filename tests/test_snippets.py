@@ -32,8 +32,8 @@ import openai
 import pytest
 import yaml
 
-from devstack.inspect import refunded
 from devstack.nodes import NodeSet
+from devstack.probes import refunded
 from devstack.procs import RedisServer, free_port, port_open, stop_process, wait_for
 from devstack.stack import DEFAULT_POLICY
 

@@ -360,7 +360,7 @@ def test_real_vllm_an_aborted_plain_request_is_charged(vstack: Stack) -> None:
     it, the lease comes back, and the tenant is charged as booked (nothing refunded)."""
     import socket
 
-    from devstack.inspect import refunded, wait_unbooked
+    from devstack.probes import refunded, wait_unbooked
 
     def generated() -> float:
         raw = urllib.request.urlopen(f"http://127.0.0.1:{vstack.node_ports[0]}/metrics").read()

@@ -28,11 +28,11 @@ from typing import Any
 
 from aiohttp import BodyPartReader, web
 
-from admission.access import Access
 from admission.batch.lines import URLS, Lines, expires_after
 from admission.batch.store import TERMINAL, BatchStore, PartWriter, batch_object, file_object
 from admission.errors import BackendUnavailable, BadRequest, NotFound, PayloadTooLarge, Throttled
 from admission.store import is_down
+from admission.trust import Access
 
 ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 FEED_BYTES = 1 << 20  # bytes of an upload validated per step (in a thread)

@@ -8,7 +8,7 @@ The limiter is a small object with one verb pair, `acquire` / `settle`, in the m
 lua-resty-limit-traffic, each also in pieces — the call (`debit`, `settle_calls`), the round
 trip under the failure mode (`round_trip`, `owe`) and the reading of the reply (`answer`,
 `settled`) — so that the dispatcher can send its node lease in the same round trip
-(scheduling/trip.py). The limiter knows nothing of leases: it undoes only its own work.
+(scheduling/round_trip.py). The limiter knows nothing of leases: it undoes only its own work.
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from typing import Any, NamedTuple
 
 from admission import store
 from admission.errors import AdmissionError, BackendUnavailable, RequestTooLarge, Throttled
-from admission.lag import LoopLag
 from admission.limits.args import U, acquire_args, settle_args
 from admission.limits.figures import Figures
 from admission.limits.local import LocalLimits
+from admission.loop_lag import LoopLag
 from admission.metrics import Metrics
 from admission.policy import FailureMode, Policy, Tenant
 from admission.store import REDIS_DOWN, Call, PoolBusy, Store, keys
@@ -211,7 +211,7 @@ class Limiter:
     async def settle(self, tenant: Tenant | None, rid: str, actual_tokens: int) -> int:
         """Refund (positive) or charge (negative) the difference to the reservation; idempotent.
         With Redis unreachable the call goes to the backlog (0 is returned). Many at once, with
-        the node leases' releases: scheduling/trip.py's `settle`."""
+        the node leases' releases: scheduling/round_trip.py's `settle`."""
         item = (tenant, rid, actual_tokens, False)
         (call,) = self.settle_calls([item])
         out = await self.owe([call]) if call is not None else None

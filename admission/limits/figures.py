@@ -1,8 +1,8 @@
 """What a sidecar knows of each tenant's buckets between Redis replies: the figures the last
 debit's reply carried, and the requests it let through ahead of their debits since. They answer
 two questions — may the next request be answered before Redis books it (`room_ahead`,
-scheduling/ahead.py), and what do its x-ratelimit-* headers say (`headroom`) — and nothing else:
-Redis stays the only ledger.
+scheduling/answer_ahead.py), and what do its x-ratelimit-* headers say (`headroom`) — and
+nothing else: Redis stays the only ledger.
 """
 
 from __future__ import annotations

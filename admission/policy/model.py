@@ -63,7 +63,7 @@ class RedisSettings:
     )
     cluster: bool = False
     # Answer a fast-path admission before its Redis round trip returns when the last figures
-    # show room for twice what it then has out (scheduling/ahead.py); false: every one waits.
+    # show room for twice what it then has out (scheduling/answer_ahead.py); false: every one waits.
     answer_ahead: bool = True
 
 

@@ -13,11 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from admission.scheduling.dispatcher import Dispatcher
-    from admission.scheduling.placing import Admission
     from admission.scheduling.queue import FairQueue, Item
+    from admission.scheduling.take_lease import Admission
 
 _FROM = {
-    "Admission": "admission.scheduling.placing",
+    "Admission": "admission.scheduling.take_lease",
     "Dispatcher": "admission.scheduling.dispatcher",
     "FairQueue": "admission.scheduling.queue",
     "Item": "admission.scheduling.queue",

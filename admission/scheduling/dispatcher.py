@@ -3,7 +3,7 @@
 `admit` is the one place that decides:
 1. fast path: when nobody waits (so no one is overtaken) and a node has room, the node lease
    rides in the same Redis round trip as the tenant's buckets — answered ahead of that round
-   trip when the last figures show room for twice what this sidecar has out (ahead.py);
+   trip when the last figures show room for twice what this sidecar has out (answer_ahead.py);
 2. otherwise the request joins the `FairQueue`, and the dispatcher loop admits it when some
    node serving its model is open, below its watermark after projection and under its
    in-flight cap (lease.lua takes the lease atomically across sidecars).
@@ -33,18 +33,18 @@ from admission.errors import (
 from admission.limits import Limiter, shadow
 from admission.metrics import Metrics
 from admission.policy import Policy, Tenant
-from admission.scheduling import leases, trip
-from admission.scheduling.ahead import Ahead
+from admission.scheduling import leases, round_trip
+from admission.scheduling.answer_ahead import Ahead
 from admission.scheduling.ask import Ask
 from admission.scheduling.demand import DemandSignal
-from admission.scheduling.late import late_heads
+from admission.scheduling.late_heads import late_heads
 from admission.scheduling.nodetable import NodeTable
-from admission.scheduling.placing import Admission, Placer
 from admission.scheduling.prefixes import NO_PREFIX, Prefix
 from admission.scheduling.queue import FairQueue, Item
 from admission.scheduling.release import Released, Releases
 from admission.scheduling.routing import urgent
 from admission.scheduling.running import REFRESH_S, Loop
+from admission.scheduling.take_lease import Admission, Placer
 from admission.scheduling.ticket import make_ticket, new_request_id
 from admission.scheduling.views import NodeView
 from admission.store import Store
@@ -143,7 +143,7 @@ class Dispatcher:
             ticket = make_ticket(rid, view.node.id, tenant.id, ahead)
             if ahead:
                 forced = leases.take(view.node, ticket, ttl_s, ask, force=True)
-                booking = trip.forced(
+                booking = round_trip.forced(
                     self.limiter, tenant, rid, cost, hold_s, scale, forced, ticket
                 )
                 self.ahead.book(ticket, view, booking)
@@ -152,7 +152,7 @@ class Dispatcher:
             lease = leases.take(view.node, ticket, ttl_s, ask)
         resent: list[bool] = []
         args = (self.limiter, tenant, rid, cost, hold_s, scale, lease, ticket)
-        acq, got = await trip.debit(*args, resent=lambda: resent.append(True))
+        acq, got = await round_trip.debit(*args, resent=lambda: resent.append(True))
         held = lease is not None and leases.granted(got)
         if ticket is not None and not held and (got is None or resent):
             # Not held, but booked maybe: the round trip failed (it may have run), or it was
@@ -207,7 +207,7 @@ class Dispatcher:
         names: list[tuple[str, str] | None] | None = None,
         finishes: list[str | None] | None = None,
     ) -> list[int]:
-        """Give leases back and settle (tokens refunded to each), in one round trip. An entry:
+        """Give leases back and settle (tokens refunded to each), in one round round_trip. An entry:
         (ticket, tokens (-1: the reservation), node unreachable, output tokens the engine
         reported, cached prompt tokens it found; -1: unknown). `names`: each one's (model,
         class) as the edge sent them, or None; `finishes`: how each answer ended (the engine's

@@ -1,7 +1,7 @@
 """The sidecar's table of node views, refreshed from Redis: agents' states, admin flags, leases.
 Sidecars never scrape engines: they read agents' `NodeState`s, drain flags and lease counts in
-one bounded pipeline every `REFRESH_S` (reading.py); an admission examines a bounded few nodes
-(candidates.py). State changes are logged: into or out of down/maintenance as warnings."""
+one bounded pipeline every `REFRESH_S` (refresh_reads.py); an admission examines a bounded few
+nodes (candidates.py). State changes are logged: into or out of down/maintenance as warnings."""
 
 from __future__ import annotations
 
@@ -14,18 +14,18 @@ from typing import Any
 
 from redis.asyncio import RedisCluster
 
-from admission.lag import LoopLag
+from admission.loop_lag import LoopLag
 from admission.metrics import Metrics
 from admission.nodes import feed
 from admission.nodes.state import Status
 from admission.policy import FailureMode, Policy
+from admission.scheduling.answer_lengths import UrgentOutputs
 from admission.scheduling.ask import Ask
 from admission.scheduling.candidates import EXAMINE, Candidates, prefix_nodes
 from admission.scheduling.gauges import NodeGauges
-from admission.scheduling.outputs import UrgentOutputs
-from admission.scheduling.placements import Placements
+from admission.scheduling.head_locations import Placements
 from admission.scheduling.prefixes import NO_PREFIX, Prefix
-from admission.scheduling.reading import NodeReads
+from admission.scheduling.refresh_reads import NodeReads
 from admission.scheduling.routing import eligible, fallbacks, pool_rank, urgent
 from admission.scheduling.shares import Shares
 from admission.scheduling.views import CLOSED, NodeView, fail_over
@@ -202,9 +202,9 @@ class NodeTable:
         await asyncio.shield(self._reading)
 
     async def refresh(self) -> None:
-        """Learn what changed about the nodes (reading.py), and tell and hear placements. One
-        at a time (the dispatcher's poll, a decision after a quiet spell, an operator's drain):
-        each reads from where the last one ended."""
+        """Learn what changed about the nodes (refresh_reads.py), and tell and hear placements.
+        One at a time (the dispatcher's poll, a decision after a quiet spell, an operator's
+        drain): each reads from where the last one ended."""
         async with self._one_read:
             await self._refresh()
 
@@ -317,7 +317,7 @@ class NodeTable:
         ]
 
     def _refresh_failed(self, exc: BaseException | None = None) -> None:
-        self.reads.lost = True  # the next read checks the feed still reaches back (reading.py)
+        self.reads.lost = True  # the next read checks the feed still reaches back
         # Our own lateness, a pool with every connection in use, or a connection closed after such
         # a timeout (redis-py's Cluster client does): overload, not an outage. Keep the views.
         if isinstance(exc, REDIS_DOWN) and (self.lag.overloaded() or isinstance(exc, PoolBusy)):

@@ -1,6 +1,6 @@
 """Releases: a request ended; give its node lease back and settle what the tenant owes.
 
-The edge sends them in batches (admission/edge/release.lua), settled in one Redis round trip.
+The edge sends them in batches (admission/edge/release.lua), settled in one Redis round round_trip.
 What each release teaches the sidecar is taken first: the urgent class's answer lengths (the
 decode guard), the engine's count of cached prompt tokens beside the prefix index's guess, and
 whether the edge could reach the node at all (ejection).
@@ -13,11 +13,11 @@ from dataclasses import dataclass
 
 from admission.limits.buckets import Limiter, Settling
 from admission.policy import Policy
-from admission.scheduling import leases, trip
-from admission.scheduling.ahead import Ahead
+from admission.scheduling import leases, round_trip
+from admission.scheduling.answer_ahead import Ahead
 from admission.scheduling.nodetable import NodeTable
-from admission.scheduling.placing import Placer
 from admission.scheduling.routing import urgent
+from admission.scheduling.take_lease import Placer
 from admission.scheduling.ticket import answered_ahead, parse_ticket
 from admission.store import Call
 
@@ -73,7 +73,7 @@ class Releases:
             )
             nodes.append(node)
         try:
-            return await trip.settle(self.limiter, items, backs)
+            return await round_trip.settle(self.limiter, items, backs)
         finally:
             for node in nodes:  # only now are the leases gone in Redis (waking earlier requeued)
                 self.place.freed(node)

@@ -18,7 +18,7 @@ Two limits, both from the node's own figures (no per-engine constant):
   queueing, and routing by pending prefill then sees the urgent class's own backlog;
 - decode: nor while the node's measured time per output token is above what the most urgent
   class may see: its `slo.tpot_ms`, tightened to what its `slo.e2e_ms` asks of its answers as
-  long as they really are (outputs.py); lower-class prefill chunks and KV slow every running
+  long as they really are (answer_lengths.py); lower-class prefill chunks and KV slow every running
   decode. Only while the urgent class is present (KV booked on a node serving the model, or
   waiting): with none, lower classes take the whole cluster. Nor for a class admitted less
   than its `min_share` of the tokens over the last seconds (`owed`): the policy guarantees it
@@ -39,8 +39,8 @@ from typing import Any
 
 from admission.nodes.state import Status
 from admission.policy import AdmitUntil, Node, Policy
+from admission.scheduling.answer_lengths import decode_limit_s, own_decode_limit_s
 from admission.scheduling.ask import Ask
-from admission.scheduling.outputs import decode_limit_s, own_decode_limit_s
 from admission.scheduling.prefixes import NO_PREFIX, Prefix, home_rank, pool_blocks
 from admission.scheduling.views import NodeView
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from admission.metrics import Metrics
 from admission.scheduling.nodetable import NodeTable
-from admission.scheduling.placing import Placer
 from admission.scheduling.queue import FairQueue
+from admission.scheduling.take_lease import Placer
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 processes as a string (the sidecar's answer, the edge's release, Redis's lease sets).
 
 `<request id>:<node>:<tenant>`, so any sidecar process can take the release; `:a` at the end
-marks a request answered ahead of its booking (ahead.py): its release, finding nothing booked
+marks a request answered ahead of its booking (answer_ahead.py): its release, finding nothing booked
 yet, leaves a mark so that the booking on its way books nothing. Pure.
 """
 

@@ -40,7 +40,7 @@ function _M.access()
   ctx.stream = r.s == true
   ctx.estimate = type(r.e) == "number" and r.e or nil -- the edge's prompt estimate (release.lua)
   -- The model and class as the edge read them: the release names them, so that whichever
-  -- sidecar takes it learns what the tenant's answers run to (scheduling/outputs.py).
+  -- sidecar takes it learns what the tenant's answers run to (scheduling/answer_lengths.py).
   ctx.model = type(r.m) == "string" and r.m or nil
   ctx.class = type(r.c) == "string" and r.c or nil
 end

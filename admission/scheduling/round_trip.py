@@ -64,8 +64,8 @@ def forced(
     lease: Call,
     ticket: str,
 ) -> Awaitable[tuple[Acquired, Any]]:
-    """`debit` for a request answered ahead (ahead.py): booked past any limit. The tenant counts
-    as having a request ahead from this call on, not from when the round trip starts."""
+    """`debit` for a request answered ahead (answer_ahead.py): booked past any limit. The tenant
+    counts as having a request ahead from this call on, not from when the round trip starts."""
     done = limiter.count_ahead(tenant, tokens)
 
     async def run() -> tuple[Acquired, Any]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from admission.errors import BackendUnavailable
-from admission.lag import LoopLag
+from admission.loop_lag import LoopLag
 from admission.metrics import Metrics
 from admission.policy import FailureMode, Policy
 from admission.scheduling import leases
