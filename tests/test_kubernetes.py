@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -275,7 +276,10 @@ def test_the_pods_run_as_rendered(redis_server: RedisServer, work: Path) -> None
         }
         # Both sidecars read the registry, and NGINX's model list their table, within a second:
         # until then a request may meet one that does not know the model yet (404).
-        wait_for(lambda: call(url + "/v1/chat/completions", body)[0] == 200, 15, "the model")
+        # Five in a row: each sidecar and each NGINX worker has it.
+        served = lambda: all(call(url + "/v1/chat/completions", body)[0] == 200 for _ in range(5))  # noqa: E731
+        wait_for(served, 20, "the model")
+        time.sleep(2.5)  # past a sidecar's registry poll (1 s) and NGINX's table poll (1 s)
         status, answer = call(url + "/v1/chat/completions", body)
         assert status == 200, answer
         assert answer["choices"][0]["message"]["content"]
