@@ -150,7 +150,7 @@ def _registration(args: argparse.Namespace, policy: Any) -> tuple[Any, bytes, di
         )
     spec: dict[str, Any] = {"url": args.url, "models": [m for m in args.models.split(",") if m]}
     for name in ("max_inflight", "memory_source", "pool", "device_url"):
-        if getattr(args, name):
+        if getattr(args, name) not in (None, ""):  # given (0 too: the check refuses it)
             spec[name] = getattr(args, name)
     node, why = registered_node(policy, args.node_id, spec)
     if node is None:

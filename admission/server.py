@@ -124,16 +124,16 @@ async def release(request: web.Request) -> web.Response:
 async def healthz(request: web.Request) -> web.Response:
     """Readiness: 503 when the dispatcher task is not running (queued requests would only time
     out) or some model the policy serves has no node open or held (`no_capacity`: every one
-    down, drained or in maintenance), or there is no node at all (registered ones all left). `?brief=1` (what the public edge asks for) answers the
-    status alone: node names and queue depth are for operators, on the admin port."""
+    down, drained or in maintenance), or there is no node at all (the registered ones all
+    left). `?brief=1` (what the public edge asks for) answers the status alone: node names and
+    queue depth are for operators, on the admin port."""
     limiter = request.app[LIMITER]
     dispatcher = request.app[DISPATCHER]
     task = request.app[DISPATCH_TASK]
     served = request.app[POLICY].current.models()
     idle = sorted(m for m in served if dispatcher.nodes.live.get(m) == 0)
     # No node at all (every registered one gone, none listed) serves nothing either.
-    empty = idle or not served
-    state = "dispatcher_stopped" if task.done() else "no_capacity" if empty else "ok"
+    state = "dispatcher_stopped" if task.done() else "no_capacity" if idle or not served else "ok"
     status = 200 if state == "ok" else 503
     if request.query.get("brief"):
         return web.json_response({"status": state}, status=status)

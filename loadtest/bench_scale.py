@@ -228,13 +228,13 @@ def run_size(
     )
     nodes = "\n".join(NODE.format(i=i, port=10000 + i) for i in range(n))
     policy.write_text(POLICY.format(url=rs.url, tenants=tenants, nodes=nodes))
+    extra = ""
     if registered:  # the same nodes, in the registry instead of the policy
         register_all(rs.url, policy)
         secret = work / "discovery.secret"
         secret.write_bytes(SECRET + b"\n")
-        nodes = "  {}"
-        text = POLICY.format(url=rs.url, tenants=tenants, nodes="").replace("nodes:\n", "nodes: {}")
-        policy.write_text(text + DISCOVERY.format(secret=secret))
+        nodes, extra = "  {}", DISCOVERY.format(secret=secret)
+        policy.write_text(POLICY.format(url=rs.url, tenants=tenants, nodes=nodes) + extra)
     sock = str(work / f"sidecar-{name}.sock")
     log = (work / f"sidecar-{name}.log").open("w")
     agents = Agents(rs.url, n, nice=10 if a.pin else 0, registered=registered)
@@ -293,10 +293,7 @@ def run_size(
                 TENANT.format(i=i, d=hashlib.sha256(f"k{i}".encode()).hexdigest(), rps=a.tenant_rps)
                 for i in range(16)
             )
-            text = POLICY.format(url=rs.url, tenants=tenants, nodes=nodes)
-            if registered:
-                text = text.replace("nodes:\n  {}", "nodes: {}") + DISCOVERY.format(secret=secret)
-            policy.write_text(text)
+            policy.write_text(POLICY.format(url=rs.url, tenants=tenants, nodes=nodes) + extra)
             time.sleep(2)  # reloaded
             rate = 2 * max(out["closed_per_s"], 1.0)
             lat, kinds, late = asyncio.run(open_loop(sock, a.seconds, rate))

@@ -7,8 +7,9 @@ The method, in three steps:
 1. **How busy the serving nodes are.** Each node open or held for the model counts its
    utilisation by the resource that binds it first: requests in flight over `max_inflight`,
    projected KV memory (measured, or the ledger's reserved KV at the node's measured cost per
-   token, above the memory weights take) over what the hold watermark leaves, and pending prefill over what the node clears within the
-   most urgent class's TTFT target at its measured prefill rate. The sum is `busy`, in nodes;
+   token, above the memory weights take) over what the hold watermark leaves, and pending
+   prefill over what the node clears within the most urgent class's TTFT target at its
+   measured prefill rate. The sum is `busy`, in nodes;
    while requests wait in the queue every serving node counts as full (the product holds work
    in its queue well before a node's resources run out: the queue is the overflow).
 2. **How much more is asked than served.** Over the last WINDOW_S, requests admitted (A) and
