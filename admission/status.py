@@ -21,7 +21,7 @@ from typing import Any
 
 from admission.policy import Policy
 from admission.scheduling.answer_lengths import decode_limit_s, own_decode_limit_s
-from admission.scheduling.routing import urgent, urgent_present
+from admission.scheduling.routing import urgent_present
 
 WINDOW_S = 60.0  # wait percentiles over this much recent history
 
@@ -118,8 +118,10 @@ def snapshot(
         "decode_guard": _decode_guard(dispatcher),
         # KV a request books for its answer, where its tenant's answers are known
         # (answer_lengths.py); elsewhere its max_tokens.
-        "answers_booked": dispatcher.nodes.outputs.booked_answers(),
+        "answers_booked": dispatcher.nodes.answers.booked_answers(),
         "fair_shed": dispatcher.place.shed.snapshot(mono),
+        # Per (model, class) past capacity now: short, late or shedding (overload.py).
+        "overload": dispatcher.overload.snapshot(mono),
         "prefix": dispatcher.nodes.placements.snapshot(),
         "refusals": _grouped(recent.refusals),
         "held": _held(dispatcher, policy, mono),
@@ -138,11 +140,14 @@ def _decode_guard(dispatcher: Any) -> dict[str, Any]:
     it lets through now for some model, admitted less than their min_share while the urgent
     class is refused late (`under_min_share`; Dispatcher.owed)."""
     policy = dispatcher.policy()
-    mean = dispatcher.nodes.outputs.mean
+    mean = dispatcher.nodes.answers.mean
     limit = decode_limit_s(policy, mean)
-    cls = next((c for c in policy.classes if urgent(policy, c)), None)
+    cls = next((c for c in policy.classes if policy.is_urgent(c)), None)
     own = own_decode_limit_s(policy, cls, mean) if cls else None
-    refusing = cls is not None and dispatcher.nodes.outputs.refusing(cls, dispatcher.clock())
+    now, over = dispatcher.clock(), dispatcher.overload
+    refusing = any(
+        s["class"] == cls and s["state"] in ("late", "shedding") for s in over.snapshot(now)
+    )
     waiting = dispatcher.nodes.urgent_waiting(dispatcher.queue.waiting_kv)
     active = limit is not None and urgent_present(
         list(dispatcher.nodes.views.values()), None, waiting
@@ -190,10 +195,10 @@ def _held(dispatcher: Any, policy: Policy, mono: float) -> dict[str, Any]:
 
 
 def waits_for(policy: Policy, cls: str, reason: str) -> str:
-    """One node rule (routing.GATE_REASONS) in plain words, with the policy setting behind it."""
+    """One node rule (gates.GATE_REASONS) in plain words, with the policy setting behind it."""
     wm = policy.watermarks
-    top = next((c for c in policy.classes if urgent(policy, c)), None)
-    own = urgent(policy, cls)  # admitted until drain: held nodes take it
+    top = next((c for c in policy.classes if policy.is_urgent(c)), None)
+    own = policy.is_urgent(cls)  # admitted until drain: held nodes take it
     mark = f"watermarks.drain ({wm.drain:.2f})" if own else f"watermarks.hold ({wm.hold:.2f})"
     slo = policy.classes[top] if top else None
     if reason == "state" and own:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
-from admission.scheduling.answer_lengths import ANSWERS, MIN_ANSWERS, UrgentOutputs
+from admission.scheduling.answer_lengths import ANSWERS, MIN_ANSWERS, AnswerLengths
 from admission.store import keys
 from devstack.procs import RedisServer
 from engine.api import build_app
@@ -22,13 +22,13 @@ from tests.test_limiter import tenant_policy
 from tests.test_server import admit_body, set_node
 
 
-def answer(o: UrgentOutputs, ticket: str, n: int, tenant: str = "acme") -> None:
+def answer(o: AnswerLengths, ticket: str, n: int, tenant: str = "acme") -> None:
     o.admitted(ticket, True, "m", "realtime", tenant)
     o.answered(ticket, n)
 
 
 def test_a_request_books_what_its_tenants_answers_run_to_never_more_than_its_cap() -> None:
-    o = UrgentOutputs()
+    o = AnswerLengths()
     assert o.answer_kv("m", "realtime", "acme", 1024) == 1024  # nothing known: the cap
     for i in range(MIN_ANSWERS - 1):
         answer(o, f"a{i}", 100 + i)
@@ -57,7 +57,7 @@ def test_a_request_books_what_its_tenants_answers_run_to_never_more_than_its_cap
 def test_a_release_of_a_request_admitted_elsewhere_teaches_by_the_names_it_carries() -> None:
     # The edge spreads releases over the sidecars: one admitted by another sidecar names its
     # model and class (the tenant is in the ticket), and this one learns from it as from its own.
-    o = UrgentOutputs()
+    o = AnswerLengths()
     named = (True, ("m", "realtime", "acme"))
     for i in range(MIN_ANSWERS - 1):
         o.answered(f"b{i}", 100 + i, named)
@@ -99,7 +99,7 @@ async def test_the_ledger_books_the_learned_answer_not_the_cap(
     assert 10 + 90 <= await booked(adm.ticket) <= 10 + 80 + MIN_ANSWERS
     # Fairness charges the tenant the same, not its cap (a generous cap costs it no turns).
     assert d.nodes.shares._pairs[("m", "realtime")].cost["t1"] == await booked(adm.ticket)
-    assert d.nodes.outputs.booked_answers() == [  # /status.json's answers_booked
+    assert d.nodes.answers.booked_answers() == [  # /status.json's answers_booked
         {
             "model": "m",
             "class": "realtime",

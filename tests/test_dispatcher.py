@@ -568,7 +568,7 @@ async def test_a_class_under_its_min_share_is_not_held_by_the_decode_guard(
         now[0] += 0.05
     assert shed.class_share("m", "batch", now[0]) == 0.0
     assert d._eligible(item("batch")) == []  # realtime within capacity: its decode comes first
-    d.nodes.outputs.refused_late("realtime", now[0])  # past capacity: refused late
+    d.overload.refused_late("m", "realtime", now[0])  # past capacity: refused late
     assert [n.node.id for n, _a in d._eligible(item("batch"))] == ["n1"]
     assert status._decode_guard(d)["under_min_share"] == ["batch"]  # /status.json says so
     assert d._eligible(item("offline")) == []  # no SLO: the guard holds it as before

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import aiohttp
 import pytest
 
-from admission.scheduling.shedding import FULL_S
+from admission.scheduling.overload import FULL_S
 from devstack.stack import DEFAULT_POLICY, Stack
 from loadtest.bench import gate_counts
 
@@ -147,7 +147,7 @@ def test_on_the_shipped_defaults_nobody_is_held_while_the_node_has_room(
         # A stall of the host (these two cores run the node, both sidecars, NGINX and the
         # 144 clients) can put the ledger's pending prefill ahead of the node for a moment: a
         # few realtime requests queue, one is refused late, and the class is past capacity
-        # until arrivals have found a node for shedding.FULL_S (docs/benchmarks.md, "The rare
+        # until arrivals have found a node for overload.FULL_S (docs/benchmarks.md, "The rare
         # refusals on `admission up`'s defaults"). Seen 3 times in ~30 runs beside other
         # tests, 0 alone. Allowed as that one spell only: started by a late refusal, the early
         # ones by tenant weight after it, over within FULL_S + 3 s — never another reason, nor

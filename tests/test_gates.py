@@ -1,4 +1,4 @@
-"""One rule per node gate, on both sides: the sidecar's guess (`routing.why_not`) and the
+"""One rule per node gate, on both sides: the sidecar's guess (`gates.why_not`) and the
 ledger's decision (store/lua/lease.lua, on a real redis-server) agree, over hypothesis-drawn
 node ledgers and asks. The gates both sides hold: in-flight leases, pending prefill against
 the class's budget (none while the urgent class has KV booked), reserved KV against the
@@ -24,7 +24,7 @@ from admission.nodes.state import Status
 from admission.policy import load_policy
 from admission.scheduling import leases
 from admission.scheduling.ask import Ask
-from admission.scheduling.routing import why_not
+from admission.scheduling.gates import why_not
 from admission.scheduling.views import NodeView
 from admission.store import Scripts, keys
 from devstack.procs import RedisServer

@@ -19,7 +19,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from admission.policy import parse_policy
 from admission.policy.diff import describe
 from admission.reload import edge_table
-from admission.scheduling.answer_lengths import FLOOR, MIN_ANSWERS, UrgentOutputs
+from admission.scheduling.answer_lengths import FLOOR, MIN_ANSWERS, AnswerLengths
 from admission.scheduling.queue import FairQueue, Item
 from admission.scheduling.ticket import make_ticket, new_request_id
 from admission.store import keys
@@ -58,7 +58,7 @@ def test_fail_open_sends_the_classes_cold_band() -> None:
 
 
 def test_cut_answers_teach_no_length_and_a_booking_keeps_a_floor_of_its_cap() -> None:
-    o = UrgentOutputs()
+    o = AnswerLengths()
     for i in range(120):  # max_tokens: 1, cut at the cap
         o.admitted(f"cut{i}", True, "m", "realtime", "mallory")
         o.answered(f"cut{i}", 1, None, "length")
@@ -75,7 +75,7 @@ def test_cut_answers_teach_no_length_and_a_booking_keeps_a_floor_of_its_cap() ->
 
 def test_one_tenant_moves_the_decode_guard_at_most_by_its_weights_share() -> None:
     weights = {"platinum": 5.0, "free": 1.0}
-    o = UrgentOutputs(lambda t: weights.get(t, 1.0))
+    o = AnswerLengths(lambda t: weights.get(t, 1.0))
     for i in range(40):
         o.admitted(f"p{i}", True, "m", "realtime", "platinum")
         o.answered(f"p{i}", 60, None, "stop")

@@ -17,7 +17,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from admission.metrics import Metrics
 from admission.policy import Node, OnLate, load_policy
 from admission.reload import PolicyHolder
-from admission.scheduling.routing import ask_for
+from admission.scheduling.ask import Request
+from admission.scheduling.gates import ask_for
 from admission.scheduling.views import NodeView
 from admission.server import DISPATCHER, build_app
 from admission.store import keys
@@ -129,7 +130,7 @@ async def test_the_urgent_class_waits_into_the_margin_and_still_runs(
         waiter = asyncio.ensure_future(client.post("/admit", json=admit_body()))
         await asyncio.sleep(3.25)
         assert not waiter.done()  # past 75 % of its target, still waiting
-        assert dispatcher.nodes.outputs.refusing("realtime", dispatcher.clock())
+        assert dispatcher.overload.late("m", "realtime", dispatcher.clock())
         ticket = (await leases[0].json())["ticket"]
         assert (await client.post("/release", json={"ticket": ticket})).status == 200
         assert (await asyncio.wait_for(waiter, 5)).status == 200
@@ -147,9 +148,12 @@ def test_the_urgent_class_is_gated_by_its_prefill_budget_only_when_it_refuses_la
     for text, budget in ((BASE_POLICY, 0), (LATE_POLICY, 10_000)):
         urgent = text.replace("priority: 0,", "priority: 0, admit_until: drain,")
         policy = make_policy("redis://127.0.0.1:1/0", urgent)
-        ask = ask_for(v, policy, "realtime", 100, 200, decode_s=None)
+        ask = ask_for(v, policy, Request("m", "realtime", 100, 200), decode_s=None)
         assert ask.urgent and ask.prefill_budget == budget
-        assert ask_for(v, policy, "batch", 100, 200, decode_s=None).prefill_budget == 10_000
+        assert (
+            ask_for(v, policy, Request("m", "batch", 100, 200), decode_s=None).prefill_budget
+            == 10_000
+        )
     # The shipped policy: realtime and batch refuse late, offline serves late.
     shipped = load_policy(DEFAULT_POLICY)
     assert shipped.classes["batch"].on_late == OnLate.REFUSE
@@ -176,8 +180,8 @@ async def test_past_capacity_a_tenant_over_its_share_is_refused_at_arrival(
             shed.arrive("m", "realtime", tenant, 10, t, lambda _t: 1.0, False)
         shed.admitted("m", "realtime", 6, t)
     assert (await client.post("/admit", json=admit_body(tenant="small"))).status == 200
-    d.nodes.outputs.refused_late("realtime", d.clock())  # past capacity ...
-    shed.full("realtime", d.clock())  # ... and arrivals find no node
+    d.overload.refused_late("m", "realtime", d.clock())  # past capacity ...
+    d.overload.no_node("m", "realtime", d.clock())  # ... and arrivals find no node
     bucket = keys.tenant_keys("small", "x")[1]
     codes = []
     for _ in range(4):
@@ -194,5 +198,6 @@ async def test_past_capacity_a_tenant_over_its_share_is_refused_at_arrival(
     shown = {(f["class"], f["tenant"]): f["share"] for f in data["fair_shed"]}
     assert shown[("realtime", "small")] > 0.8 > 0.5 > shown[("realtime", "acme")] > 0
     assert any(g["reason"] == "over_fair_share" for g in data["refusals"])
+    assert {"model": "m", "class": "realtime", "state": "shedding"} in data["overload"]
     metrics = await (await client.get("/metrics")).text()
     assert 'admission_fair_shed_total{cls="realtime"}' in metrics

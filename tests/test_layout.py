@@ -136,6 +136,7 @@ def test_only_the_package_face_imports_the_dispatcher() -> None:
 # (nodetable, refresh_reads, shares, head_locations, leases, round_trip, answer_ahead,
 # take_lease, release, running, dispatcher) is what talks to Redis.
 RULES = (
+    "overload",
     "queue",
     "priority",
     "answer_lengths",

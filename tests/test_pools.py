@@ -189,7 +189,8 @@ def test_lent_work_runs_behind_the_owners_inside_the_engine(classes: str) -> Non
 def test_borrowers_are_held_at_hold_on_a_lent_node_owners_may_go_to_drain() -> None:
     """An urgent class (admit_until: drain) may use the hold→drain band of a node, except on a
     pool's node it borrows: that band, and the prefill room, stay the owners'."""
-    from admission.scheduling.routing import eligible
+    from admission.scheduling.ask import Request
+    from admission.scheduling.routing import ClusterFacts, eligible
     from admission.scheduling.views import NodeView
 
     text = POLICY.replace("deadline_s: 3}", "deadline_s: 3, admit_until: drain}")
@@ -199,8 +200,10 @@ def test_borrowers_are_held_at_hold_on_a_lent_node_owners_may_go_to_drain() -> N
     views = [NodeView(n) for n in p.nodes.values()]
     for v in views:
         v.state, v.memory = Status.HOLD, 0.82
-    owner = eligible(views, p, "m", "realtime", 10, 10, 0.0, "vip")
-    borrower = eligible(views, p, "m", "realtime", 10, 10, 0.0, "other")
+    owner = eligible(views, p, Request("m", "realtime", 10, 10, tenant="vip"), ClusterFacts(0.0))
+    borrower = eligible(
+        views, p, Request("m", "realtime", 10, 10, tenant="other"), ClusterFacts(0.0)
+    )
     assert [v.node.id for v, _ask in owner] == ["mine", "shared"]  # own pool first
     assert [v.node.id for v, _ask in borrower] == ["shared"]
 

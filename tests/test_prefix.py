@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from admission.policy import Node
 from admission.scheduling import leases, routing
-from admission.scheduling.ask import Ask
+from admission.scheduling.ask import Ask, Request
 from admission.scheduling.prefixes import NO_PREFIX, Prefix, PrefixIndex, parse
 from admission.scheduling.views import NodeView
 from admission.store import Scripts, keys
@@ -323,7 +323,12 @@ def test_routing_keeps_a_prompt_on_its_prefix_until_that_node_says_no(policy: An
 
     def first(blocks: int = 6) -> str:
         hits = {cached.node.id: blocks}
-        ok = routing.eligible(views, policy, model, cls, 1000, 1100, 0.0, prefix=prefix, hits=hits)
+        ok = routing.eligible(
+            views,
+            policy,
+            Request(model, cls, 1000, 1100, prefix=prefix),
+            routing.ClusterFacts(0.0, hits=hits),
+        )
         return ok[0][0].node.id
 
     cached.inflight = 3  # pending prefill is that of requests in flight
@@ -357,7 +362,10 @@ def test_a_crowded_node_loses_its_prefix_preference(policy: Any) -> None:
 
         def first(cls: str = cls) -> str:
             ok = routing.eligible(
-                views, policy, model, cls, 1000, 1100, 0.0, prefix=prefix, hits=hits
+                views,
+                policy,
+                Request(model, cls, 1000, 1100, prefix=prefix),
+                routing.ClusterFacts(0.0, hits=hits),
             )
             return ok[0][0].node.id
 

@@ -11,7 +11,9 @@ import pytest
 from admission.metrics import Metrics
 from admission.nodes.state import Status
 from admission.policy import Policy
-from admission.scheduling.routing import ask_for, eligible, fallbacks
+from admission.scheduling.ask import Request
+from admission.scheduling.gates import ask_for
+from admission.scheduling.routing import ClusterFacts, eligible, fallbacks
 from admission.scheduling.views import NodeView
 from devstack.procs import RedisServer
 from tests.conftest import BASE_POLICY, make_policy
@@ -32,7 +34,12 @@ def test_fallbacks_include_live_nodes_that_are_not_eligible(redis_server: RedisS
     views = {n: NodeView(p.nodes[n]) for n in p.nodes}
     for n, s in (("n1", Status.OPEN), ("n2", Status.HOLD), ("n3", Status.DRAIN)):
         views[n].state = s
-    chosen = [v for v, _ask in eligible(list(views.values()), p, "m", "batch", 10, 20, 0.0)]
+    chosen = [
+        v
+        for v, _ask in eligible(
+            list(views.values()), p, Request("m", "batch", 10, 20), ClusterFacts(0.0)
+        )
+    ]
     assert [v.node.id for v in chosen] == ["n1"]
     assert fallbacks(chosen, list(views.values()), "m") == [("n2", "http://127.0.0.1:2")]
 
@@ -60,7 +67,10 @@ def test_lower_classes_go_first_where_the_urgent_class_has_no_kv(
     views[1].ledger(300.0, 300, 1, 0.0, urgent=0, reserve=0.0)
 
     def order(cls: str) -> list[str]:
-        return [v.node.id for v, _ask in eligible(views, p, "m", cls, 10, 20, 0.0)]
+        return [
+            v.node.id
+            for v, _ask in eligible(views, p, Request("m", cls, 10, 20), ClusterFacts(0.0))
+        ]
 
     assert order("batch") == ["n2", "n1"]
     assert order("realtime") == ["n1", "n2"]
@@ -71,7 +81,7 @@ def test_lower_classes_go_first_where_the_urgent_class_has_no_kv(
 def test_decode_guard_follows_what_the_urgent_class_answers_need(
     redis_server: RedisServer,
 ) -> None:
-    from admission.scheduling.answer_lengths import MAX_OPEN, UrgentOutputs, decode_limit_s
+    from admission.scheduling.answer_lengths import MAX_OPEN, AnswerLengths, decode_limit_s
 
     slo = "slo: {ttft_ms: 1000, e2e_ms: 10000, tpot_ms: 60}"
     text = BASE_POLICY.replace("deadline_s: 5}", f"deadline_s: 5, admit_until: drain, {slo}}}")
@@ -93,18 +103,25 @@ def test_decode_guard_follows_what_the_urgent_class_answers_need(
     v.tpot_s = 0.040  # what lower-class prefill chunks leave realtime's decode now
 
     def batch_on_n1(**kw: float) -> bool:
-        return any(n is v for n, _ask in eligible([v, w], p, "m", "batch", 10, 20, 0.0, **kw))
+        return any(
+            n is v
+            for n, _ask in eligible(
+                [v, w], p, Request("m", "batch", 10, 20), ClusterFacts(0.0, **kw)
+            )
+        )
 
     assert batch_on_n1()  # within 60 ms
     assert not batch_on_n1(output_tokens=300)  # 40 > 30 ms
-    assert eligible([v], p, "m", "realtime", 10, 20, 0.0, output_tokens=300)  # never itself
+    assert eligible(
+        [v], p, Request("m", "realtime", 10, 20), ClusterFacts(0.0, output_tokens=300)
+    )  # never itself
     # Realtime nowhere (no KV booked on any node, none waiting): nothing to protect, lower
     # classes take the node's whole decode; it waiting is enough to bring the guard back.
     w.ledger(0.0, 0, 0, 0.0, urgent=0, reserve=0.0)
     assert batch_on_n1(output_tokens=300)
     assert not batch_on_n1(output_tokens=300, urgent_waiting=10)
 
-    o = UrgentOutputs()
+    o = AnswerLengths()
     o.answered("t0", 100)  # not admitted here (or not urgent): not counted
     assert o.mean == 0
     o.admitted("t0", urgent=False)  # batch: not learned from
@@ -126,7 +143,7 @@ def test_the_urgent_class_that_refuses_late_waits_off_a_node_where_it_would_fini
     # Realtime (until drain, e2e 10 s, TTFT 1 s, tpot 60 ms) that refuses late: a node whose
     # running requests see more than the looser of tpot_ms and what e2e asks of answers as long
     # as realtime's are (120 tokens: 75 ms) takes none of it; it waits, and is refused early.
-    from admission.scheduling.answer_lengths import REFUSING_S, UrgentOutputs, own_decode_limit_s
+    from admission.scheduling.answer_lengths import own_decode_limit_s
 
     slo = "slo: {ttft_ms: 1000, e2e_ms: 10000, tpot_ms: 60}"
     serves_late = BASE_POLICY.replace(
@@ -145,7 +162,10 @@ def test_the_urgent_class_that_refuses_late_waits_off_a_node_where_it_would_fini
         v.tpot_s = tpot_s
         return bool(
             eligible(
-                [v], policy, "m", "realtime", 10, 20, 0.0, output_tokens=out, refusing=refusing
+                [v],
+                policy,
+                Request("m", "realtime", 10, 20),
+                ClusterFacts(0.0, output_tokens=out, refusing=refusing),
             )
         )
 
@@ -156,14 +176,25 @@ def test_the_urgent_class_that_refuses_late_waits_off_a_node_where_it_would_fini
     # Lower classes keep judging by the last sample (the urgent class's margin).
     v.decode_s = 0.030
     assert realtime(p, 0.080)
-    assert not eligible([v], p, "m", "batch", 10, 20, 0.0, urgent_waiting=100, output_tokens=120)
+    assert not eligible(
+        [v],
+        p,
+        Request("m", "batch", 10, 20),
+        ClusterFacts(0.0, urgent_waiting=100, output_tokens=120),
+    )
     v.decode_s = 0.040
     assert not realtime(p, 0.080)
     v.decode_s = None  # an agent that predates it: the last sample decides
     assert realtime(p, 0.080, out=0)  # nothing learned: no guard
     assert realtime(q, 0.500)  # a class that serves late is never held by decode
     gate: Counter[tuple[str, str, str]] = Counter()
-    eligible([v], p, "m", "realtime", 10, 20, 0.0, output_tokens=120, gate=gate, refusing=True)
+    eligible(
+        [v],
+        p,
+        Request("m", "realtime", 10, 20),
+        ClusterFacts(0.0, output_tokens=120, refusing=True),
+        gate,
+    )
     assert gate == {("n1", "realtime", "decode"): 1}
     # While refusing, its prefill budget is what is left of its 1 s target after its wait: a
     # node whose booked prefill (600 tokens at 1,000/s) would put its first token past the
@@ -172,19 +203,22 @@ def test_the_urgent_class_that_refuses_late_waits_off_a_node_where_it_would_fini
     v.ledger(600.0, 0, 1, 0.0, urgent=0, reserve=0.0)
 
     def budget(waited_s: float, refusing: bool = True) -> int | None:
-        got = eligible([v], p, "m", "realtime", 10, 20, 0.0, refusing=refusing, waited_s=waited_s)
+        got = eligible(
+            [v],
+            p,
+            Request("m", "realtime", 10, 20, waited_s=waited_s),
+            ClusterFacts(0.0, refusing=refusing),
+        )
         return got[0][1].prefill_budget if got else None
 
     assert budget(0.0) == 1000 and budget(0.2) == 800
     assert budget(0.5) is None  # 600 booked + 10 > 500 left: it waits
     assert budget(0.5, refusing=False) == 1000
     # Past its target: a budget of 1 token (0 would mean "not gated" to lease.lua).
-    assert ask_for(v, p, "realtime", 10, 20, decode_s=None, waited_s=5.0).prefill_budget == 1
-    o = UrgentOutputs()
-    assert not o.refusing("realtime", 100.0)
-    o.refused_late("realtime", 100.0)
-    assert o.refusing("realtime", 100.0 + REFUSING_S - 0.1) and not o.refusing("batch", 100.0)
-    assert not o.refusing("realtime", 100.0 + REFUSING_S)
+    assert (
+        ask_for(v, p, Request("m", "realtime", 10, 20, waited_s=5.0), decode_s=None).prefill_budget
+        == 1
+    )
 
 
 def test_lower_classes_leave_the_urgent_reserve_free(redis_server: RedisServer) -> None:
@@ -196,7 +230,9 @@ def test_lower_classes_leave_the_urgent_reserve_free(redis_server: RedisServer) 
     v = NodeView(p.nodes["n1"], state=Status.OPEN, per_token=0.001)
 
     def ok(cls: str, kv: int, waiting: int = 0) -> bool:
-        return bool(eligible([v], p, "m", cls, 10, kv, 0.0, urgent_waiting=waiting))
+        return bool(
+            eligible([v], p, Request("m", cls, 10, kv), ClusterFacts(0.0, urgent_waiting=waiting))
+        )
 
     assert ok("batch", 600)  # no reserve yet: only the hold watermark
     v.ledger(0.0, 100, 1, 0.0, urgent=100, reserve=300.0)
@@ -204,10 +240,12 @@ def test_lower_classes_leave_the_urgent_reserve_free(redis_server: RedisServer) 
     assert ok("realtime", 700)  # realtime is not held by its own reserve
     v.ledger(0.0, 100, 1, 0.0, urgent=100, reserve=100.0)
     assert ok("batch", 650) and not ok("batch", 650, waiting=200)  # 650 + (100 + 200) > 850
-    ((_node, ask),) = eligible([v], p, "m", "batch", 10, 100, 0.0, urgent_waiting=200)
+    ((_node, ask),) = eligible(
+        [v], p, Request("m", "batch", 10, 100), ClusterFacts(0.0, urgent_waiting=200)
+    )
     assert ask.reserve_limit == 850 and ask.kv_limit == 800 and not ask.urgent
     assert ask.urgent_waiting == 200  # one live node: all of it
-    v.booked(eligible([v], p, "m", "realtime", 10, 400, 0.0)[0][1], 0.0)
+    v.booked(eligible([v], p, Request("m", "realtime", 10, 400), ClusterFacts(0.0))[0][1], 0.0)
     assert v.kv_urgent == 500 and v.reserve == 500  # what this sidecar booked counts at once
     v.ledger(0.0, 500, 1, 20.0)  # a refusal's figures (no reserve): the local one decays on
     assert v.kv_urgent == 500 and v.reserve_now(20.0) == pytest.approx(250.0)  # one half-life
@@ -223,7 +261,7 @@ def test_urgent_class_is_not_held_by_what_lower_classes_hold(redis_server: Redis
     v.ledger(0.0, 700, 2, 0.0, urgent=0, reserve=0.0)
 
     def ok(cls: str, kv: int) -> bool:
-        return bool(eligible([v], p, "m", cls, 10, kv, 0.0))
+        return bool(eligible([v], p, Request("m", cls, 10, kv), ClusterFacts(0.0)))
 
     assert ok("realtime", 800) and not ok("realtime", 900)  # its own 900 ≥ 850
     assert not ok("batch", 10)
@@ -259,11 +297,15 @@ def test_lower_classes_hold_their_share_of_the_kv_the_engine_measures(
     assert v.preemptible() == pytest.approx(0.10)  # its booking alone
     v.memory = 0.95  # in use 0.90: half of it is 0.45, past 4 × the booking (a token is rarely
     assert v.preemptible(4.0) == pytest.approx(0.40)  # under a character): the rest not theirs
-    assert eligible([v], p, "m", "realtime", 10, 10, 0.0)  # 0.95 − 0.40 < 0.85
-    assert not eligible([v], p, "m", "batch", 10, 10, 0.0)
+    assert eligible(
+        [v], p, Request("m", "realtime", 10, 10), ClusterFacts(0.0)
+    )  # 0.95 − 0.40 < 0.85
+    assert not eligible([v], p, Request("m", "batch", 10, 10), ClusterFacts(0.0))
     v.ledger(0.0, 200, 2, 0.0, urgent=190, reserve=190.0)  # realtime's own, nearly all of it
     assert v.preemptible(4.0) == pytest.approx(0.040)
-    assert not eligible([v], p, "m", "realtime", 10, 10, 0.0)  # 0.95 − 0.04 ≥ 0.85
+    assert not eligible(
+        [v], p, Request("m", "realtime", 10, 10), ClusterFacts(0.0)
+    )  # 0.95 − 0.04 ≥ 0.85
     v.memory = 0.15  # in use less than booked: the booking counts (0.01), not its share
     v.ledger(0.0, 200, 2, 0.0, urgent=190, reserve=190.0)
     assert v.preemptible(4.0) == pytest.approx(0.01)
@@ -274,7 +316,7 @@ def test_every_node_that_says_no_is_counted_with_its_reason(redis_server: RedisS
 
     from prometheus_client import generate_latest
 
-    from admission.scheduling.routing import GATE_REASONS
+    from admission.scheduling.gates import GATE_REASONS
 
     slo = "slo: {ttft_ms: 1000, tpot_ms: 60}"
     text = BASE_POLICY.replace("deadline_s: 5}", f"deadline_s: 5, admit_until: drain, {slo}}}")
@@ -284,7 +326,9 @@ def test_every_node_that_says_no_is_counted_with_its_reason(redis_server: RedisS
 
     def no(cls: str, kv: int = 10, prompt: int = 10, waiting: int = 0) -> str:
         gate.clear()
-        assert not eligible([v], p, "m", cls, prompt, kv, 0.0, urgent_waiting=waiting, gate=gate)
+        assert not eligible(
+            [v], p, Request("m", cls, prompt, kv), ClusterFacts(0.0, urgent_waiting=waiting), gate
+        )
         ((node, c, reason),) = gate
         assert node == "n1" and c == cls and reason in GATE_REASONS
         return reason
@@ -294,11 +338,15 @@ def test_every_node_that_says_no_is_counted_with_its_reason(redis_server: RedisS
     v.ledger(900.0, 0, 2, 0.0)  # two in flight: their prefill pending
     assert no("batch", prompt=200) == "prefill"  # 900 + 200 > 1,000 tokens/s x 1 s
     v.ledger(50.0, 0, 2, 0.0)
-    assert eligible([v], p, "m", "batch", 10, 10, 0.0)  # 50 + 10 within the budget
+    assert eligible(
+        [v], p, Request("m", "batch", 10, 10), ClusterFacts(0.0)
+    )  # 50 + 10 within the budget
     v.kv_urgent = v.kv_reserved = 20  # realtime runs there: lower classes get idle prefill only
     assert no("batch") == "prefill"
     v.ledger(0.0, 20, 0, 0.0)
-    assert eligible([v], p, "m", "batch", 10, 10, 0.0)  # its pending cleared: one may go
+    assert eligible(
+        [v], p, Request("m", "batch", 10, 10), ClusterFacts(0.0)
+    )  # its pending cleared: one may go
     v.ledger(900.0, 20, 1, 0.0, urgent=20, reserve=20.0)
     v.tpot_s = 1.0
     assert no("batch") == "decode"  # realtime has KV here (the guard needs it somewhere)

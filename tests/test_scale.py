@@ -17,10 +17,11 @@ from admission.nodes.feed import Publisher
 from admission.nodes.state import NodeState, Status
 from admission.policy import FailureMode, Policy, parse_policy
 from admission.scheduling import Dispatcher
+from admission.scheduling.ask import Request
 from admission.scheduling.candidates import EXAMINE, MAX_EXAMINE, PREFIX_NODES, Candidates
 from admission.scheduling.prefixes import Prefix
 from admission.scheduling.refresh_reads import SWEEP, TOUCHED
-from admission.scheduling.routing import eligible
+from admission.scheduling.routing import ClusterFacts, eligible
 from admission.scheduling.views import NodeView
 from admission.store import Store, connect, keys
 from devstack.procs import RedisServer
@@ -391,10 +392,10 @@ def test_candidates_are_bounded_and_keep_the_best_choice() -> None:
 
         def judge(vs: list[NodeView], seen: list[int] = seen) -> list[Any]:
             seen.append(len(vs))
-            return eligible(vs, p, "m", "batch", 500, 1000, now)
+            return eligible(vs, p, Request("m", "batch", 500, 1000), ClusterFacts(now))
 
         got = idx.pick("m", [None], [], judge)
-        best = eligible(views, p, "m", "batch", 500, 1000, now)
+        best = eligible(views, p, Request("m", "batch", 500, 1000), ClusterFacts(now))
         assert got and got[0][0].wait_s(now) == best[0][0].wait_s(now), trial
         assert seen == [EXAMINE]
 
@@ -413,7 +414,12 @@ def test_candidates_are_bounded_and_keep_the_best_choice() -> None:
 
     def judge_all(vs: list[NodeView]) -> list[Any]:
         seen.append(len(vs))
-        return eligible(vs, p, "m", "batch", 500, 1000, now, prefix=Prefix(("a" * 16,), 16))
+        return eligible(
+            vs,
+            p,
+            Request("m", "batch", 500, 1000, prefix=Prefix(("a" * 16,), 16)),
+            ClusterFacts(now),
+        )
 
     assert idx.pick("m", [None], holders, judge_all) == []
     assert max(seen) <= MAX_EXAMINE + PREFIX_NODES and len(seen) > 1
@@ -432,7 +438,7 @@ async def test_routing_on_eight_nodes_examines_every_node(
         await d.nodes.refresh()
         for i, v in enumerate(d.views):
             v.ledger(1000.0 * (8 - i), 0, 1, d.clock())  # n7 the least loaded
-        found = d.nodes.eligible("m", "batch", 100, 200)
+        found = d.nodes.eligible(Request("m", "batch", 100, 200))
         assert [v.node.id for v, _a in found][:1] == ["n7"] and len(found) == 8
     finally:
         await client.aclose()
@@ -468,5 +474,9 @@ def test_the_decode_guard_and_urgent_share_are_the_whole_models_when_candidates_
         False,
     )
     v.ledger(0.0, 0, 0, now)  # no urgent KV on this candidate
-    assert eligible([v], p, "m", "batch", 100, 200, now)  # alone, nothing to protect
-    assert eligible([v], p, "m", "batch", 100, 200, now, present=True) == []  # held: decode
+    assert eligible(
+        [v], p, Request("m", "batch", 100, 200), ClusterFacts(now)
+    )  # alone, nothing to protect
+    assert (
+        eligible([v], p, Request("m", "batch", 100, 200), ClusterFacts(now, present=True)) == []
+    )  # held: decode

@@ -508,7 +508,7 @@ async def test_releases_teach_the_decode_guard_how_long_urgent_answers_are(
     client = TestClient(TestServer(app))
     await client.start_server()
     try:
-        outputs = app[DISPATCHER].nodes.outputs
+        outputs = app[DISPATCHER].nodes.answers
         rt = [
             (await (await client.post("/admit", json=admit_body())).json())["ticket"]
             for _ in range(2)

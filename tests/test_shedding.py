@@ -15,23 +15,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from admission.scheduling.shedding import (
-    CONFIRM_S,
-    FULL_S,
-    IDLE_S,
-    TAU_S,
-    YOUNG_S,
-    FairShed,
-    Rate,
-    fair_rate,
-)
+from admission.scheduling.overload import REFUSING_S, Overload
+from admission.scheduling.shedding import IDLE_S, TAU_S, FairShed, Rate, fair_rate
 
 WEIGHTS = {"acme": 5.0, "globex": 3.0, "hobbyist": 1.0}
 
 
 LATE_S = 0.5  # a request waiting longer is refused late (late_heads.py's role)
 BURST_S = 0.25  # node slots: up to this many seconds' worth start at once
-MARK_S = 5.0  # outputs.REFUSING_S: how long a late refusal marks the class past capacity
 
 
 def _run(
@@ -45,9 +36,10 @@ def _run(
 ) -> tuple[dict[str, int], dict[str, int], float]:
     """A class on one sidecar: Poisson arrivals at `rates` (requests/s, cost 1); those not shed
     wait in a FIFO for a node that takes `capacity` a second; one waiting over LATE_S is
-    refused late, which marks the class past capacity for MARK_S, as does a shed while
+    refused late, which marks the class past capacity for REFUSING_S, as does a shed while
     arrivals find no free slot (the dispatcher's rule). Returns (admitted, shed) per tenant and the mark."""
     rnd = random.Random(seed)
+    over = Overload()  # the arrivals that find no node (its `short`)
     events = []
     for t, r in rates.items():
         now = start
@@ -83,13 +75,13 @@ def _run(
 
     for now, t in events:
         serve(now)
-        past = now - marked < MARK_S and shed is not None and shed.still_full("rt", now)
+        past = now - marked < REFUSING_S and over.short("m", "rt", now)
         if shed is not None and shed.arrive("m", "rt", t, 1, now, WEIGHTS.get, past):
             refused[t] += 1
             marked = now
             continue
         if shed is not None and (waiting or free_at - BURST_S > now):
-            shed.full("rt", now)  # no node slot free on arrival: it waits
+            over.no_node("m", "rt", now)  # no node slot free on arrival: it waits
         waiting.append((now, t))
     serve(start + seconds)
     return admitted, refused, marked
@@ -189,28 +181,3 @@ def test_the_rate_estimate_follows_a_steady_stream() -> None:
         r.add(3.0, i * 0.01)  # 300 a second
     assert r.at(60.0) == pytest.approx(300, rel=0.02)
     assert r.at(60.0 + 8 * TAU_S) < 1  # decays when nothing comes
-
-
-def test_a_short_run_of_full_arrivals_marks_the_class_full_briefly() -> None:
-    """A host's stall queues a few arrivals for a moment: the class is short of nodes for
-    YOUNG_S after the last of them. Arrivals that find no node for CONFIRM_S or longer (an
-    overload) keep it so for FULL_S after the last, through short spells of free slots."""
-    shed = FairShed()
-    assert not shed.still_full("rt", 0.0)
-    for t in (10.0, 10.2, 10.5):  # a stall: half a second of arrivals finding no node
-        shed.full("rt", t)
-    assert shed.still_full("rt", 10.5 + YOUNG_S - 0.01)
-    assert not shed.still_full("rt", 10.5 + YOUNG_S + 0.01)
-    marks = [20.0 + i / 5 for i in range(int(CONFIRM_S * 5) + 2)]  # an overload: past CONFIRM_S
-    for t in marks:
-        shed.full("rt", t)
-    last = marks[-1]
-    assert shed.still_full("rt", last + FULL_S - 0.01)
-    assert not shed.still_full("rt", last + FULL_S + 0.01)
-    shed.full("rt", 40.0)  # long after: a new run, young again
-    assert not shed.still_full("rt", 40.0 + YOUNG_S + 0.01)
-    # A run is one while its marks come within the window: a young run's gap of more than
-    # YOUNG_S starts it again, so two stalls do not add up to a confirmed spell.
-    shed.full("rt", 40.0 + YOUNG_S + 0.5)
-    shed.full("rt", 40.0 + YOUNG_S + 0.5 + CONFIRM_S - 0.1)
-    assert not shed.still_full("rt", 40.0 + YOUNG_S + 0.5 + CONFIRM_S - 0.1 + YOUNG_S + 0.01)

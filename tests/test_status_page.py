@@ -177,12 +177,13 @@ async def test_status_json_is_read_only_and_carries_no_secrets(sidecar: Any) -> 
         "decode_guard",
         "answers_booked",
         "fair_shed",
+        "overload",
         "prefix",
         "refusals",
         "held",
         "demand",
     }
-    assert doc["fair_shed"] == []  # no class past capacity
+    assert doc["fair_shed"] == [] and doc["overload"] == []  # no class past capacity
     assert doc["answers_booked"] == []  # no answer learned yet: every request books its cap
     # No release has reported cached tokens yet: the booking and the engines' count are unknown.
     assert doc["prefix"] == {

@@ -18,7 +18,7 @@ from admission.metrics import Metrics, Rolling
 from admission.nodes.state import NodeState, Status
 from admission.policy import load_policy
 from admission.reload import PolicyHolder
-from admission.scheduling.routing import GATE_REASONS
+from admission.scheduling.gates import GATE_REASONS
 from admission.server import build_app
 from admission.status import waits_for
 from admission.store import keys

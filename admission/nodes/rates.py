@@ -142,7 +142,7 @@ class Tpot:
       output tokens, as sums decaying with `HALF_S` — each step weighed by its length. On the
       llm-d-like mix `tpot_s` read 40–300 ms while answers saw under 60 ms a token, and the own
       guard held realtime off every node; so that guard holds a node only while this is above
-      half its limit too (routing.slow_decode). An idle node (nothing running) reads 0 and
+      half its limit too (gates.slow_decode). An idle node (nothing running) reads 0 and
       starts over."""
 
     ALPHA = 0.5

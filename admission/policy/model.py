@@ -251,6 +251,13 @@ class Policy:
         t = self.tenants.get(tenant)
         return t.weight if t is not None else 1.0
 
+    def is_urgent(self, cls: str | None) -> bool:
+        """A class admitted until drain: not held back by memory lower classes hold, nor by
+        the idle-prefill rule (vLLM's priority scheduling runs it first inside the engine); its
+        own prefill budget applies when it refuses late (`ClassPolicy.refuses_late`)."""
+        c = self.classes.get(cls) if cls else None
+        return c is not None and c.admit_until == AdmitUntil.DRAIN
+
     def class_below(self, name: str) -> str:
         order = list(self.classes)
         i = order.index(name)

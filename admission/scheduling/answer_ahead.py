@@ -39,7 +39,7 @@ from admission.metrics import Metrics
 from admission.policy import Policy, Tenant
 from admission.scheduling import leases
 from admission.scheduling.ask import Ask
-from admission.scheduling.routing import why_not
+from admission.scheduling.gates import why_not
 from admission.scheduling.views import NodeView
 from admission.store import Backlog
 

@@ -29,10 +29,6 @@ from admission.policy import Policy
 
 MAX_OPEN = 10_000  # urgent tickets remembered until their release (a release may go elsewhere)
 ALPHA = 0.05  # EWMA weight of one answer (≈ the last 20–40 answers)
-# A class refused a request late (`on_late: refuse`) this recently is past what any order
-# serves: its own decode guard acts (own_decode_limit_s) — which of its requests go on is then
-# the choice, and those that would finish late anyway wait (and are refused early) instead.
-REFUSING_S = 5.0
 # What a request books for its answer (KV, in the node ledger): not the client's max_tokens, which
 # is a cap — most clients send a generous one, or none and get edge.default_max_tokens —, but
 # the most its tenant's answers of the class lately ran to: a high quantile of the engine's
@@ -74,7 +70,7 @@ class _Window:
             self.since = 0
 
 
-class UrgentOutputs:
+class AnswerLengths:
     """How long answers are, from the engine's usage at release: the mean of the urgent class's
     (the decode guard) and, per model, class and tenant, the recent lengths a request books KV
     for (`answer_kv`). From every release this sidecar receives (the edge spreads releases over
@@ -87,16 +83,8 @@ class UrgentOutputs:
         # tenant → (its urgent answers' EWMA, its weight when last answered), and their sums
         self._means: OrderedDict[str, tuple[float, float]] = OrderedDict()
         self._weights = self._weighted = 0.0
-        self._late: dict[str, float] = {}  # class → when this sidecar last refused it late
         # (model, class, tenant) → its answers, the most recently answered last
         self._windows: OrderedDict[tuple[str, str, str], _Window] = OrderedDict()
-
-    def refused_late(self, cls: str, now: float) -> None:
-        self._late[cls] = now
-
-    def refusing(self, cls: str | None, now: float) -> bool:
-        """Whether `cls` was refused late within the last REFUSING_S seconds."""
-        return cls is not None and now - self._late.get(cls, -1e18) < REFUSING_S
 
     def admitted(
         self, ticket: str, urgent: bool, model: str = "", cls: str = "", tenant: str = ""
@@ -201,7 +189,7 @@ def own_decode_limit_s(policy: Policy, cls: str, mean_output: float) -> float | 
     """Seconds per output token above which the urgent class itself waits for a node (None: it
     never does): only a class that refuses late (`on_late: refuse`: it would rather be answered
     early than run past its target) with an end-to-end target, once its answers' length is
-    known; routing applies it while the class is being refused late (`UrgentOutputs.refusing`:
+    known; routing applies it while the class is being refused late (`overload.Overload.late`:
     past what any order serves), not before. The looser of its tpot_ms and what its e2e_ms
     asks of answers of `mean_output` tokens: past both, a request sent there finishes late
     whatever it does, and the decode it joins slows every request already running — under

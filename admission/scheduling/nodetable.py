@@ -19,14 +19,14 @@ from admission.metrics import Metrics
 from admission.nodes import feed
 from admission.nodes.state import Status
 from admission.policy import FailureMode, Policy
-from admission.scheduling.answer_lengths import UrgentOutputs
-from admission.scheduling.ask import Ask
+from admission.scheduling.answer_lengths import AnswerLengths
+from admission.scheduling.ask import Ask, Request
 from admission.scheduling.candidates import EXAMINE, Candidates, prefix_nodes
 from admission.scheduling.gauges import NodeGauges
 from admission.scheduling.head_locations import Placements
 from admission.scheduling.prefixes import NO_PREFIX, Prefix
 from admission.scheduling.refresh_reads import NodeReads
-from admission.scheduling.routing import eligible, fallbacks, pool_rank, urgent
+from admission.scheduling.routing import ClusterFacts, eligible, fallbacks, pool_rank
 from admission.scheduling.shares import Shares
 from admission.scheduling.views import CLOSED, NodeView, fail_over
 from admission.store import REDIS_DOWN, PoolBusy, is_down, keys
@@ -70,7 +70,7 @@ class NodeTable:
         self.live: dict[str, int] = {}  # model → nodes open or held, as last seen
         self.gauges = NodeGauges(metrics)
         self.place_moved = False  # a booking or release since the last sort
-        self.outputs = UrgentOutputs(lambda t: self.policy().weight_of(t))  # the decode guard
+        self.answers = AnswerLengths(lambda t: self.policy().weight_of(t))  # the decode guard
         self.placements = Placements(metrics, clock)  # where prompt heads went (routing)
         self.prefixes = self.placements.index
         # Nodes in CLOSED, and who is told when they change (the edge's fail-open skips them).
@@ -92,58 +92,43 @@ class NodeTable:
 
     def eligible(
         self,
-        model: str,
-        cls: str | None,
-        prompt: int,
-        kv: int,
-        tenant: str | None = None,
+        req: Request,
         waiting: Callable[[str], int] = lambda _t: 0,
         waiting_kv: Callable[[str], int] = lambda _c: 0,
-        prefix: Prefix = NO_PREFIX,
-        waited_s: float = 0.0,
         owed: bool = False,
+        refusing: bool = False,
     ) -> list[tuple[NodeView, Ask]]:
-        """Nodes for this request (waited `waited_s` so far), best first. `waiting(tenant)`: how
-        many of a tenant's requests wait in the queue; a pool whose owners wait is not lent.
-        `waiting_kv(class)`: KV tokens waiting in the queue that asked for a class (the urgent
-        class's part is kept free on the nodes by the other classes)."""
-        policy = self.policy()
-        urgent_kv = 0 if urgent(policy, cls) else self.urgent_waiting(waiting_kv)
+        """Nodes for this request, best first. `waiting(tenant)`: how many of a tenant's
+        requests wait in the queue; a pool whose owners wait is not lent. `waiting_kv(class)`:
+        KV tokens waiting in the queue that asked for a class (the urgent class's part is kept
+        free on the nodes by the other classes). `owed`, `refusing`: the class's overload state
+        (overload.py; routing.ClusterFacts)."""
+        policy, model, tenant = self.policy(), req.model, req.tenant
+        urgent_kv = 0 if policy.is_urgent(req.cls) else self.urgent_waiting(waiting_kv)
         blocked = (
             frozenset(pool for t, pool in policy.tenant_pool.items() if t != tenant and waiting(t))
             if policy.tenant_pool
             else _NONE
         )
-        hits = self.prefixes.matches(prefix) if prefix else None
-        now, mean = self.clock(), self.outputs.mean
-        gate = self.metrics.noes  # this decision's no's: counted by said_no below
+        hits = self.prefixes.matches(req.prefix) if req.prefix else None
         present = urgent_kv > 0 or any(
             model in self.views[n].node.models for n in self._urgent_nodes if n in self.views
         )
-        live = self.live.get(model)  # None: not counted yet (routing counts what it sees)
+        facts = ClusterFacts(
+            self.clock(),
+            blocked,
+            urgent_kv,
+            self.answers.mean,
+            hits,
+            present,
+            self.live.get(model),  # None: not counted yet (routing counts what it sees)
+            refusing,
+            owed,
+        )
+        gate = self.metrics.noes  # this decision's no's: counted by said_no below
 
         def judge(views: list[NodeView]) -> list[tuple[NodeView, Ask]]:
-            return eligible(
-                views,
-                policy,
-                model,
-                cls,
-                prompt,
-                kv,
-                now,
-                tenant,
-                blocked,
-                urgent_kv,
-                gate,
-                mean,
-                prefix,
-                hits,
-                present=present,
-                live=live,
-                refusing=self.outputs.refusing(cls, now),
-                waited_s=waited_s,
-                owed=owed,
-            )
+            return eligible(views, policy, req, facts, gate)
 
         pools = self.index.pools(model)
         if policy.pools:  # the tenant's own pool first, then shared nodes, then lenders
@@ -151,7 +136,7 @@ class NodeTable:
             pools = [p for r, p in sorted(ranked, key=lambda rp: rp[0] or 0) if r is not None]
         held = prefix_nodes(hits, self.views) if hits else []
         found = self.index.pick(model, pools, held, judge)
-        self.metrics.said_no(None if found or not pools else cls or "")  # None: it goes
+        self.metrics.said_no(None if found or not pools else req.cls or "")  # None: it goes
         return found
 
     def _pool_rank(
@@ -171,7 +156,7 @@ class NodeTable:
     def urgent_waiting(self, waiting_kv: Callable[[str], int]) -> int:
         """KV tokens waiting in the queue that asked for the urgent class (admitted until drain)."""
         policy = self.policy()
-        return sum(waiting_kv(n) for n in policy.classes if urgent(policy, n))
+        return sum(waiting_kv(n) for n in policy.classes if policy.is_urgent(n))
 
     def near(self, model: str, prefix: Prefix = NO_PREFIX) -> list[NodeView]:
         """The nodes a first token of `model` comes soonest from, bounded: those holding the

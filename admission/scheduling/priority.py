@@ -8,7 +8,7 @@ llm-d-like mix: ~1,000 tokens to compute against ~7,000; docs/benchmarks.md). Pu
 costs the cold one only that fraction.
 
 Only the cache decides, not the prompt's size: the prefill budget admits work in arrival order
-(what a node has waiting clears within the target TTFT, routing.py), so among prompts the node
+(what a node has waiting clears within the target TTFT, gates.py), so among prompts the node
 must compute, arrival order is the order that keeps every admitted first token in time.
 Shortest first among them put the longest prompts of a RAG mix past their target (tried:
 docs/benchmarks.md).

@@ -16,7 +16,6 @@ from admission.policy import Policy
 from admission.scheduling import leases, round_trip
 from admission.scheduling.answer_ahead import Ahead
 from admission.scheduling.nodetable import NodeTable
-from admission.scheduling.routing import urgent
 from admission.scheduling.take_lease import Placer
 from admission.scheduling.ticket import answered_ahead, parse_ticket
 from admission.store import Call
@@ -58,9 +57,9 @@ class Releases:
             named = names[i] if names else None
             elsewhere = None
             if named is not None and named[1] in policy.classes:
-                elsewhere = (urgent(policy, named[1]), (named[0], named[1], tid))
+                elsewhere = (policy.is_urgent(named[1]), (named[0], named[1], tid))
             finish = finishes[i] if finishes else None
-            self.nodes.outputs.answered(ticket, out, elsewhere, finish)
+            self.nodes.answers.answered(ticket, out, elsewhere, finish)
             unconfirmed = self.nodes.placements.engine_cached(ticket, cached)
             await self.nodes.proxied(node, failed, ticket)
             first = answered_ahead(ticket)  # its release may come before its booking

@@ -7,7 +7,7 @@ that other sidecars had filled, with no read in between (tests/test_many_sidecar
 remedies were tried and not kept (docs/scaling.md): the reads as a task of their own, and a
 pass ended after 0.1 s. With either, llmd 1.5× (seed 7) refused realtime late in some runs
 (84, 14 and 65 requests; 3 of 8 runs) where this loop refused none in 8 — the urgent class's
-own guard feeding on its refusals, since fixed (routing.slow_decode); tried again after that
+own guard feeding on its refusals, since fixed (gates.slow_decode); tried again after that
 fix, the reads as a task saw a drain under load no sooner than this loop.
 """
 

@@ -29,20 +29,6 @@ TAU_S = 5.0  # averaging time of the rate estimates (CSFQ's K)
 SLACK = 0.05  # a cut tenant gets this much above its share: the capacity estimate can grow
 IDLE_S = 4 * TAU_S  # a tenant not seen this long is forgotten
 SHOWN_S = 5.0  # the status page shows a tenant's share refused this long after its last arrival
-# A request of the class found no node this recently: still past capacity. One averaging time:
-# shedding well, the passed load sits just under what the nodes take, so spells of a second or
-# two where every arrival finds a node are normal; at 1 s each such spell let every tenant in
-# alike (support 2.0× / conversations, four paired runs: served shares 1.3–3.1 points nearer
-# the fair ones with 5 s; docs/benchmarks.md).
-FULL_S = TAU_S
-# ... once the arrivals have found no node over CONFIRM_S: a younger spell of full arrivals ends
-# YOUNG_S after its last. A stall of the host (the ledger's pending prefill ahead of the node for
-# a moment) queues a few requests and can refuse one late; with FULL_S from the first mark, the
-# early refusals went on for 5 s after on a node with room (tests/test_fairness.py's shipped
-# defaults beside other tests: 264–690 refused in 5 s). An overload queues for longer than
-# CONFIRM_S before its first late refusal, so its spell is confirmed by then.
-CONFIRM_S = 2.0
-YOUNG_S = 1.0
 
 
 @dataclass
@@ -84,7 +70,8 @@ def fair_rate(rates: dict[str, float], weights: dict[str, float], capacity: floa
 
 
 class FairShed:
-    """Which arrivals to refuse early, per (model, class), while the class is past capacity."""
+    """Which arrivals to refuse early, per (model, class), while the class is past capacity
+    (`past_capacity`: overload.py's SHEDDING)."""
 
     def __init__(self) -> None:
         self._arrived: dict[tuple[str, str], dict[str, Rate]] = {}
@@ -93,24 +80,6 @@ class FairShed:
         self._shown: dict[
             tuple[str, str], tuple[float, float]
         ] = {}  # (class, tenant) → (share, at)
-        self._full: dict[str, float] = {}  # class → when a request of it last found no node
-        self._since: dict[str, float] = {}  # class → the first such mark of the current run
-
-    def full(self, cls: str, now: float) -> None:
-        """A request of the class found no node with room on arrival (it queues)."""
-        if not self.still_full(cls, now):
-            self._since[cls] = now  # a new run of arrivals that find no node
-        self._full[cls] = now
-
-    def still_full(self, cls: str, now: float) -> bool:
-        """Whether the class is still short of nodes: a shed request would not have found one.
-        The early refusals keep the class marked past capacity while this holds (they take
-        over from the late refusals, which then stop); once nodes have had room on arrival for
-        FULL_S — YOUNG_S while the run of full arrivals is younger than CONFIRM_S —, the mark
-        runs out and the shedding with it."""
-        last = self._full.get(cls, -math.inf)
-        confirmed = last - self._since.get(cls, last) >= CONFIRM_S
-        return now - last < (FULL_S if confirmed else YOUNG_S)
 
     def admitted(self, model: str, cls: str, cost: float, now: float) -> None:
         """A request of the class sent to a node (by any path)."""

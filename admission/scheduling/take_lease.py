@@ -137,7 +137,7 @@ class Placer:
         self.nodes.shares.served(item.model, cls, item.tenant, item.cost)
         self.shed.admitted(item.model, cls, item.cost, now)
         self.nodes.prefix_booked(ticket, chosen, ask, res)
-        self.nodes.outputs.admitted(ticket, ask.urgent, item.model, cls, item.tenant)
+        self.nodes.answers.admitted(ticket, ask.urgent, item.model, cls, item.tenant)
         self.metrics.queue_wait_seconds.labels(item.cls).observe(now - item.enqueued_at)
         return Admission(
             ticket=ticket,
