@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -137,47 +138,13 @@ class Decider:
         holder, metrics = self.holder, self.metrics
         policy = holder.current
         body = json_object(raw, ADMIT_KEYS)
-        tenant = _tenant(policy, body)
-        cls = body.get("class") or tenant.default_class
-        if not isinstance(cls, str) or cls not in tenant.classes:
-            raise Forbidden(
-                f"class {cls!r} is not allowed for this tenant", code="class_not_allowed"
-            )
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise BadRequest("model must be a non-empty string", code="invalid_model")
+        ask = _read(policy, body, self.dispatcher.nodes.serves)
+        tenant, cls, model, rid = ask.tenant, ask.cls, ask.model, ask.rid
         dispatcher = self.dispatcher
-        if not dispatcher.nodes.serves(model):
-            raise NotFound(f"model {model!r} does not exist", code="model_not_found")
-        if tenant.models and model not in tenant.models:
-            raise Forbidden(
-                f"model {model!r} is not allowed for this tenant", code="model_not_allowed"
-            )
-        prompt = _int_field(body, "prompt_tokens", lo=0, default=0)
-        max_tokens = _int_field(body, "max_tokens", lo=1, default=policy.edge.default_max_tokens)
-        if "stream" in body and not isinstance(body["stream"], bool):
-            raise BadRequest("stream must be true or false")
-        waited_s = 0.0
-        if (arrived := body.get("arrived_at")) is not None:
-            if isinstance(arrived, bool) or not isinstance(arrived, (int, float)):
-                raise BadRequest("arrived_at must be a number (seconds since the epoch)")
-            # The edge and its sidecars share a host (unix sockets), so one clock. Bounded: a
-            # skewed or forged value can neither jump the queue by more than the class deadline
-            # nor make a request younger than now.
-            waited_s = min(max(0.0, time.time() - arrived), policy.classes[cls].deadline_s)
-        rid = body.get("request_id")
-        if rid is not None and not (isinstance(rid, str) and REQUEST_ID.fullmatch(rid)):
-            raise BadRequest("request_id must be 8 to 64 characters of [A-Za-z0-9_-]")
-        try:
-            prefix = prefixes.parse(
-                body.get("prefix"), body.get("prefix_chars"), policy.edge.chars_per_token
-            )
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from None
         outcome, reason = "error", "internal"
         try:
             adm = await dispatcher.admit(
-                tenant, cls, model, prompt, max_tokens, waited_s, rid, prefix
+                tenant, cls, model, ask.prompt, ask.max_tokens, ask.waited_s, rid, ask.prefix
             )
             if body.get("reask") is True:  # its lost first sidecar may have leased a node for it
                 await dispatcher.place.drop_stale(adm.ticket, model)
@@ -217,6 +184,57 @@ class Decider:
             self.recent.decided(tenant.id, cls, outcome, reason, waited, rid or "")
             if outcome not in ("admitted", "cancelled"):
                 log.debug("request %s of %s (%s) %s: %s", rid, tenant.id, cls, outcome, reason)
+
+
+@dataclass(frozen=True, slots=True)
+class _Ask:
+    """The edge's admission ask, checked against the policy."""
+
+    tenant: Tenant
+    cls: str
+    model: str
+    prompt: int
+    max_tokens: int
+    waited_s: float
+    rid: str | None
+    prefix: prefixes.Prefix
+
+
+def _read(policy: Policy, body: dict[str, Any], serves: Callable[[str], bool]) -> _Ask:
+    """The ask's fields, each checked (BadRequest, Forbidden, NotFound with the reason)."""
+    tenant = _tenant(policy, body)
+    cls = body.get("class") or tenant.default_class
+    if not isinstance(cls, str) or cls not in tenant.classes:
+        raise Forbidden(f"class {cls!r} is not allowed for this tenant", code="class_not_allowed")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("model must be a non-empty string", code="invalid_model")
+    if not serves(model):
+        raise NotFound(f"model {model!r} does not exist", code="model_not_found")
+    if tenant.models and model not in tenant.models:
+        raise Forbidden(f"model {model!r} is not allowed for this tenant", code="model_not_allowed")
+    prompt = _int_field(body, "prompt_tokens", lo=0, default=0)
+    max_tokens = _int_field(body, "max_tokens", lo=1, default=policy.edge.default_max_tokens)
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise BadRequest("stream must be true or false")
+    waited_s = 0.0
+    if (arrived := body.get("arrived_at")) is not None:
+        if isinstance(arrived, bool) or not isinstance(arrived, (int, float)):
+            raise BadRequest("arrived_at must be a number (seconds since the epoch)")
+        # The edge and its sidecars share a host (unix sockets), so one clock. Bounded: a
+        # skewed or forged value can neither jump the queue by more than the class deadline
+        # nor make a request younger than now.
+        waited_s = min(max(0.0, time.time() - arrived), policy.classes[cls].deadline_s)
+    rid = body.get("request_id")
+    if rid is not None and not (isinstance(rid, str) and REQUEST_ID.fullmatch(rid)):
+        raise BadRequest("request_id must be 8 to 64 characters of [A-Za-z0-9_-]")
+    try:
+        prefix = prefixes.parse(
+            body.get("prefix"), body.get("prefix_chars"), policy.edge.chars_per_token
+        )
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    return _Ask(tenant, cls, model, prompt, max_tokens, waited_s, rid, prefix)
 
 
 DECIDER = web.AppKey("decider", Decider)

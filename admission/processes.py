@@ -30,7 +30,6 @@ LISTEN_BACKLOG = 4096
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from aiohttp import web
 
     from admission.reload import PolicyHolder
     from admission.server import build_app
@@ -59,49 +58,54 @@ def cmd_serve(args: argparse.Namespace) -> int:
         holder, edge_table=Path(args.edge_table) if args.edge_table else None, access=access
     )
 
-    async def main() -> None:
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-        await runner.setup()
-        sites: list[web.BaseSite] = []
-        if args.unix:
-            Path(args.unix).unlink(missing_ok=True)
-            sites.append(web.UnixSite(runner, args.unix, backlog=LISTEN_BACKLOG))
-        if args.port is not None:
-            sites.append(web.TCPSite(runner, args.host, args.port, backlog=LISTEN_BACKLOG))
-        for s in sites:
-            await s.start()
-        names = [s.name for s in sites]
-        edge = None
-        if args.admit_unix:  # the edge's admissions: JSON lines (admission.edge_socket)
-            from admission import edge_socket
-
-            Path(args.admit_unix).unlink(missing_ok=True)
-            edge = await edge_socket.serve(app, args.admit_unix, LISTEN_BACKLOG)
-            names.append(f"unix:{args.admit_unix} (admissions)")
-        for path in (args.unix, args.admit_unix):
-            if path:
-                # Only NGINX's workers should reach the sidecar: its group (--socket-group, or
-                # the sidecar's own), mode 0660.
-                if args.socket_group:
-                    os.chown(path, -1, grp.getgrnam(args.socket_group).gr_gid)
-                os.chmod(path, int(args.socket_mode, 8))
-        logging.info("sidecar listening on %s", ", ".join(names))
-        # Everything allocated so far lives as long as the process: keep it out of the
-        # collector's generations so that collections on the request path stay short.
-        gc.collect()
-        gc.freeze()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        await stop.wait()
-        logging.info("stopping: draining in-flight admissions")
-        if edge is not None:
-            await edge_socket.drain(*edge, timeout_s=5.0)
-        await runner.cleanup()
-
-    asyncio.run(main())
+    asyncio.run(_serve(app, args))
     return 0
+
+
+async def _serve(app: Any, args: argparse.Namespace) -> None:
+    """Serve `app` on the sockets `args` name (each 0660 to the socket group) until SIGTERM,
+    then drain the edge's admissions."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    sites: list[web.BaseSite] = []
+    if args.unix:
+        Path(args.unix).unlink(missing_ok=True)
+        sites.append(web.UnixSite(runner, args.unix, backlog=LISTEN_BACKLOG))
+    if args.port is not None:
+        sites.append(web.TCPSite(runner, args.host, args.port, backlog=LISTEN_BACKLOG))
+    for s in sites:
+        await s.start()
+    names = [s.name for s in sites]
+    edge = None
+    if args.admit_unix:  # the edge's admissions: JSON lines (admission.edge_socket)
+        from admission import edge_socket
+
+        Path(args.admit_unix).unlink(missing_ok=True)
+        edge = await edge_socket.serve(app, args.admit_unix, LISTEN_BACKLOG)
+        names.append(f"unix:{args.admit_unix} (admissions)")
+    for path in (args.unix, args.admit_unix):
+        if path:
+            # Only NGINX's workers should reach the sidecar: its group (--socket-group, or
+            # the sidecar's own), mode 0660.
+            if args.socket_group:
+                os.chown(path, -1, grp.getgrnam(args.socket_group).gr_gid)
+            os.chmod(path, int(args.socket_mode, 8))
+    logging.info("sidecar listening on %s", ", ".join(names))
+    # Everything allocated so far lives as long as the process: keep it out of the
+    # collector's generations so that collections on the request path stay short.
+    gc.collect()
+    gc.freeze()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    logging.info("stopping: draining in-flight admissions")
+    if edge is not None:
+        await edge_socket.drain(*edge, timeout_s=5.0)
+    await runner.cleanup()
 
 
 def cmd_agent(args: argparse.Namespace) -> int:

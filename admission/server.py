@@ -198,9 +198,9 @@ def build_app(
     edge_table: Path | None = None,
     access: Access | None = None,
 ) -> web.Application:
-    """The sidecar application; resources open and close in its cleanup contexts. `access`
-    defaults to what an in-process test client needs (the edge's calls over TCP); `serve`
-    passes the production trust model (admission.trust)."""
+    """The sidecar application; resources open and close in its cleanup contexts (`_Life`).
+    `access` defaults to what an in-process test client needs (the edge's calls over TCP);
+    `serve` passes the production trust model (admission.trust)."""
     app = web.Application(middlewares=[error_middleware], client_max_size=64 * 1024)
     app[ACCESS] = access or Access(edge_over_tcp=True)
     app[RECENT] = status.Recent()
@@ -208,8 +208,32 @@ def build_app(
     batches = BatchApi(holder, app[ACCESS])
     app[POLICY] = holder
     app[METRICS] = metrics or holder.metrics
+    life = _Life(holder, edge_table, batches)
+    app.cleanup_ctx.extend([life.redis, life.watcher, life.dispatcher])
+    app.router.add_post("/admit", admit)
+    app.router.add_post("/release", release)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics_view)
+    app.router.add_get("/nodes", nodes_view)
+    app.router.add_get("/status", status_page)
+    app.router.add_get("/status.json", status_view)
+    batches.add_routes(app)
+    app.router.add_post("/nodes/{node}/{action}", node_admin)
+    return app
 
-    async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
+
+class _Life:
+    """The sidecar's resources and tasks, in the order they start (aiohttp cleanup contexts):
+    Redis and the limiter; the policy watcher and the edge table; the dispatcher."""
+
+    def __init__(self, holder: PolicyHolder, edge_table: Path | None, batches: BatchApi) -> None:
+        self.holder, self.edge_table, self.batches = holder, edge_table, batches
+        self.app: web.Application | None = None
+        self.secret: bytes | None = None  # the cache salt secret (cache_salt.py), once read
+
+    async def redis(self, app: web.Application) -> AsyncIterator[None]:
+        holder, batches = self.holder, self.batches
+        self.app = app
         st = app[STORE] = Store.open(holder.current.redis, app[METRICS])
         pol = holder.current
         batches.store = BatchStore(connect_batch(pol.redis, pol.batch.redis_url))
@@ -228,24 +252,23 @@ def build_app(
         await st.close()
         await batches.store.redis.aclose()
 
-    def unusable() -> frozenset[str]:
-        return app[DISPATCHER].nodes.unusable if DISPATCHER in app else frozenset()
+    def unusable(self) -> frozenset[str]:
+        app = self.app
+        return app[DISPATCHER].nodes.unusable if app is not None and DISPATCHER in app else _NONE
 
-    secret: list[bytes | None] = [None]  # the cache salt secret (cache_salt.py), once read
+    def write_table(self, policy: Any, closed: frozenset[str] | None = None) -> None:
+        if self.edge_table is not None:
+            shut = self.unusable() if closed is None else closed
+            write_edge_table(policy, self.edge_table, shut, self.secret)
 
-    def write_table(policy: Any, closed: frozenset[str] | None = None) -> None:
-        if edge_table is not None:
-            shut = unusable() if closed is None else closed
-            write_edge_table(policy, edge_table, shut, secret[0])
-
-    async def read_secret(attempts: int | None) -> None:
+    async def read_secret(self, app: web.Application, attempts: int | None) -> None:
         """Read the shared cache salt secret (`attempts` tries; None: until it is read), then
         rewrite the edge table with the salts. Until then the edge salts every request alone."""
         delay_s, tried = 0.5, 0
         while attempts is None or tried < attempts:
             tried += 1
             try:
-                secret[0] = await asyncio.wait_for(cache_salt.read_secret(app[STORE].redis), 2.0)
+                self.secret = await asyncio.wait_for(cache_salt.read_secret(app[STORE].redis), 2.0)
             except Exception as exc:  # Redis away: requests are salted alone meanwhile
                 if tried == 1 and attempts is None:
                     log.warning(
@@ -256,30 +279,32 @@ def build_app(
                 await asyncio.sleep(delay_s)
                 delay_s = min(5.0, delay_s * 2)
                 continue
-            write_table(holder.current)
+            self.write_table(self.holder.current)
             return
 
-    async def watcher_ctx(app: web.Application) -> AsyncIterator[None]:
+    async def watcher(self, app: web.Application) -> AsyncIterator[None]:
+        holder = self.holder
         salting: asyncio.Task[None] | None = None
-        if edge_table is not None:
-            await read_secret(1)
-            write_table(holder.current)
-            holder.listeners.append(write_table)
-            if secret[0] is None:
-                salting = asyncio.create_task(read_secret(None), name="cache-salt-secret")
+        if self.edge_table is not None:
+            await self.read_secret(app, 1)
+            self.write_table(holder.current)
+            holder.listeners.append(self.write_table)
+            if self.secret is None:
+                salting = asyncio.create_task(self.read_secret(app, None), name="cache-salt")
         task = asyncio.create_task(holder.watch(), name="policy-watcher")
         yield
         await _stop(task)
         if salting is not None:
             await _stop(salting)
 
-    async def dispatcher_ctx(app: web.Application) -> AsyncIterator[None]:
+    async def dispatcher(self, app: web.Application) -> AsyncIterator[None]:
+        holder = self.holder
         d = Dispatcher(app[STORE], app[LIMITER], holder, app[METRICS])
         holder.listeners.append(d.set_policy)
         app[DISPATCHER] = d
         app[DECIDER] = Decider(holder, app[METRICS], d, app[LIMITER], app[RECENT])
-        if edge_table is not None:  # nodes closing or opening change the edge's fail-open peers
-            d.nodes.on_unusable = lambda closed: write_table(holder.current, closed)
+        if self.edge_table is not None:  # nodes closing or opening change the edge's peers
+            d.nodes.on_unusable = lambda closed: self.write_table(holder.current, closed)
         # Registered nodes (nodes/registry.py), read once before serving: a restarted sidecar
         # knows them at once.
         members = Membership(app[STORE].redis, lambda: holder.file_policy, holder.set_registered)
@@ -298,17 +323,8 @@ def build_app(
         await _stop(task)
         await d.ahead.close()
 
-    app.cleanup_ctx.extend([redis_ctx, watcher_ctx, dispatcher_ctx])
-    app.router.add_post("/admit", admit)
-    app.router.add_post("/release", release)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/metrics", metrics_view)
-    app.router.add_get("/nodes", nodes_view)
-    app.router.add_get("/status", status_page)
-    app.router.add_get("/status.json", status_view)
-    batches.add_routes(app)
-    app.router.add_post("/nodes/{node}/{action}", node_admin)
-    return app
+
+_NONE: frozenset[str] = frozenset()
 
 
 def _log_death(task: asyncio.Task[Any]) -> None:

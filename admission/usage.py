@@ -88,25 +88,7 @@ def release_args(
         parse_ticket(ticket)
     except ValueError:
         raise BadRequest("ticket is missing or malformed", code="invalid_ticket") from None
-    status = body.get("status", 200)
-    if isinstance(status, bool) or not isinstance(status, int):
-        raise BadRequest("status must be an integer")
-    failed = body.get("node_failed", False)
-    if not isinstance(failed, bool):
-        raise BadRequest("node_failed must be true or false")
-    header_s = body.get("header_s")
-    number = isinstance(header_s, int | float) and not isinstance(header_s, bool)
-    if header_s is not None and not number:
-        raise BadRequest("header_s must be a number or null")
-    estimate = body.get("estimate")
-    if estimate is not None and (
-        isinstance(estimate, bool) or not isinstance(estimate, int) or estimate < 0
-    ):
-        raise BadRequest("estimate must be a non-negative integer or null")
-    for key in ("model", "class"):
-        name = body.get(key)
-        if name is not None and (not isinstance(name, str) or not 0 < len(name) <= MAX_NAME):
-            raise BadRequest(f"{key} must be a string of 1 to {MAX_NAME} characters, or null")
+    status, failed, header_s, estimate = _release_fields(body)
     usage = body.get("usage")
     if usage is not None and not isinstance(usage, dict):
         raise BadRequest("usage must be an object or null")
@@ -127,6 +109,31 @@ def release_args(
     # engine may have generated up to the cap before it failed or the proxy timed out), and
     # usage that cannot be read (the lease still goes back: a bad field loses nothing).
     return ticket, -1, failed, -1, -1
+
+
+def _release_fields(body: dict[str, Any]) -> tuple[int, bool, Any, int | None]:
+    """A release's status, node_failed, header_s and estimate, each checked (BadRequest), and
+    its model and class names."""
+    status = body.get("status", 200)
+    if isinstance(status, bool) or not isinstance(status, int):
+        raise BadRequest("status must be an integer")
+    failed = body.get("node_failed", False)
+    if not isinstance(failed, bool):
+        raise BadRequest("node_failed must be true or false")
+    header_s = body.get("header_s")
+    number = isinstance(header_s, int | float) and not isinstance(header_s, bool)
+    if header_s is not None and not number:
+        raise BadRequest("header_s must be a number or null")
+    estimate = body.get("estimate")
+    if estimate is not None and (
+        isinstance(estimate, bool) or not isinstance(estimate, int) or estimate < 0
+    ):
+        raise BadRequest("estimate must be a non-negative integer or null")
+    for key in ("model", "class"):
+        name = body.get(key)
+        if name is not None and (not isinstance(name, str) or not 0 < len(name) <= MAX_NAME):
+            raise BadRequest(f"{key} must be a string of 1 to {MAX_NAME} characters, or null")
+    return status, failed, header_s, estimate
 
 
 def release_finish(body: dict[str, Any]) -> str | None:

@@ -38,10 +38,17 @@ nodes:
 """
 
 
-def started(factory: pytest.TempPathFactory, name: str, **kw: Any) -> Iterator[Stack]:
+def started(
+    factory: pytest.TempPathFactory, name: str, supervised: bool = False, **kw: Any
+) -> Iterator[Stack]:
     """A stack on the shipped policy for a module's tests (`yield from` it in the module's
-    fixture), stopped whatever happens; `kw`: Stack's (nodes, sidecars, overrides...)."""
+    fixture), stopped whatever happens; `supervised`: dead children restarted as `admission
+    up` does (Stack.running); `kw`: Stack's (nodes, sidecars, overrides...)."""
     s = Stack(DEFAULT_POLICY, factory.mktemp(name), **kw)
+    if supervised:
+        with s.running():
+            yield s
+        return
     try:
         s.start()
         yield s

@@ -14,16 +14,18 @@ from typing import Any
 import openai
 import pytest
 
-from devstack.stack import DEFAULT_POLICY, Stack
+from devstack.stack import Stack
+from tests.conftest import started
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(
-        DEFAULT_POLICY,
-        tmp_path_factory.mktemp("batch"),
+    yield from started(
+        tmp_path_factory,
+        "batch",
+        supervised=True,
         nodes=2,
         sidecars=2,
         batch_claim_idle_s=3.0,
@@ -37,8 +39,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             }
         },
     )
-    with s.running():
-        yield s
 
 
 def client(stack: Stack, key: str = "sk-demo-etl") -> openai.OpenAI:

@@ -37,7 +37,8 @@ import pytest
 import redis
 
 from devstack.probes import log_findings, sidecar_health, unix_get, wait_unbooked
-from devstack.stack import DEFAULT_POLICY, Stack
+from devstack.stack import Stack
+from tests.conftest import started
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(300)]
 
@@ -77,10 +78,7 @@ class Answer:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with Stack(
-        DEFAULT_POLICY, tmp_path_factory.mktemp("chaos"), nodes=2, sidecars=2
-    ).running() as s:
-        yield s
+    yield from started(tmp_path_factory, "chaos", supervised=True, nodes=2, sidecars=2)
 
 
 def body(rng: random.Random, stream: bool) -> dict[str, Any]:

@@ -21,24 +21,17 @@ from admission.scheduling.priority import BANDS
 from devstack.probes import metric_sums
 from devstack.probes import refunded as refunded_at
 from devstack.procs import free_port, port_open, stop_process, wait_for
-from devstack.stack import DEFAULT_POLICY, Stack
+from devstack.stack import Stack
+from tests.conftest import started
 
 pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(
-        DEFAULT_POLICY,
-        tmp_path_factory.mktemp("stack"),
-        nodes=2,
-        policy_overrides={"edge": {"max_body_bytes": 65536}},
+    yield from started(
+        tmp_path_factory, "stack", nodes=2, policy_overrides={"edge": {"max_body_bytes": 65536}}
     )
-    try:
-        s.start()
-        yield s
-    finally:
-        s.stop()
 
 
 def raw(

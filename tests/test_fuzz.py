@@ -10,28 +10,20 @@ from pathlib import Path
 
 import pytest
 
-from devstack.stack import DEFAULT_POLICY, Stack
+from devstack.stack import Stack
 from loadtest.fuzz import DEMO_KEYS, FUZZ_KEY, FUZZ_TENANT, _after, fuzz_edge
 from loadtest.fuzz_checks import Case, check
 from loadtest.fuzz_policy import fuzz_policy
+from tests.conftest import started
 
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(
-        DEFAULT_POLICY,
-        tmp_path_factory.mktemp("fuzz"),
-        nodes=2,
-        sidecars=2,
-        policy_overrides={"tenants": FUZZ_TENANT},
+    yield from started(
+        tmp_path_factory, "fuzz", nodes=2, sidecars=2, policy_overrides={"tenants": FUZZ_TENANT}
     )
-    try:
-        s.start()
-        yield s
-    finally:
-        s.stop()
 
 
 def test_edge_answers_every_drawn_request_with_a_defined_answer(stack: Stack) -> None:

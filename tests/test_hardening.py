@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from devstack.stack import DEFAULT_POLICY, Stack
+from devstack.stack import Stack
+from tests.conftest import started
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -24,9 +25,9 @@ LEASE_TTL_S = 4
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(
-        DEFAULT_POLICY,
-        tmp_path_factory.mktemp("stack"),
+    yield from started(
+        tmp_path_factory,
+        "stack",
         nodes=2,
         sidecars=1,
         policy_overrides={
@@ -34,11 +35,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             "edge": {"sidecar_failure_mode": "open"},
         },
     )
-    try:
-        s.start()
-        yield s
-    finally:
-        s.stop()
 
 
 def post(stack: Stack, path: str, body: Any, timeout: float = 30) -> tuple[int, bytes]:

@@ -166,3 +166,42 @@ def test_the_scheduling_rules_import_no_asyncio_redis_or_aiohttp() -> None:
             [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT
         )
         assert out.stdout.strip() == "[]", (rule, out.stdout)
+
+
+# Functions that are tables: one entry per line (arguments, metrics, manifest objects).
+TABLES = {
+    "admission/cli.py:build_parser",
+    "admission/metrics.py:__init__",
+    "admission/kubernetes/edge.py:edge",
+    "admission/kubernetes/nodes.py:vllm",
+}
+
+
+def test_no_function_of_the_product_over_60_lines_but_tables() -> None:
+    long = sorted(
+        f"{f.relative_to(ROOT)}:{n.name}"
+        for f in (ROOT / "admission").rglob("*.py")
+        for n in ast.walk(ast.parse(f.read_text()))
+        if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+        and n.end_lineno is not None
+        and n.end_lineno - n.lineno + 1 > 60
+    )
+    assert set(long) == TABLES, set(long) ^ TABLES
+
+
+def test_a_product_module_over_350_lines_says_why_it_is_one_job() -> None:
+    silent = [
+        str(f.relative_to(ROOT))
+        for f in (ROOT / "admission").rglob("*.py")
+        if len(f.read_text().splitlines()) > 350
+        and "One job over 350 lines" not in (ast.get_docstring(ast.parse(f.read_text())) or "")
+    ]
+    assert silent == []
+
+
+def test_routing_takes_at_most_8_parameters() -> None:
+    from admission.scheduling import gates, routing
+
+    for fn in (routing.eligible, gates.ask_for, gates.why_not):
+        code = fn.__code__
+        assert code.co_argcount + code.co_kwonlyargcount <= 8, fn.__name__

@@ -20,9 +20,9 @@ from typing import Any
 
 import pytest
 
-from devstack.stack import DEFAULT_POLICY, Stack
+from devstack.stack import Stack
 from loadtest.prompts import Conversation, system_prompt, user_text
-from tests.conftest import ROOT
+from tests.conftest import ROOT, started
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -224,12 +224,7 @@ def test_edge_latency_benchmark_smoke() -> None:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(DEFAULT_POLICY, tmp_path_factory.mktemp("locust-stack"), nodes=1, sidecars=1)
-    try:
-        s.start()
-        yield s
-    finally:
-        s.stop()
+    yield from started(tmp_path_factory, "locust-stack", nodes=1, sidecars=1)
 
 
 def test_locust_headless_reports_ttft_per_class(stack: Stack, tmp_path: Path) -> None:

@@ -18,7 +18,8 @@ import pytest
 import redis
 
 from devstack.probes import wait_unbooked
-from devstack.stack import DEFAULT_POLICY, Stack
+from devstack.stack import Stack
+from tests.conftest import started
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -45,8 +46,7 @@ BIG = {
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    with Stack(DEFAULT_POLICY, tmp_path_factory.mktemp("slow"), nodes=2, sidecars=1).running() as s:
-        yield s
+    yield from started(tmp_path_factory, "slow", supervised=True, nodes=2, sidecars=1)
 
 
 def inflight(stack: Stack) -> int:

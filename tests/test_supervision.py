@@ -20,18 +20,14 @@ import pytest
 
 from devstack.procs import Restarter
 from devstack.stack import DEFAULT_POLICY, Stack
+from tests.conftest import started
 
 pytestmark = pytest.mark.timeout(180)
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(DEFAULT_POLICY, tmp_path_factory.mktemp("sup"), nodes=1, sidecars=2, profile="tiny")
-    try:
-        s.start()
-        yield s
-    finally:
-        s.stop()
+    yield from started(tmp_path_factory, "sup", nodes=1, sidecars=2, profile="tiny")
 
 
 def chat(stack: Stack) -> int:

@@ -181,26 +181,7 @@ class BatchApi:
         meta = await st.file_meta(tid, fid) if isinstance(fid, str) and ID.fullmatch(fid) else None
         if meta is None or meta.get("purpose") != "batch":
             raise NotFound(f"no input file {fid!r}", code="not_found")
-        n_lines = int(meta.get("lines", 0))
-        if meta.get("urls") != endpoint:
-            raise BadRequest(
-                "every line's url must be the batch's endpoint", code="invalid_request"
-            )
-        if n_lines > policy.batch.max_lines:  # the bound was lowered since the upload
-            raise BadRequest(
-                f"more than {policy.batch.max_lines} lines (batch.max_lines)", code="too_many_lines"
-            )
-        # The output files count against the tenant's quota too: a batch whose output (estimated
-        # as large as its input) would not fit is refused now, not after its lines ran.
-        stored = await st.stored_bytes(tid)
-        quota = policy.batch.max_stored_bytes_per_tenant
-        if stored + int(meta.get("bytes", 0)) > quota:
-            raise PayloadTooLarge(
-                f"{stored} of {quota} bytes stored and this batch's output may need "
-                f"{int(meta.get('bytes', 0))} more (batch.max_stored_bytes_per_tenant): "
-                "delete files first",
-                code="storage_quota_exceeded",
-            )
+        n_lines = await self._fits(tid, meta, endpoint, policy)
         metadata = body.get("metadata")
         if metadata is not None and not isinstance(metadata, dict):
             raise BadRequest("metadata must be an object", code="invalid_request")
@@ -235,6 +216,31 @@ class BatchApi:
         return web.json_response(
             batch_object(bid, {k: str(v) for k, v in fields.items()} | {"total": str(n_lines)})
         )
+
+    async def _fits(self, tid: str, meta: dict[str, Any], endpoint: Any, policy: Any) -> int:
+        """The input file's line count, once its lines' url, its size and the tenant's quota
+        allow the batch (BadRequest, PayloadTooLarge otherwise)."""
+        n_lines = int(meta.get("lines", 0))
+        if meta.get("urls") != endpoint:
+            raise BadRequest(
+                "every line's url must be the batch's endpoint", code="invalid_request"
+            )
+        if n_lines > policy.batch.max_lines:  # the bound was lowered since the upload
+            raise BadRequest(
+                f"more than {policy.batch.max_lines} lines (batch.max_lines)", code="too_many_lines"
+            )
+        # The output files count against the tenant's quota too: a batch whose output (estimated
+        # as large as its input) would not fit is refused now, not after its lines ran.
+        stored = await self.store.stored_bytes(tid)
+        quota = policy.batch.max_stored_bytes_per_tenant
+        if stored + int(meta.get("bytes", 0)) > quota:
+            raise PayloadTooLarge(
+                f"{stored} of {quota} bytes stored and this batch's output may need "
+                f"{int(meta.get('bytes', 0))} more (batch.max_stored_bytes_per_tenant): "
+                "delete files first",
+                code="storage_quota_exceeded",
+            )
+        return n_lines
 
     async def get_batch(self, request: web.Request) -> web.Response:
         bid, b = await self._own_batch(request)

@@ -12,6 +12,9 @@ Durability: Redis runs with `appendonly yes, appendfsync everysec` (the local st
 Redis crash loses at most the last second of writes. A line whose answer was lost that way is
 still pending in the stream (its XACK was lost with it) and runs again; its answer is recorded
 once (HSETNX by line index).
+
+One job over 350 lines: the Batch API's Redis state, each method one script or pipeline on
+the same tenant-tagged keys; the routes and the worker only call it.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ next sweep and writes the same files).
 Bounded memory: a line is read by its offsets from the input file's index (no batch's lines are
 kept), and output files are written part by part as the answers are read, a thousand at a time.
 A batch whose finalize fails is logged and retried at the next sweep; the others go on.
+
+One job over 350 lines: a batch line's life from claim to answer, its retries and its
+sweep; the pace and the Redis state are modules of their own (pace.py, store.py).
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@ device), scrape vLLM `/metrics` and `/health`, compute the effective memory frac
 watermark state machine, and write one JSON state to Redis with a TTL of `stale_after_s`, so a
 silent agent reads as a down node, and tell the change feed what moved (feed.py). Sidecars read
 these; they never scrape engines.
+
+One job over 350 lines: one node's tick — sample, judge against the watermarks, publish —
+shares its figures from end to end; registration and the memory readers are modules of their own.
 """
 
 from __future__ import annotations

@@ -10,7 +10,12 @@
 It undoes what it took and did not use (a lease, an unused reservation); nobody else does.
 Order: the fair queue decides who is next; `on_late: refuse` classes are refused (429
 `slo_unreachable`) once waiting longer cannot meet their TTFT target, 503 `no_capacity` when no
-node of the model is left. Routing: routing.py; the next nodes are the edge's fallbacks."""
+node of the model is left. Routing: routing.py; the next nodes are the edge's fallbacks.
+
+One job over 350 lines: the admit decision and every undo of it stay in one place (who
+undoes what: docs/decisions/2026-12-07-who-undoes.md); the loop, the lease, the release
+settle and the rules are collaborators given what they use.
+"""
 
 from __future__ import annotations
 
@@ -117,11 +122,11 @@ class Dispatcher:
         `prefix`: the prompt's head (routing prefers where it is cached; it is booked once per node).
         """
         policy = self.policy()
-        ttl_s = policy.queue.lease_ttl_s
         cost = prompt_tokens + max_tokens  # what the tenant's limits reserve (settled at release)
         # What the node books and fairness counts: the prompt and the answer as long as the
-        # tenant's answers of the class run (answer_lengths.AnswerLengths.answer_kv), at most max_tokens — a tenant
-        # sending a generous cap is neither booked nor charged its turn for tokens it never gets.
+        # tenant's answers of the class run (AnswerLengths.answer_kv), at most max_tokens — a
+        # tenant sending a generous cap is neither booked nor charged its turn for tokens it
+        # never gets.
         expected = prompt_tokens + self.nodes.answers.answer_kv(model, cls, tenant.id, max_tokens)
         rid = rid or new_request_id()
         self._shed(policy, tenant, cls, model, expected)
@@ -133,11 +138,19 @@ class Dispatcher:
         nodes = self._fast_path(item)
         if not nodes:
             self.overload.no_node(model, cls, self.clock())
+        return await self._take(policy, tenant, item, nodes)
+
+    async def _take(
+        self, policy: Policy, tenant: Tenant, item: Item, nodes: list[tuple[NodeView, Ask]] | None
+    ) -> Admission:
+        """Debit the tenant's limits with the first node's lease in one round trip (answered
+        ahead of it when `Ahead.may`), or queue `item` when no node took it."""
+        rid, cost, cls, ttl_s = item.rid, item.asked, item.cls, policy.queue.lease_ttl_s
         lease = ticket = None
         # The reservation and the concurrency slot must outlive the wait in the queue as well
         # as the run: they expire after the class deadline plus the longest run.
         hold_s = ttl_s + policy.classes[cls].deadline_s
-        scale = self.nodes.limit_factor(model, cls)  # memory-aware limits
+        scale = self.nodes.limit_factor(item.model, cls)  # memory-aware limits
         if nodes:
             (view, ask), now = nodes[0], self.clock()
             ahead = self.ahead.may(policy, tenant, cls, cost, view, ask, now)

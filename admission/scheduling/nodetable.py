@@ -1,7 +1,11 @@
 """The sidecar's table of node views, refreshed from Redis: agents' states, admin flags, leases.
 Sidecars never scrape engines: they read agents' `NodeState`s, drain flags and lease counts in
 one bounded pipeline every `REFRESH_S` (refresh_reads.py); an admission examines a bounded few
-nodes (candidates.py). State changes are logged: into or out of down/maintenance as warnings."""
+nodes (candidates.py). State changes are logged: into or out of down/maintenance as warnings.
+
+One job over 350 lines: the node views and the one refresh pipeline that keeps them; what
+rides that pipeline (reads, shares, prompt-head placements) is each its own module.
+"""
 
 from __future__ import annotations
 
@@ -207,17 +211,7 @@ class NodeTable:
         shared = reads + self.shares.queue(pipe, self.waiting_pairs(), self.clock())
         self.placements.queue(pipe)
         try:
-            # Per-command errors come back in place: the feed's writes must not fail the reads
-            # (a Redis refusing writes — OOM, READONLY — still serves node states).
-            if cluster:
-                node = self.redis.get_default_node()
-                clock, res = await asyncio.gather(
-                    on_cluster(self.redis, lambda: self.redis.time(target_nodes=node)),
-                    on_cluster(self.redis, lambda: pipe.execute(raise_on_error=False), 0),
-                )
-                res = [clock, *res]
-            else:
-                res = await pipe.execute(raise_on_error=False)
+            res = await self._execute(pipe, cluster)
         except REDIS_DOWN as exc:
             self._refresh_failed(exc)
             return
@@ -232,18 +226,7 @@ class NodeTable:
         secs, micros = res[0]
         redis_us = int(secs) * 1_000_000 + int(micros)
         dirty = self.reads.apply(plan, res[1:reads], redis_us, now, self.views)
-        wall, states_moved = time.time(), plan.full
-        for nid in dirty:
-            v = self.views[nid]
-            was = v.state
-            v.observe(self.reads.state_of(nid, now), nid in self.reads.admin)
-            (self._urgent_nodes.add if v.kv_urgent > 0 else self._urgent_nodes.discard)(nid)
-            if v.state != was:
-                v.since, states_moved = wall, True
-                level = logging.WARNING if {was, v.state} & OUT else logging.DEBUG  # hold: often
-                log.log(level, "node %s: %s → %s%s", nid, was, v.state, self.reads.why(nid, now))
-                if v.state == Status.DOWN:
-                    self.prefixes.drop_node(nid)  # a restarted engine has an empty cache
+        states_moved = self._observe(dirty, now) or plan.full
         self.placements.take(res[-1], self.views)
         self.gauges.set([self.views[n] for n in dirty])
         self.gauge_limits()
@@ -260,6 +243,37 @@ class NodeTable:
             self.unusable = unusable
             if self.on_unusable is not None:
                 self.on_unusable(unusable)
+
+    async def _execute(self, pipe: Any, cluster: bool) -> list[Any]:
+        """Run the refresh pipeline; Redis's clock first. Per-command errors come back in
+        place: the feed's writes must not fail the reads (a Redis refusing writes — OOM,
+        READONLY — still serves node states). On a Cluster (where a pipeline refuses TIME) the
+        clock is asked of one master beside it."""
+        if not cluster:
+            return list(await pipe.execute(raise_on_error=False))
+        node = self.redis.get_default_node()
+        clock, res = await asyncio.gather(
+            on_cluster(self.redis, lambda: self.redis.time(target_nodes=node)),
+            on_cluster(self.redis, lambda: pipe.execute(raise_on_error=False), 0),
+        )
+        return [clock, *res]
+
+    def _observe(self, dirty: Any, now: float) -> bool:
+        """Apply the states read for the `dirty` nodes; whether any node's state moved (each
+        move logged: into or out of down/maintenance as a warning)."""
+        wall, moved = time.time(), False
+        for nid in dirty:
+            v = self.views[nid]
+            was = v.state
+            v.observe(self.reads.state_of(nid, now), nid in self.reads.admin)
+            (self._urgent_nodes.add if v.kv_urgent > 0 else self._urgent_nodes.discard)(nid)
+            if v.state != was:
+                v.since, moved = wall, True
+                level = logging.WARNING if {was, v.state} & OUT else logging.DEBUG  # hold: often
+                log.log(level, "node %s: %s → %s%s", nid, was, v.state, self.reads.why(nid, now))
+                if v.state == Status.DOWN:
+                    self.prefixes.drop_node(nid)  # a restarted engine has an empty cache
+        return moved
 
     def touch(self, node: str) -> None:
         """This sidecar booked on `node` or released there: read its ledger next refresh."""

@@ -18,6 +18,9 @@ more urgent class (and may climb again), so starvation is impossible. Long reque
 tokens above `queue.long_request_tokens`) start one class lower.
 
 Cancellation is lazy (an item is flagged and skipped at the head), so it is O(1).
+
+One job over 350 lines: the two levels of stride scheduling share one virtual clock,
+the aging and the bounds; split, each level would reach into the other's lanes.
 """
 
 from __future__ import annotations

@@ -127,7 +127,6 @@ class NodeReads:
         full, swept, ledgers = plan.full, plan.swept, plan.ledgers
         self.full = self.lost = False
         offset = now - redis_us / 1e6  # local clock − Redis's
-        stale_s = self.stale_after_s()
         dirty: set[str] = set()
         if full:
             newest = res[0]
@@ -136,26 +135,7 @@ class NodeReads:
                 back_ms = int((now - plan.started + RESYNC_OVERLAP_S) * 1000)
                 self._feed_id = f"{max(0, self._seen[0] - back_ms)}-0"
         else:
-            if plan.check:  # the feed still reaches back to where the last good read ended?
-                oldest = res[1]
-                self.full = not oldest or self._seen is None or _order(oldest[0][0]) > self._seen
-            ch = feed.parse(res[0])
-            if ch.last_id is not None:
-                self._feed_id, self._seen = ch.last_id, _order(ch.last_id)
-            for node, raw in ch.states.items():
-                self.last[node] = self._state(node, raw)
-            for node, ms in ch.heard_ms.items():
-                self.alive_until[node] = ms / 1000 + offset + stale_s
-                v = views.get(node)
-                if v is not None and v.state == Status.DOWN and self.last.get(node):
-                    dirty.add(node)  # heard again: back in its last state
-            self.admin.update(n for n, on in ch.admin.items() if on)
-            self.admin.difference_update(n for n, on in ch.admin.items() if not on)
-            for node, ms in ch.ejected_ms.items():
-                self.ejected_until[node] = ms / 1000 + offset if ms else 0.0
-            # (not a node the policy no longer has, whose agent still publishes)
-            dirty.update(n for n in (*ch.states, *ch.admin, *ch.ejected_ms) if n in views)
-            self.moved = self.moved or bool(ch.states)
+            self._take_feed(plan, res, offset, views, dirty)
         i = 1 + plan.check
         for v in swept:
             nid = v.node.id
@@ -184,6 +164,38 @@ class NodeReads:
             elif v.state != Status.DOWN and self.alive_until.get(nid, 0.0) <= now:
                 dirty.add(nid)
         return dirty
+
+    def _take_feed(
+        self,
+        plan: Plan,
+        res: list[Any],
+        offset: float,
+        views: dict[str, NodeView],
+        dirty: set[str],
+    ) -> None:
+        """Take the change feed's news since the last read into the states, adding the nodes it
+        names to `dirty`. `offset`: the local clock − Redis's."""
+        stale_s = self.stale_after_s()
+        if plan.check:  # the feed still reaches back to where the last good read ended?
+            oldest = res[1]
+            self.full = not oldest or self._seen is None or _order(oldest[0][0]) > self._seen
+        ch = feed.parse(res[0])
+        if ch.last_id is not None:
+            self._feed_id, self._seen = ch.last_id, _order(ch.last_id)
+        for node, raw in ch.states.items():
+            self.last[node] = self._state(node, raw)
+        for node, ms in ch.heard_ms.items():
+            self.alive_until[node] = ms / 1000 + offset + stale_s
+            v = views.get(node)
+            if v is not None and v.state == Status.DOWN and self.last.get(node):
+                dirty.add(node)  # heard again: back in its last state
+        self.admin.update(n for n, on in ch.admin.items() if on)
+        self.admin.difference_update(n for n, on in ch.admin.items() if not on)
+        for node, ms in ch.ejected_ms.items():
+            self.ejected_until[node] = ms / 1000 + offset if ms else 0.0
+        # (not a node the policy no longer has, whose agent still publishes)
+        dirty.update(n for n in (*ch.states, *ch.admin, *ch.ejected_ms) if n in views)
+        self.moved = self.moved or bool(ch.states)
 
     def why(self, nid: str, now: float) -> str:
         """The cause of a node's state as this sidecar sees it, for its log line ("" when its
