@@ -114,7 +114,7 @@ def snapshot(
         },
         "waits": recent.wait_percentiles(now),
         "nodes": dispatcher.nodes.snapshot(),
-        "pressure": dispatcher.nodes.pressure_snapshot(),
+        "pressure": dispatcher.nodes.pressure.snapshot(),
         "decode_guard": _decode_guard(dispatcher),
         # KV a request books for its answer, where its tenant's answers are known
         # (answer_lengths.py); elsewhere its max_tokens.

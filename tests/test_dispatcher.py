@@ -507,14 +507,14 @@ async def test_memory_aware_limits_tighten_lower_classes_while_a_model_stays_hel
     view = nt.views["n1"]
     view.state = Status.HOLD
     nt._by_model(now[0])
-    assert nt.limit_factor("m", "batch") == 1.0  # held, but not for long yet
+    assert nt.pressure.limit_factor("m", "batch") == 1.0  # held, but not for long yet
     now[0] += 0.5
     nt._by_model(now[0])
-    assert nt.limit_factor("m", "batch") == 0.05
-    assert nt.limit_factor("m", "realtime") == 1.0
-    nt.gauge_limits()
+    assert nt.pressure.limit_factor("m", "batch") == 0.05
+    assert nt.pressure.limit_factor("m", "realtime") == 1.0
+    nt.pressure.gauge()
     assert metrics.limit_factor.labels("m")._value.get() == 0.05
-    assert nt.pressure_snapshot()[0]["factor"] == 0.05
+    assert nt.pressure.snapshot()[0]["factor"] == 0.05
 
     # acme: 10 req/s, burst 10. Empty the request bucket, then wait 0.3 s of real time:
     # realtime refills 3 requests; batch, at 0.05 × the rate, not one.
@@ -526,12 +526,12 @@ async def test_memory_aware_limits_tighten_lower_classes_while_a_model_stays_hel
     with pytest.raises(Throttled) as ei:  # through admit: it applies the factor by class
         await d.admit(tenant, "batch", "m", 0, 1)
     assert ei.value.reason == "requests_per_s"
-    real = await lim.acquire(tenant, "r10", 1, 60, scale=nt.limit_factor("m", "realtime"))
+    real = await lim.acquire(tenant, "r10", 1, 60, scale=nt.pressure.limit_factor("m", "realtime"))
     assert real.denied is None
 
     view.state = Status.OPEN  # memory recovered
     nt._by_model(now[0])
-    assert nt.limit_factor("m", "batch") == 1.0 and nt.pressure_snapshot() == []
+    assert nt.pressure.limit_factor("m", "batch") == 1.0 and nt.pressure.snapshot() == []
     await client.aclose()
 
 

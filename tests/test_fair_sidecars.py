@@ -139,7 +139,8 @@ def test_a_tenant_that_also_asks_here_is_not_held_for() -> None:
 
     def redis_says(waiting_elsewhere: str) -> None:
         pipe = _Pipe()
-        sh.queue(pipe, {("m", "rt"): {"a": now[0]}}, now[0])
+        sh.waiting, sh.clock = (lambda: {("m", "rt"): {"a": now[0]}}), (lambda: now[0])
+        sh.queue(pipe)
         at_ms = int(now[0] * 1000)
         reply = {b"s:a": b"50000", b"s:b": b"0", b"s:c": b"0"}
         reply[f"w:{waiting_elsewhere}".encode()] = f"{at_ms}:{int(BLOCKED_S * 2000)}".encode()

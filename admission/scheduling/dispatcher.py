@@ -86,7 +86,7 @@ class Dispatcher:
         self.place = Placer(st, policy, metrics, self.nodes, clock, self.wake)
         self.overload = Overload()  # when a (model, class) is past capacity (overload.py)
         self.nodes.lag = self.place.lag = limiter.lag  # one probe: the server's loop
-        self.nodes.waiting_pairs = self.queue.waiting_tenants
+        self.nodes.shares.waiting = self.queue.waiting_tenants
         # What an autoscaler reads (demand.py): published after each refresh.
         self.demand = DemandSignal(
             policy, lambda: self.nodes.views.values(), self.queue, metrics, clock
@@ -150,7 +150,7 @@ class Dispatcher:
         # The reservation and the concurrency slot must outlive the wait in the queue as well
         # as the run: they expire after the class deadline plus the longest run.
         hold_s = ttl_s + policy.classes[cls].deadline_s
-        scale = self.nodes.limit_factor(item.model, cls)  # memory-aware limits
+        scale = self.nodes.pressure.limit_factor(item.model, cls)  # memory-aware limits
         if nodes:
             (view, ask), now = nodes[0], self.clock()
             ahead = self.ahead.may(policy, tenant, cls, cost, view, ask, now)

@@ -30,9 +30,14 @@ FEED_READ = 20_000  # placements read per refresh at most
 
 
 class Placements:
-    def __init__(self, metrics: Metrics, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        clock: Callable[[], float],
+        views: Callable[[], dict[str, NodeView]] = dict,
+    ) -> None:
         self.metrics = metrics
-        self.clock = clock
+        self.clock, self.views = clock, views
         self.index = PrefixIndex()
         # ticket → (tokens booked as cached, node, prompt head), until its release
         self._predicted: OrderedDict[str, tuple[int, str, Prefix]] = OrderedDict()
@@ -99,8 +104,9 @@ class Placements:
             "engine_prompt_ratio": None if ratio is None else round(ratio, 3),
         }
 
-    def queue(self, pipe: Any) -> None:
-        """Queue on a refresh's pipeline what to tell (XADDs), then the read (XRANGE, last)."""
+    def queue(self, pipe: Any) -> int:
+        """A refresh rider (nodetable.Rider): queue what to tell (XADDs), then the read (XRANGE,
+        last); return how many commands."""
         outbox, self._outbox = self._outbox, []
         feed = keys.prefix_feed()
         for node, prefix in outbox:
@@ -108,10 +114,18 @@ class Placements:
             fields["b"] = " ".join(prefix.blocks)
             pipe.xadd(feed, fields, maxlen=FEED_LEN, approximate=True)
         pipe.xrange(feed, after(self._feed_id), "+", count=FEED_READ)
+        return len(outbox) + 1
 
-    def take(self, read: Any, views: dict[str, NodeView]) -> None:
-        """Take the other sidecars' placements from the prefix feed (XRANGE's reply)."""
-        now = self.clock()
+    def take(self, replies: list[Any]) -> None:
+        """Take the other sidecars' placements from the prefix feed (the XRANGE, last). A failed
+        call is counted, not told: a placement not told costs a cache hit, and a failed read
+        is read again from the same entry at the next refresh."""
+        if any(isinstance(r, Exception) for r in replies):
+            self.metrics.redis_errors.labels("prefix_feed").inc()
+        read = replies[-1] if replies else None
+        if isinstance(read, Exception):
+            return
+        now, views = self.clock(), self.views()
         for entry_id, f in read or []:
             self._feed_id = entry_id
             if f.get(b"s", b"").decode() == self._me:

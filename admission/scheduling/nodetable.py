@@ -14,7 +14,7 @@ import logging
 import secrets
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from redis.asyncio import RedisCluster
 
@@ -29,6 +29,7 @@ from admission.scheduling.candidates import EXAMINE, Candidates, prefix_nodes
 from admission.scheduling.gauges import NodeGauges
 from admission.scheduling.head_locations import Placements
 from admission.scheduling.prefixes import NO_PREFIX, Prefix
+from admission.scheduling.pressure import Pressure
 from admission.scheduling.refresh_reads import NodeReads
 from admission.scheduling.routing import ClusterFacts, eligible, fallbacks, pool_rank
 from admission.scheduling.shares import Shares
@@ -45,6 +46,16 @@ SORT_EVERY_S = 0.2  # the candidates' order, re-sorted at most this often (a sta
 _NONE: frozenset[str] = frozenset()  # no pool blocked (a policy without pools)
 
 
+class Rider(Protocol):
+    """A part whose Redis calls ride the node refresh's one pipeline (shares.Shares,
+    head_locations.Placements): it queues its commands and takes their replies, errors in
+    place, after the node states (a failed reply: it keeps its last figures)."""
+
+    def queue(self, pipe: Any) -> int: ...  # commands queued
+
+    def take(self, replies: list[Any]) -> None: ...
+
+
 class NodeTable:
     def __init__(
         self,
@@ -58,15 +69,14 @@ class NodeTable:
         self.answered_s = answered_s  # seconds since Redis answered this sidecar's hot path
         self.policy, self.metrics, self.clock = policy, metrics, clock
         self.views: dict[str, NodeView] = {}
-        self.held_since: dict[str, float] = {}  # model → since when every live node is held
+        self.pressure = Pressure(policy, metrics, clock)  # memory-aware limits (pressure.py)
         self._last_ok = clock()
         self._kept = False  # views kept past stale_after_s while the hot path is answered (logged)
         self._read_at = float("inf")  # when the last refresh started (never: views as set)
         self._reading: asyncio.Future[None] | None = None
         self._one_read = asyncio.Lock()
         self.lag = LoopLag()  # the limiter's (Dispatcher): a late loop is not an outage
-        self.shares = Shares(policy)  # tenant weights across sidecars (shares.py)
-        self.waiting_pairs: Callable[[], dict[tuple[str, str], dict[str, float]]] = dict
+        self.shares = Shares(policy, clock=clock)  # tenant weights across sidecars (shares.py)
         self.reads = NodeReads(lambda: self.policy().watermarks.stale_after_s)
         self.index = Candidates(secrets.token_hex(4))
         self._urgent_nodes: set[str] = set()  # nodes with urgent KV booked, as last seen
@@ -75,7 +85,10 @@ class NodeTable:
         self.gauges = NodeGauges(metrics)
         self.place_moved = False  # a booking or release since the last sort
         self.answers = AnswerLengths(lambda t: self.policy().weight_of(t))  # the decode guard
-        self.placements = Placements(metrics, clock)  # where prompt heads went (routing)
+        # where prompt heads went (routing)
+        self.placements = Placements(metrics, clock, lambda: self.views)
+        # What rides the refresh's pipeline besides the node reads, in order (Rider).
+        self.riders: list[Rider] = [self.shares, self.placements]
         self.prefixes = self.placements.index
         # Nodes in CLOSED, and who is told when they change (the edge's fail-open skips them).
         self.unusable: frozenset[str] = frozenset()
@@ -208,28 +221,29 @@ class NodeTable:
             pipe.time()
         plan = self.reads.queue(pipe, views, self._read_at)
         reads = 1 + plan.commands
-        shared = reads + self.shares.queue(pipe, self.waiting_pairs(), self.clock())
-        self.placements.queue(pipe)
+        spans, at = [], reads  # each rider's replies: res[at : at + its commands]
+        for rider in self.riders:
+            n = rider.queue(pipe)
+            spans.append((rider, at, at + n))
+            at += n
         try:
             res = await self._execute(pipe, cluster)
         except REDIS_DOWN as exc:
             self._refresh_failed(exc)
             return
-        if bad := [r for r in [*res[:reads], res[-1]] if isinstance(r, Exception)]:
+        if bad := [r for r in res[:reads] if isinstance(r, Exception)]:
             self._refresh_failed(bad[0])  # (in place: a Cluster's per-master errors)
             return
-        self.shares.take(res[reads:shared])  # a failed share read keeps the last figures
-        if any(isinstance(r, Exception) for r in res[reads:-1]):
-            self.metrics.redis_errors.labels("prefix_feed").inc()  # not told: harmless
         now = self._last_ok = self.clock()
         self._kept = False
         secs, micros = res[0]
         redis_us = int(secs) * 1_000_000 + int(micros)
         dirty = self.reads.apply(plan, res[1:reads], redis_us, now, self.views)
         states_moved = self._observe(dirty, now) or plan.full
-        self.placements.take(res[-1], self.views)
+        for rider, start, end in spans:  # a failed reply: the rider keeps its last figures
+            rider.take(res[start:end])
         self.gauges.set([self.views[n] for n in dirty])
-        self.gauge_limits()
+        self.pressure.gauge()
         if self.reads.moved or self.place_moved or states_moved:  # the order moved
             self.index.stale, self.reads.moved, self.place_moved = True, False, False
         if self.index.stale and (states_moved or now - self._sorted_at >= SORT_EVERY_S):
@@ -281,39 +295,15 @@ class NodeTable:
         self.place_moved = True
 
     def _by_model(self, now: float) -> None:
-        """Per model, when a node's state moved: since when every live node serving it has been
-        held, and how many are open or held (routing's cluster-wide figure)."""
+        """Per model, when a node's state moved: how many nodes are open or held (routing's
+        cluster-wide figure), and whether every live one is held (pressure.py)."""
         held = (Status.HOLD, Status.DRAIN)
         gone = (Status.DOWN, Status.MAINTENANCE)
         for model, views in self.index.by_model.items():
             live = [v for v in views if v.state not in gone]
             self.live[model] = sum(1 for v in live if v.state in (Status.OPEN, Status.HOLD))
             self.metrics.model_nodes.labels(model).set(self.live[model])
-            if live and all(v.state in held for v in live):
-                self.held_since.setdefault(model, now)
-            elif self.held_since.pop(model, None) is not None:
-                log.info("model %s: a node opened again; limits back to normal", model)
-
-    def limit_factor(self, model: str, cls: str | None = None) -> float:
-        """The factor on the refill rates of `cls` for `model` (1.0: normal). The most urgent
-        class is never tightened (None: the factor for the classes below it)."""
-        policy = self.policy()
-        wm = policy.watermarks
-        since = self.held_since.get(model)
-        if since is None or wm.tighten_factor >= 1.0 or cls == next(iter(policy.classes)):
-            return 1.0
-        return wm.tighten_factor if self.clock() - since >= wm.tighten_after_s else 1.0
-
-    def gauge_limits(self) -> None:
-        for model in self.policy().models():
-            self.metrics.limit_factor.labels(model).set(self.limit_factor(model))
-
-    def pressure_snapshot(self) -> list[dict[str, Any]]:
-        now = self.clock()
-        return [
-            {"model": m, "held_for_s": round(now - since, 1), "factor": self.limit_factor(m)}
-            for m, since in sorted(self.held_since.items())
-        ]
+            self.pressure.held(model, bool(live) and all(v.state in held for v in live), now)
 
     def _refresh_failed(self, exc: BaseException | None = None) -> None:
         self.reads.lost = True  # the next read checks the feed still reaches back

@@ -54,9 +54,17 @@ class _Pair:
 
 
 class Shares:
-    def __init__(self, policy: Callable[[], Policy], wall: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        policy: Callable[[], Policy],
+        wall: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.policy = policy
-        self.wall = wall
+        self.wall, self.clock = wall, clock
+        # This sidecar's waiting tenants per (model, class): tenant → when its oldest waiting
+        # request arrived, on `clock` (the dispatcher's queue: FairQueue.waiting_tenants).
+        self.waiting: Callable[[], dict[tuple[str, str], dict[str, float]]] = dict
         self._pairs: dict[tuple[str, str], _Pair] = {}
         self._reads: list[tuple[tuple[str, str], int]] = []  # pair, index of its HGETALL
 
@@ -108,11 +116,11 @@ class Shares:
         slack = SLACK_REQUESTS * max(1, cost) / self._weight(tenant)
         return p.served.get(tenant, 0.0) <= least + slack
 
-    def queue(self, pipe: Any, waiting: dict[tuple[str, str], dict[str, float]], now: float) -> int:
-        """Queue on the refresh's pipeline: this sidecar's service since the last refresh, its
-        waiting tenants (per (model, class): tenant → when its oldest waiting request arrived,
-        on the monotonic clock `now` is read on), then a read of every pair either touches;
-        return how many commands (their replies go to `take`, in order)."""
+    def queue(self, pipe: Any) -> int:
+        """A refresh rider (nodetable.Rider): queue this sidecar's service since the last
+        refresh, its waiting tenants, then a read of every pair either touches; return how many
+        commands (their replies go to `take`, in order)."""
+        waiting, now = self.waiting(), self.clock()
         now_ms = str(int(self.wall() * 1000))
         pairs = sorted(set(waiting) | {k for k, p in self._pairs.items() if p.delta})
         self._reads = []
