@@ -84,7 +84,7 @@ def prompt_of(
 # Where a prompt says how long its answer is: the emulator's stand-in for a model that ends its
 # answer (EOS, finish_reason "stop") before the client's max_tokens, as most answers do. The
 # load generator writes it at the end of a prompt whose kind sets a cap above its answers
-# (loadtest.workload `max_tokens`); no real model reads it.
+# (loadtest.workloads.mix `max_tokens`); no real model reads it.
 ANSWER_MARK = "[answer {} tokens]"
 _ANSWER = re.compile(r"\[answer (\d+) tokens\]\s*$")
 

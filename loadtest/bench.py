@@ -14,7 +14,7 @@ Systems (each on fresh emulated nodes, one after another, same seeded arrivals):
   vllm_router    vLLM's own router (PyPI vllm-router, pinned; its default cache_aware policy and
                  thresholds: a radix tree of prompt text per worker) in front of priority nodes
   admission      the full stack: NGINX + Lua edge, sidecar, Redis, node agent; priority nodes
-Capacity is calibrated first (engine core in virtual time, loadtest.capacity) and the offered
+Capacity is calibrated first (engine core in virtual time, loadtest.benchmark.capacity) and the offered
 rate is --load times it. Arrivals are open-loop Poisson, sent with streaming so TTFT is seen.
 Output: a markdown table (printed), report.json and PNG plots in --out.
 """
@@ -38,12 +38,12 @@ from devstack.procs import free_port, port_open, stop_process, wait_for
 from devstack.stack import MODULES, Stack
 from engine.profiles import PROFILES
 from engine.vllm_node import TINY_MODEL
-from loadtest import repeat, report
-from loadtest.baselines import demo_keys, plain_nginx, router, valves
-from loadtest.capacity import bounds_line, capacity
-from loadtest.drive import drive
-from loadtest.scratch import add_flag, scratch
-from loadtest.workload import MIXED, TINY, Req, load_kinds, schedule
+from loadtest.benchmark import repeat, report
+from loadtest.benchmark.capacity import bounds_line, capacity
+from loadtest.benchmark.driver import drive
+from loadtest.benchmark.scratch import add_flag, scratch
+from loadtest.benchmark.systems import demo_keys, plain_nginx, router, valves
+from loadtest.workloads.mix import MIXED, TINY, Req, load_kinds, schedule
 
 BENCH_POLICY = Path(str(resources.files("loadtest") / "bench_policy.yaml"))
 SYSTEMS = ("fifo", "limit_req", "vllm_priority", "vllm_priority_lc", "vllm_router", "admission")
@@ -219,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         help="rounds: seeds seed..seed+N-1, systems rotated; prints median (min–max) and paired "
-        "differences (loadtest/repeat.py)",
+        "differences (loadtest/benchmark/repeat.py)",
     )
     ap.add_argument("--out", default="bench-out")
     ap.add_argument(

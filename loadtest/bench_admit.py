@@ -24,8 +24,8 @@ import redis
 from admission.nodes.state import NodeState, Status
 from admission.store import keys
 from devstack.procs import RedisServer, sidecar_command, stop_process, wait_for
-from loadtest.records import percentile
-from loadtest.scratch import add_flag, scratch
+from loadtest.benchmark.records import percentile
+from loadtest.benchmark.scratch import add_flag, scratch
 
 POLICY = """
 redis: {{url: "{url}", pool_size: 64}}

@@ -30,13 +30,13 @@ from devstack.nodes import NodeSet, node_entry
 from devstack.procs import stop_process
 from devstack.stack import Stack
 from engine.profiles import PROFILES
-from loadtest.baselines import demo_keys
 from loadtest.bench import BENCH_POLICY
-from loadtest.capacity import capacity
-from loadtest.drive import drive
-from loadtest.records import Record
-from loadtest.scratch import add_flag, scratch
-from loadtest.workload import MIXED, schedule
+from loadtest.benchmark.capacity import capacity
+from loadtest.benchmark.driver import drive
+from loadtest.benchmark.records import Record
+from loadtest.benchmark.scratch import add_flag, scratch
+from loadtest.benchmark.systems import demo_keys
+from loadtest.workloads.mix import MIXED, schedule
 
 WINDOW_S = 10.0
 CHECK_S = 2.0

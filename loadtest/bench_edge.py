@@ -2,7 +2,7 @@
 
     .venv/bin/python -m loadtest.bench_edge [--rate 500] [--seconds 20] [--delay-ms 20] [--stub nginx]
 
-One fixed-latency stub node (loadtest/stub.py, --delay-ms). One NGINX with two servers: a plain
+One fixed-latency stub node (loadtest/benchmark/stub.py, --delay-ms). One NGINX with two servers: a plain
 proxy straight to the stub, and the full admission edge (Lua identify → sidecar over a unix
 socket → Redis token buckets and node lease → proxy → release). The same chat request is sent
 open-loop at --rate per second to EACH path, interleaved, and p50/p99 of both and their
@@ -24,9 +24,9 @@ from typing import Any
 import aiohttp
 
 from devstack.procs import free_port, http_ok, stop_process, wait_for
-from loadtest.records import percentile
-from loadtest.scratch import add_flag, scratch
-from loadtest.stub import beside_plain_nginx, nginx_stub
+from loadtest.benchmark.records import percentile
+from loadtest.benchmark.scratch import add_flag, scratch
+from loadtest.benchmark.stub import beside_plain_nginx, nginx_stub
 
 
 async def load(
@@ -184,7 +184,7 @@ def main() -> None:
             [
                 sys.executable,
                 "-m",
-                "loadtest.stub",
+                "loadtest.benchmark.stub",
                 "--port",
                 str(stub_port),
                 "--delay-ms",

@@ -27,7 +27,7 @@ import aiohttp
 from devstack.procs import free_port, stop_process, wait_for
 from engine.profiles import PROFILES
 from engine.scheduler import Scheduler, Seq
-from loadtest.records import percentile
+from loadtest.benchmark.records import percentile
 
 PUBLIC = {
     "a100-40gb-llama3-8b": "vendor article (ENGINE_FACTS.md): A100 40 GB, Llama-3-8B Q4, short chat, "

@@ -27,11 +27,11 @@ from admission.policy import load_policy
 from devstack.nodes import NodeSet
 from devstack.stack import DEFAULT_POLICY, Stack
 from engine.profiles import PROFILES
-from loadtest import report
-from loadtest.capacity import capacity
-from loadtest.drive import drive
-from loadtest.scratch import add_flag, scratch
-from loadtest.workload import Kind, schedule
+from loadtest.benchmark import report
+from loadtest.benchmark.capacity import capacity
+from loadtest.benchmark.driver import drive
+from loadtest.benchmark.scratch import add_flag, scratch
+from loadtest.workloads.mix import Kind, schedule
 
 CHAT = (50, 400), (30, 150)  # prompt and output tokens, as the mixed benchmark's chats
 

@@ -46,8 +46,8 @@ from devstack.procs import RedisServer, sidecar_command, stop_process, wait_for
 from loadtest import bench_admit
 from loadtest.bench_admit import closed_loop
 from loadtest.bench_edge import histograms_in, inside
-from loadtest.records import percentile
-from loadtest.scratch import add_flag, scratch
+from loadtest.benchmark.records import percentile
+from loadtest.benchmark.scratch import add_flag, scratch
 
 POLICY = bench_admit.POLICY.split("nodes:")[0] + "nodes:\n{nodes}\n"  # any number of nodes
 DISCOVERY = 'discovery: {{enabled: true, allow: ["127.0.0.0/8"], secret_file: "{secret}"}}\n'

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from devstack.procs import free_port, stop_process
 from devstack.stack import Stack
-from loadtest.scratch import add_flag, keep, scratch
-from loadtest.stub import beside_plain_nginx, nginx_stub
+from loadtest.benchmark.scratch import add_flag, keep, scratch
+from loadtest.benchmark.stub import beside_plain_nginx, nginx_stub
 
 TICK = os.sysconf("SC_CLK_TCK")
 BODY = json.dumps(

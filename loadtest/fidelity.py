@@ -41,11 +41,11 @@ from devstack.procs import pin_apart
 from engine.openai_api import Tokens
 from engine.profiles import FITTED_ENV, PROFILES, load_fitted
 from engine.vllm_node import build_tiny_model
-from loadtest import report
 from loadtest.bench import BENCH_POLICY, run_system
-from loadtest.capacity import capacity
-from loadtest.scratch import add_flag, scratch
-from loadtest.workload import TINY, Kind, Req, load_kinds, req_prompt, schedule
+from loadtest.benchmark import report
+from loadtest.benchmark.capacity import capacity
+from loadtest.benchmark.scratch import add_flag, scratch
+from loadtest.workloads.mix import TINY, Kind, Req, load_kinds, req_prompt, schedule
 
 WORKLOADS = Path(__file__).with_name("workloads")
 ENGINES = ("vllm", "sim")

@@ -44,8 +44,8 @@ from devstack.procs import pin_apart
 from engine.openai_api import Tokens
 from engine.profiles import FITTED, GiB, Profile
 from engine.vllm_node import TINY_MODEL, build_tiny_model
-from loadtest.probes import VOCAB, Sample, probe, token_check
-from loadtest.scratch import add_flag, scratch
+from loadtest.benchmark.scratch import add_flag, scratch
+from loadtest.fitting.probes import VOCAB, Sample, probe, token_check
 
 PROBE_BLOCKS = 256  # KV blocks while probing (the profile keeps the bench's 48): room for B x L
 BLOCK = 128  # the CPU build's block size

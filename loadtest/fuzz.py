@@ -34,11 +34,11 @@ import aiohttp
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loadtest import drawn
-from loadtest.fuzz_checks import Case, Tally, check
-from loadtest.fuzz_estimate import report_estimate
-from loadtest.fuzz_isolation import report_isolation
-from loadtest.fuzz_policy import report_policy
+from loadtest.fuzzers import drawn
+from loadtest.fuzzers.checks import Case, Tally, check
+from loadtest.fuzzers.estimate import report_estimate
+from loadtest.fuzzers.isolation import report_isolation
+from loadtest.fuzzers.policy import report_policy
 
 # Every random API key the fuzzer sends carries this mark, so that the logs can be searched for
 # any of them afterwards.
@@ -261,7 +261,7 @@ def run_edge(
         report("edge: codes " + ", ".join(f"{k} ×{v}" for k, v in tally.codes.most_common(12)))
         failures += tally.failures
         if batch_cases:
-            from loadtest.fuzz_batch import fuzz_batch
+            from loadtest.fuzzers.batch import fuzz_batch
 
             t0 = time.monotonic()
             bt = Tally()

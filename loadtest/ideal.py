@@ -22,8 +22,8 @@ import argparse
 from collections.abc import Sequence
 
 from engine.profiles import PROFILES, Profile
-from loadtest.capacity import capacity, prefix_hashes
-from loadtest.workload import MIXED, Req, load_kinds, schedule
+from loadtest.benchmark.capacity import capacity, prefix_hashes
+from loadtest.workloads.mix import MIXED, Req, load_kinds, schedule
 
 
 def prefill_s(p: Profile, tokens: int) -> float:

@@ -39,7 +39,7 @@ from typing import Any
 from locust import HttpUser, between, events, task
 
 from admission.policy import load_policy
-from loadtest.prompts import Conversation, system_prompt, user_text
+from loadtest.workloads.prompts import Conversation, system_prompt, user_text
 
 # Default: the policy shipped with the package (the one `admission up` runs).
 POLICY = Path(os.environ.get("LOCUST_POLICY", str(resources.files("admission") / "policies.yaml")))

@@ -30,11 +30,11 @@ from admission.policy import load_policy
 from devstack.procs import pin_apart
 from engine.openai_api import Tokens
 from engine.vllm_node import build_tiny_model
-from loadtest import report
 from loadtest.bench import BENCH_POLICY, run_system
+from loadtest.benchmark import report
+from loadtest.benchmark.scratch import add_flag, scratch
 from loadtest.fidelity import node_capacity, token_ratio
-from loadtest.scratch import add_flag, scratch
-from loadtest.workload import TINY, load_kinds, schedule
+from loadtest.workloads.mix import TINY, load_kinds, schedule
 
 METRICS = (  # (label, how to read it from a summary)
     ("realtime TTFT ≤ target", lambda s: _cls(s, "realtime", "slo_attainment")),

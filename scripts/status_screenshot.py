@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 from devstack.stack import DEFAULT_POLICY, Stack
-from loadtest.capacity import capacity
-from loadtest.drive import drive
-from loadtest.workload import schedule
+from loadtest.benchmark.capacity import capacity
+from loadtest.benchmark.driver import drive
+from loadtest.workloads.mix import schedule
 
 
 def main() -> int:

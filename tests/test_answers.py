@@ -16,7 +16,7 @@ from engine.api import build_app
 from engine.emulator import Engine
 from engine.openai_api import ANSWER_MARK
 from engine.profiles import PROFILES
-from loadtest.workload import load_kinds, schedule
+from loadtest.workloads.mix import load_kinds, schedule
 from tests.test_dispatcher import make
 from tests.test_limiter import tenant_policy
 from tests.test_server import admit_body, set_node

@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from loadtest import fuzz_estimate
-from loadtest.fuzz_estimate import FLOOR, estimate, request, truth
+from loadtest.fuzzers import estimate as fuzz_estimate
+from loadtest.fuzzers.estimate import FLOOR, estimate, request, truth
 
 
 @pytest.fixture(scope="module")

@@ -320,7 +320,7 @@ async def test_the_queued_probe_measures_steps_once_the_waiters_are_in(tmp_path:
 
     from devstack.procs import free_port, stop_process, wait_for
     from engine.profiles import FITTED_ENV
-    from loadtest.probes import queued
+    from loadtest.fitting.probes import queued
 
     doc = json.loads((FITTED / "vllm-cpu-tiny.json").read_text())
     doc["profile"].update(fitted_step_s=[0.01, 0, 0, 0, 0, 0], request_overhead_s=0.01)

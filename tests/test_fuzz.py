@@ -12,8 +12,8 @@ import pytest
 
 from devstack.stack import Stack
 from loadtest.fuzz import DEMO_KEYS, FUZZ_KEY, FUZZ_TENANT, _after, fuzz_edge
-from loadtest.fuzz_checks import Case, check
-from loadtest.fuzz_policy import fuzz_policy
+from loadtest.fuzzers.checks import Case, check
+from loadtest.fuzzers.policy import fuzz_policy
 from tests.conftest import started
 
 pytestmark = pytest.mark.timeout(300)
@@ -38,8 +38,8 @@ def test_edge_answers_every_drawn_request_with_a_defined_answer(stack: Stack) ->
 def test_batch_api_answers_every_drawn_operation_with_a_defined_answer(stack: Stack) -> None:
     """Files and batches: drawn uploads (encodings, separators, junk lines, purposes, lives)
     and calls on real, foreign and impossible ids; every answer defined, nothing left behind."""
-    from loadtest.fuzz_batch import fuzz_batch
-    from loadtest.fuzz_checks import Tally
+    from loadtest.fuzzers.batch import fuzz_batch
+    from loadtest.fuzzers.checks import Tally
 
     tally = Tally()
     fuzz_batch(stack.url, 300, tally)
@@ -96,8 +96,8 @@ def test_log_check_finds_per_request_nginx_warnings(tmp_path: Path) -> None:
 def test_no_tenant_finds_anothers_head_and_every_abort_is_charged(stack: Stack) -> None:
     """Drawn cross-tenant probes (forged cache salts, chat and completions shapes) and aborted
     requests (streamed or not, at random times): nothing another tenant sent is found cached,
-    and no abort after the engine got the request is refunded (loadtest/fuzz_isolation.py)."""
-    from loadtest.fuzz_isolation import fuzz_isolation
+    and no abort after the engine got the request is refunded (loadtest/fuzzers/isolation.py)."""
+    from loadtest.fuzzers.isolation import fuzz_isolation
 
     failures, own_hits = fuzz_isolation(stack, 12, seed=1)
     assert failures == []

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from devstack.stack import Stack
-from loadtest.prompts import Conversation, system_prompt, user_text
+from loadtest.workloads.prompts import Conversation, system_prompt, user_text
 from tests.conftest import ROOT, started
 
 pytestmark = pytest.mark.timeout(400)
@@ -174,7 +174,7 @@ def test_throughput_benchmark_smoke() -> None:
 
 def test_scratch_kept_when_asked_or_when_the_run_failed(tmp_path: Path) -> None:
     code = (
-        "import sys; from loadtest.scratch import keep, scratch; "
+        "import sys; from loadtest.benchmark.scratch import keep, scratch; "
         "w = scratch('bench-t-', {keep}); (w / 'log').write_text('x'); "
         "keep(w) if {found} else None; sys.exit(0) if {ok} else 1 / 0"
     )

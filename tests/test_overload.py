@@ -50,7 +50,15 @@ def edge(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     port = free_port()
     with open(run / "stub.log", "wb") as log:
         stub = subprocess.Popen(
-            [sys.executable, "-m", "loadtest.stub", "--port", str(port), "--delay-ms", "20"],
+            [
+                sys.executable,
+                "-m",
+                "loadtest.benchmark.stub",
+                "--port",
+                str(port),
+                "--delay-ms",
+                "20",
+            ],
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loadtest import repeat, report
-from loadtest.report import Record, SystemResult
-from loadtest.workload import prompt_text, schedule
+from loadtest.benchmark import repeat, report
+from loadtest.benchmark.report import Record, SystemResult
+from loadtest.workloads.mix import prompt_text, schedule
 
 
 def rec(

@@ -13,7 +13,7 @@ import yaml
 from engine.emulator import Engine
 from engine.profiles import PROFILES
 from engine.scheduler import Seq
-from loadtest.workload import Req, load_kinds, schedule
+from loadtest.workloads.mix import Req, load_kinds, schedule
 
 
 def test_workload_file_defines_the_mix(tmp_path: Path) -> None:
@@ -33,7 +33,7 @@ def test_workload_file_defines_the_mix(tmp_path: Path) -> None:
 
 def test_a_shared_prefix_is_what_the_engines_prefix_cache_sees(tmp_path: Path) -> None:
     from engine.scheduler import block_hashes
-    from loadtest.workload import prompt_text
+    from loadtest.workloads.mix import prompt_text
 
     f = tmp_path / "mix.yaml"
     f.write_text(
@@ -94,7 +94,7 @@ def test_bounds_follow_the_roofline_and_the_order() -> None:
     gives a first token in time behind the classes before it (shortest first, prefill only)."""
     from dataclasses import replace
 
-    from loadtest.capacity import bounds_line, demand, first_token_bound
+    from loadtest.benchmark.capacity import bounds_line, demand, first_token_bound
 
     p = PROFILES["a100-40gb-llama3-8b"]
     per_token = p.compute_s_per_token
@@ -137,8 +137,8 @@ def test_calibration_and_bounds_count_a_cached_prefix_once() -> None:
     (vLLM V1's default): calibrating without it would offer such a mix far below "1.5×"."""
     from dataclasses import replace
 
-    from loadtest.capacity import completed_rate, computed_prompt, demand
-    from loadtest.workload import Kind, Req
+    from loadtest.benchmark.capacity import completed_rate, computed_prompt, demand
+    from loadtest.workloads.mix import Kind, Req
 
     r = Req(0.0, "chat", "acme", "realtime", 1000, 10, prefix_tokens=512)
     assert computed_prompt(r, 16) == 488
@@ -162,7 +162,7 @@ def test_the_idealised_schedule_leaves_out_what_cannot_make_it() -> None:
     the second out, the third starts at 0.64 s and is in time. A prompt whose prefix the node
     computed is prefilled for its own part only."""
     from loadtest.ideal import first_tokens, prefill_s
-    from loadtest.workload import Req
+    from loadtest.workloads.mix import Req
 
     p = PROFILES["a100-40gb-llama3-8b"]
     one = prefill_s(p, 6000)
@@ -188,7 +188,7 @@ def _conversation(seed: int = 3) -> list[Req]:
 
 
 def test_a_turn_resends_the_history_as_answered_and_a_refused_turn_is_not_in_it() -> None:
-    from loadtest.workload import Histories, req_prompt
+    from loadtest.workloads.mix import Histories, req_prompt
 
     turns = _conversation()
     h = Histories()
@@ -229,7 +229,7 @@ async def test_a_conversations_next_turn_waits_for_the_last_answer() -> None:
     from aiohttp import web
 
     from devstack.procs import free_port
-    from loadtest.drive import drive
+    from loadtest.benchmark.driver import drive
 
     seen: list[tuple[float, int, str]] = []  # (arrival, prompt characters, conversation tag)
 

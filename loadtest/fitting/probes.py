@@ -21,7 +21,7 @@ import aiohttp
 
 from engine.openai_api import Tokens
 from engine.vllm_node import TINY_MODEL
-from loadtest.workload import TINY, load_kinds, req_prompt, schedule
+from loadtest.workloads.mix import TINY, load_kinds, req_prompt, schedule
 
 
 class Sample(NamedTuple):
@@ -219,7 +219,7 @@ async def mixed(
 async def token_check(url: str, tokenizer: Path, n: int = 40) -> dict[str, Any]:
     """Chat prompts of the tiny workloads: prompt_tokens from the node vs the emulator's count."""
     tokens = Tokens(str(tokenizer))
-    kinds = TINY + load_kinds(str(Path(__file__).with_name("workloads") / "tiny-prefix.yaml"))
+    kinds = TINY + load_kinds(str(Path(__file__).parent.parent / "workloads" / "tiny-prefix.yaml"))
     reqs = schedule(20, n / 20, seed=3, kinds=kinds)[:n]
     agree, worst = 0, 0.0
     async with aiohttp.ClientSession() as s:

@@ -13,8 +13,8 @@ from typing import Any
 import aiohttp
 
 from engine.openai_api import ANSWER_MARK
-from loadtest import report
-from loadtest.workload import Histories, Req, req_prompt
+from loadtest.benchmark import report
+from loadtest.workloads.mix import Histories, Req, req_prompt
 
 
 async def sample_nodes(

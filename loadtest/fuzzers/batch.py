@@ -22,8 +22,8 @@ import aiohttp
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loadtest import drawn
-from loadtest.fuzz_checks import Case, Tally, check
+from loadtest.fuzzers import drawn
+from loadtest.fuzzers.checks import Case, Tally, check
 
 KEYS = ("sk-demo-etl", "sk-demo-acme")
 

@@ -14,9 +14,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from loadtest.fair import fair_shares, shares, windowed_fair
-from loadtest.hits import after_answers, cached_share, prefix_hit_ratio
-from loadtest.records import Record, percentile
+from loadtest.benchmark.fair import fair_shares, shares, windowed_fair
+from loadtest.benchmark.hits import after_answers, cached_share, prefix_hit_ratio
+from loadtest.benchmark.records import Record, percentile
 
 WARM_S = 5.0  # requests sent from this second on: the nodes' prefix caches and rates are warm
 

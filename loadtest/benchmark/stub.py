@@ -1,6 +1,6 @@
 """A fixed-latency OpenAI-compatible stub node for overhead benchmarks (not an engine model).
 
-    python -m loadtest.stub --port P [--delay-ms 20]
+    python -m loadtest.benchmark.stub --port P [--delay-ms 20]
 
 Answers chat/completions after `--delay-ms` (or the body's `stub_delay_ms`) with a canned body and usage, /health 200, and a
 /metrics with an idle KV cache so a node agent reports it open.

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 
 from engine.profiles import PROFILES
 from engine.scheduler import Scheduler, Seq
-from loadtest.workload import MIXED, Kind, Req, schedule
+from loadtest.workloads.mix import MIXED, Kind, Req, schedule
 
 
 def completed_rate(

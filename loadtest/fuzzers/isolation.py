@@ -26,7 +26,7 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from loadtest import drawn
+from loadtest.fuzzers import drawn
 
 KEYS = {"acme": "sk-demo-acme", "globex": "sk-demo-globex", "etl": "sk-demo-etl"}
 TENANTS = {"acme": "acme", "globex": "globex", "etl": "nightly-etl"}  # key name → tenant id

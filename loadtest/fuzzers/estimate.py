@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from devstack.procs import free_port, port_open, stop_process, wait_for
 from devstack.stack import MODULES, NGINX_DIR
-from loadtest import drawn
+from loadtest.fuzzers import drawn
 
 FLOOR = 0.8  # the estimate never falls below this fraction of the tokenizer's count
 

@@ -8,7 +8,7 @@ from collections import Counter, defaultdict
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from loadtest.records import Record
+    from loadtest.benchmark.records import Record
 
 
 def fair_shares(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from loadtest.records import Record
+    from loadtest.benchmark.records import Record
 
 
 def cached_share(records: list[Record]) -> float | None:

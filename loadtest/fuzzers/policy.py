@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from admission.errors import PolicyError
 from admission.policy import load_policy
-from loadtest import drawn
+from loadtest.fuzzers import drawn
 
 OPS = ("delete", "duplicate", "indent", "dedent", "replace_value", "insert", "truncate", "bad_utf8")
 
