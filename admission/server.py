@@ -34,7 +34,7 @@ from admission.reload import PolicyHolder, write_edge_table
 from admission.scheduling import Dispatcher
 from admission.store import Store, connect_batch
 from admission.trust import Access
-from admission.usage import RefusedReleases, release_args, release_finish, release_names
+from admission.usage import RefusedReleases, Release, release_args
 
 log = logging.getLogger(__name__)
 
@@ -93,28 +93,23 @@ async def release(request: web.Request) -> web.Response:
     dispatcher = request.app[DISPATCHER]
     ratio = request.app[METRICS].prompt_ratio.observe
     if not isinstance(body, list):
-        args = release_args(body, request.app[POLICY].current, ratio)
-        named = [release_names(body)]
-        refunded = (await dispatcher.release_many([args], named, [release_finish(body)]))[0]
+        one = release_args(body, request.app[POLICY].current, ratio)
+        refunded = (await dispatcher.release_many([one]))[0]
         return _json({"released": True, "refunded_tokens": refunded})
     if len(body) > MAX_RELEASE_BATCH:
         raise BadRequest(f"at most {MAX_RELEASE_BATCH} releases per batch", code="batch_too_large")
 
     results: list[dict[str, Any]] = []
-    good: list[tuple[str, int, bool, int, int]] = []
-    names: list[tuple[str, str] | None] = []
-    finishes: list[str | None] = []
+    good: list[Release] = []
     policy = request.app[POLICY].current
     for entry in body:  # a malformed entry is answered on its own
         try:
             good.append(release_args(entry, policy, ratio))
-            names.append(release_names(entry))
-            finishes.append(release_finish(entry))
             results.append({})
         except BadRequest as exc:
             results.append({"error": {"message": exc.message, "code": exc.code}})
             request.app[REFUSED_RELEASES].note(exc)
-    refunds = iter(await dispatcher.release_many(good, names, finishes))
+    refunds = iter(await dispatcher.release_many(good))
     for r in results:
         if "error" not in r:
             r["refunded_tokens"] = next(refunds)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from admission.errors import BadRequest
@@ -64,11 +65,25 @@ def _usage(usage: dict[str, Any]) -> tuple[int, int, int] | None:
     return p, c, cached
 
 
+@dataclass(frozen=True, slots=True)
+class Release:
+    """One release as the edge reports it, checked: what the tenant is charged and what the
+    engine did."""
+
+    ticket: str
+    tokens: int  # to charge; -1: the reservation as booked
+    node_failed: bool = False  # the node could not be reached
+    output_tokens: int = -1  # the engine's completion_tokens (-1: unknown)
+    cached_tokens: int = -1  # prompt tokens the engine found cached (-1: unknown)
+    names: tuple[str, str] | None = None  # (model, class) as the edge read the request
+    finish: str | None = "stop"  # how the answer ended (the engine's finish_reason)
+
+
 def release_args(
     body: Any, policy: Policy, ratio: Callable[[float], None] = lambda _r: None
-) -> tuple[str, int, bool, int, int]:
-    """(ticket, tokens charged, node unreachable, output tokens, cached prompt tokens; -1:
-    unknown) or BadRequest. Cached prompt tokens cost the tenant's `cached_token_price`.
+) -> Release:
+    """The release `body` reports (tokens charged, node unreachable, output tokens, cached
+    prompt tokens; -1: unknown) or BadRequest. Cached prompt tokens cost the tenant's `cached_token_price`.
     `ratio`: given the engine's prompt tokens over the edge's estimate of them (`estimate`, from
     `edge.chars_per_token`) when the release has both. Far from 1, the ledger books prompts,
     prefill and KV in the wrong size (the real node's tiny model: 3.2 tokens for 4 characters)."""
@@ -102,13 +117,15 @@ def release_args(
         tenant = policy.tenants.get(parse_ticket(ticket)[2])
         price = tenant.limits.cached_token_price if tenant is not None else 1.0
         discount = 0 if cached < 0 else int(cached * (1.0 - price))
-        return ticket, p + c - discount, failed, c, cached
+        return Release(ticket, p + c - discount, failed, c, cached, *_told(body))
     if usage is None and _nothing_ran(status, header_s):
-        return ticket, 0, failed, -1, -1  # no engine took it (connect refused, shed): nothing used
+        return Release(
+            ticket, 0, failed, -1, -1, *_told(body)
+        )  # no engine took it (connect refused, shed): nothing used
     # Unknown: keep the reservation as charged. That includes 500 and 504 without usage (the
     # engine may have generated up to the cap before it failed or the proxy timed out), and
     # usage that cannot be read (the lease still goes back: a bad field loses nothing).
-    return ticket, -1, failed, -1, -1
+    return Release(ticket, -1, failed, -1, -1, *_told(body))
 
 
 def _release_fields(body: dict[str, Any]) -> tuple[int, bool, Any, int | None]:
@@ -134,6 +151,10 @@ def _release_fields(body: dict[str, Any]) -> tuple[int, bool, Any, int | None]:
         if name is not None and (not isinstance(name, str) or not 0 < len(name) <= MAX_NAME):
             raise BadRequest(f"{key} must be a string of 1 to {MAX_NAME} characters, or null")
     return status, failed, header_s, estimate
+
+
+def _told(body: dict[str, Any]) -> tuple[tuple[str, str] | None, str | None]:
+    return release_names(body), release_finish(body)
 
 
 def release_finish(body: dict[str, Any]) -> str | None:

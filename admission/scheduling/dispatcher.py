@@ -47,12 +47,13 @@ from admission.scheduling.nodetable import NodeTable
 from admission.scheduling.overload import Overload, State
 from admission.scheduling.prefixes import NO_PREFIX, Prefix
 from admission.scheduling.queue import FairQueue, Item
-from admission.scheduling.release import Released, Releases
+from admission.scheduling.release import Releases
 from admission.scheduling.running import REFRESH_S, Loop
 from admission.scheduling.take_lease import Admission, Placer
 from admission.scheduling.ticket import make_ticket, new_request_id
 from admission.scheduling.views import NodeView
 from admission.store import Store
+from admission.usage import Release
 
 log = logging.getLogger(__name__)
 
@@ -209,23 +210,21 @@ class Dispatcher:
             raise OverFairShare(cls, self.queue.retry_after(len(self.queue)))
 
     async def release(self, ticket: str, actual: int, failed: bool = False, **kw: Any) -> int:
-        """One `release_many` entry; `kw`: out, cached (-1: unknown), finish ("stop")."""
-        out, cached = kw.get("out", -1), kw.get("cached", -1)
-        entry = (ticket, actual, failed, out, cached)
-        return (await self.release_many([entry], None, [kw.get("finish", "stop")]))[0]
+        """One release; `kw`: out, cached (-1: unknown), finish ("stop")."""
+        one = Release(
+            ticket,
+            actual,
+            failed,
+            kw.get("out", -1),
+            kw.get("cached", -1),
+            None,
+            kw.get("finish", "stop"),
+        )
+        return (await self.release_many([one]))[0]
 
-    async def release_many(
-        self,
-        entries: list[Released],
-        names: list[tuple[str, str] | None] | None = None,
-        finishes: list[str | None] | None = None,
-    ) -> list[int]:
-        """Give leases back and settle (tokens refunded to each), in one round round_trip. An entry:
-        (ticket, tokens (-1: the reservation), node unreachable, output tokens the engine
-        reported, cached prompt tokens it found; -1: unknown). `names`: each one's (model,
-        class) as the edge sent them, or None; `finishes`: how each answer ended (the engine's
-        finish_reason; None: not said)."""
-        return await self.releases.settle(entries, names, finishes)
+    async def release_many(self, entries: list[Release]) -> list[int]:
+        """Give leases back and settle (tokens refunded to each), in one round trip."""
+        return await self.releases.settle(entries)
 
     # -- the queue ---------------------------------------------------------------------------
     def _fast_path(self, item: Item) -> list[tuple[NodeView, Ask]] | None:

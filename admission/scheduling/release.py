@@ -19,10 +19,7 @@ from admission.scheduling.nodetable import NodeTable
 from admission.scheduling.take_lease import Placer
 from admission.scheduling.ticket import answered_ahead, parse_ticket
 from admission.store import Call
-
-# (ticket, tokens to charge (-1: the reservation), node unreachable, output tokens (-1: unknown),
-# cached prompt tokens the engine reported (-1: unknown))
-Released = tuple[str, int, bool, int, int]
+from admission.usage import Release
 
 
 @dataclass
@@ -37,33 +34,26 @@ class Releases:
     limiter: Limiter
     place: Placer
 
-    async def settle(
-        self,
-        entries: list[Released],
-        names: list[tuple[str, str] | None] | None = None,
-        finishes: list[str | None] | None = None,
-    ) -> list[int]:
-        """Settle a batch of releases in one round trip; the tokens refunded to each. `names`:
-        each release's (model, class) as the edge sent them (None: not sent), from which a
-        sidecar learns the answers of requests another one admitted; `finishes`: how each
-        answer ended (only one that ended on its own teaches a length)."""
+    async def settle(self, entries: list[Release]) -> list[int]:
+        """Settle a batch of releases in one round trip; the tokens refunded to each. A
+        release's `names` teach a sidecar the answers of requests another one admitted; its
+        `finish`, whether the answer ended on its own (only that teaches a length)."""
         items: list[Settling] = []
         backs: list[Call] = []
         policy = self.policy()
         nodes, tenants = [], policy.tenants
-        await self.ahead.settled(ticket for ticket, *_rest in entries)  # booked before released
-        for i, (ticket, actual, failed, out, cached) in enumerate(entries):
+        await self.ahead.settled(r.ticket for r in entries)  # booked before released
+        for r in entries:
+            ticket, failed = r.ticket, r.node_failed
             rid, node, tid = parse_ticket(ticket)
-            named = names[i] if names else None
-            elsewhere = None
+            named, elsewhere = r.names, None
             if named is not None and named[1] in policy.classes:
                 elsewhere = (policy.is_urgent(named[1]), (named[0], named[1], tid))
-            finish = finishes[i] if finishes else None
-            self.nodes.answers.answered(ticket, out, elsewhere, finish)
-            unconfirmed = self.nodes.placements.engine_cached(ticket, cached)
+            self.nodes.answers.answered(ticket, r.output_tokens, elsewhere, r.finish)
+            unconfirmed = self.nodes.placements.engine_cached(ticket, r.cached_tokens)
             await self.nodes.proxied(node, failed, ticket)
             first = answered_ahead(ticket)  # its release may come before its booking
-            items.append((tenants.get(tid), rid, actual, first))
+            items.append((tenants.get(tid), rid, r.tokens, first))
             # Released (it ended): so may any lease's, whose reply the sidecar timed out on and
             # ran the request without — Redis may run that booking after this (a lease left to
             # its TTL: tests/test_many_sidecars.py, now and then on a loaded machine).
