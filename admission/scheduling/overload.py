@@ -3,11 +3,14 @@
 The one place that answers it. One state per (model, class), from two marks this sidecar makes,
 read at the `now` every caller passes (the dispatcher's clock; no timer of its own):
 
-    WITHIN ──arrival finds no node──▶ SHORT ──refused late──▶ SHEDDING
-      │                                 ▲                        │
-      └──────refused late──▶ LATE ──────┘ arrival finds no node  │
-    marks run out: `late` REFUSING_S after the last late refusal; `short` YOUNG_S after the last
-    arrival that found no node, FULL_S once that spell lasted CONFIRM_S.
+               arrival finds no node               refused late
+    WITHIN ───────────────────────────▶ SHORT ─────────────────────▶ SHEDDING
+      │                                                                 ▲
+      │ refused late                          arrival finds no node    │
+      └──────────────────────────────▶ LATE ────────────────────────────┘
+    Each mark runs out on its own clock, and the state falls back with it: `late` REFUSING_S
+    (5 s) after the last late refusal; `short` YOUNG_S (1 s) after the last arrival that found
+    no node, FULL_S (5 s) once that spell lasted CONFIRM_S (2 s).
 
 - `late`: a request of the class was refused late (`on_late: refuse`: its wait made its TTFT
   target unreachable, late_heads.py) or waited past the nearly-late point, or was refused early
