@@ -203,7 +203,7 @@ def build_app(
     batches = BatchApi(holder, app[ACCESS])
     app[POLICY] = holder
     app[METRICS] = metrics or holder.metrics
-    life = _Life(holder, edge_table, batches)
+    life = _Life(app, holder, edge_table, batches)
     app.cleanup_ctx.extend([life.redis, life.watcher, life.dispatcher])
     app.router.add_post("/admit", admit)
     app.router.add_post("/release", release)
@@ -221,14 +221,14 @@ class _Life:
     """The sidecar's resources and tasks, in the order they start (aiohttp cleanup contexts):
     Redis and the limiter; the policy watcher and the edge table; the dispatcher."""
 
-    def __init__(self, holder: PolicyHolder, edge_table: Path | None, batches: BatchApi) -> None:
-        self.holder, self.edge_table, self.batches = holder, edge_table, batches
-        self.app: web.Application | None = None
+    def __init__(
+        self, app: web.Application, holder: PolicyHolder, edge_table: Path | None, batches: BatchApi
+    ) -> None:
+        self.app, self.holder, self.edge_table, self.batches = app, holder, edge_table, batches
         self.secret: bytes | None = None  # the cache salt secret (cache_salt.py), once read
 
     async def redis(self, app: web.Application) -> AsyncIterator[None]:
         holder, batches = self.holder, self.batches
-        self.app = app
         st = app[STORE] = Store.open(holder.current.redis, app[METRICS])
         pol = holder.current
         batches.store = BatchStore(connect_batch(pol.redis, pol.batch.redis_url))
@@ -248,22 +248,23 @@ class _Life:
         await batches.store.redis.aclose()
 
     def unusable(self) -> frozenset[str]:
-        app = self.app
-        return app[DISPATCHER].nodes.unusable if app is not None and DISPATCHER in app else _NONE
+        return self.app[DISPATCHER].nodes.unusable if DISPATCHER in self.app else frozenset()
 
     def write_table(self, policy: Any, closed: frozenset[str] | None = None) -> None:
         if self.edge_table is not None:
             shut = self.unusable() if closed is None else closed
             write_edge_table(policy, self.edge_table, shut, self.secret)
 
-    async def read_secret(self, app: web.Application, attempts: int | None) -> None:
+    async def read_secret(self, attempts: int | None) -> None:
         """Read the shared cache salt secret (`attempts` tries; None: until it is read), then
         rewrite the edge table with the salts. Until then the edge salts every request alone."""
         delay_s, tried = 0.5, 0
         while attempts is None or tried < attempts:
             tried += 1
             try:
-                self.secret = await asyncio.wait_for(cache_salt.read_secret(app[STORE].redis), 2.0)
+                self.secret = await asyncio.wait_for(
+                    cache_salt.read_secret(self.app[STORE].redis), 2.0
+                )
             except Exception as exc:  # Redis away: requests are salted alone meanwhile
                 if tried == 1 and attempts is None:
                     log.warning(
@@ -281,11 +282,11 @@ class _Life:
         holder = self.holder
         salting: asyncio.Task[None] | None = None
         if self.edge_table is not None:
-            await self.read_secret(app, 1)
+            await self.read_secret(1)
             self.write_table(holder.current)
             holder.listeners.append(self.write_table)
             if self.secret is None:
-                salting = asyncio.create_task(self.read_secret(app, None), name="cache-salt")
+                salting = asyncio.create_task(self.read_secret(None), name="cache-salt")
         task = asyncio.create_task(holder.watch(), name="policy-watcher")
         yield
         await _stop(task)
@@ -317,9 +318,6 @@ class _Life:
         await _stop(probe)
         await _stop(task)
         await d.ahead.close()
-
-
-_NONE: frozenset[str] = frozenset()
 
 
 def _log_death(task: asyncio.Task[Any]) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 
 from admission.policy import Policy
 from admission.scheduling.answer_lengths import decode_limit_s, own_decode_limit_s
+from admission.scheduling.overload import State
 from admission.scheduling.routing import urgent_present
 
 WINDOW_S = 60.0  # wait percentiles over this much recent history
@@ -145,9 +146,8 @@ def _decode_guard(dispatcher: Any) -> dict[str, Any]:
     cls = next((c for c in policy.classes if policy.is_urgent(c)), None)
     own = own_decode_limit_s(policy, cls, mean) if cls else None
     now, over = dispatcher.clock(), dispatcher.overload
-    refusing = any(
-        s["class"] == cls and s["state"] in ("late", "shedding") for s in over.snapshot(now)
-    )
+    late = (State.LATE.value, State.SHEDDING.value)
+    refusing = any(s["class"] == cls and s["state"] in late for s in over.snapshot(now))
     waiting = dispatcher.nodes.urgent_waiting(dispatcher.queue.waiting_kv)
     active = limit is not None and urgent_present(
         list(dispatcher.nodes.views.values()), None, waiting

@@ -83,7 +83,8 @@ def release_args(
     body: Any, policy: Policy, ratio: Callable[[float], None] = lambda _r: None
 ) -> Release:
     """The release `body` reports (tokens charged, node unreachable, output tokens, cached
-    prompt tokens; -1: unknown) or BadRequest. Cached prompt tokens cost the tenant's `cached_token_price`.
+    prompt tokens; -1: unknown) or BadRequest. Cached prompt tokens cost the tenant's
+    `cached_token_price`.
     `ratio`: given the engine's prompt tokens over the edge's estimate of them (`estimate`, from
     `edge.chars_per_token`) when the release has both. Far from 1, the ledger books prompts,
     prefill and KV in the wrong size (the real node's tiny model: 3.2 tokens for 4 characters)."""
@@ -104,6 +105,7 @@ def release_args(
     except ValueError:
         raise BadRequest("ticket is missing or malformed", code="invalid_ticket") from None
     status, failed, header_s, estimate = _release_fields(body)
+    told = release_names(body), release_finish(body)
     usage = body.get("usage")
     if usage is not None and not isinstance(usage, dict):
         raise BadRequest("usage must be an object or null")
@@ -117,20 +119,19 @@ def release_args(
         tenant = policy.tenants.get(parse_ticket(ticket)[2])
         price = tenant.limits.cached_token_price if tenant is not None else 1.0
         discount = 0 if cached < 0 else int(cached * (1.0 - price))
-        return Release(ticket, p + c - discount, failed, c, cached, *_told(body))
+        return Release(ticket, p + c - discount, failed, c, cached, *told)
     if usage is None and _nothing_ran(status, header_s):
-        return Release(
-            ticket, 0, failed, -1, -1, *_told(body)
-        )  # no engine took it (connect refused, shed): nothing used
+        # No engine took it (connection refused, shed): nothing used.
+        return Release(ticket, 0, failed, -1, -1, *told)
     # Unknown: keep the reservation as charged. That includes 500 and 504 without usage (the
     # engine may have generated up to the cap before it failed or the proxy timed out), and
     # usage that cannot be read (the lease still goes back: a bad field loses nothing).
-    return Release(ticket, -1, failed, -1, -1, *_told(body))
+    return Release(ticket, -1, failed, -1, -1, *told)
 
 
 def _release_fields(body: dict[str, Any]) -> tuple[int, bool, Any, int | None]:
     """A release's status, node_failed, header_s and estimate, each checked (BadRequest), and
-    its model and class names."""
+    its model and class names checked."""
     status = body.get("status", 200)
     if isinstance(status, bool) or not isinstance(status, int):
         raise BadRequest("status must be an integer")
@@ -151,10 +152,6 @@ def _release_fields(body: dict[str, Any]) -> tuple[int, bool, Any, int | None]:
         if name is not None and (not isinstance(name, str) or not 0 < len(name) <= MAX_NAME):
             raise BadRequest(f"{key} must be a string of 1 to {MAX_NAME} characters, or null")
     return status, failed, header_s, estimate
-
-
-def _told(body: dict[str, Any]) -> tuple[tuple[str, str] | None, str | None]:
-    return release_names(body), release_finish(body)
 
 
 def release_finish(body: dict[str, Any]) -> str | None:

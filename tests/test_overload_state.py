@@ -64,13 +64,15 @@ def test_a_lower_class_is_owed_its_min_share_only_while_an_urgent_class_is_late(
     ).replace("promote_after_s: 2}", "promote_after_s: 2, slo: {ttft_ms: 10000}}")
     p = make_policy("redis://127.0.0.1:1", text)
     o = Overload()
-    assert not o.owed(p, "m", "batch", 0.0, lambda: 0.0)  # within capacity: no
+    assert not o.owed(p, "m", "batch", 0.0, lambda _m, _c, _t: 0.0)  # within capacity: no
     o.refused_late("m", "realtime", 0.0)
-    assert o.owed(p, "m", "batch", 1.0, lambda: 0.05)  # under its min_share
-    assert not o.owed(p, "m", "batch", 1.0, lambda: 0.2)  # over it
-    assert not o.owed(p, "m", "offline", 1.0, lambda: 0.0)  # no SLO: the queue's order
-    assert not o.owed(p, "m", "realtime", 1.0, lambda: 0.0)  # the urgent class itself
-    assert not o.owed(p, "other", "batch", 1.0, lambda: 0.0)  # another model's realtime is fine
+    assert o.owed(p, "m", "batch", 1.0, lambda _m, _c, _t: 0.05)  # under its min_share
+    assert not o.owed(p, "m", "batch", 1.0, lambda _m, _c, _t: 0.2)  # over it
+    assert not o.owed(p, "m", "offline", 1.0, lambda _m, _c, _t: 0.0)  # no SLO: the queue's order
+    assert not o.owed(p, "m", "realtime", 1.0, lambda _m, _c, _t: 0.0)  # the urgent class itself
+    assert not o.owed(
+        p, "other", "batch", 1.0, lambda _m, _c, _t: 0.0
+    )  # another model's realtime is fine
 
 
 def test_the_overload_clocks_live_in_one_module() -> None:

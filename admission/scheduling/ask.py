@@ -48,4 +48,4 @@ class Request:
     kv: int  # KV it books: the prompt and the answer its tenant's answers run to
     tenant: str | None = None
     prefix: Prefix = NO_PREFIX  # the prompt's head (prefixes.py)
-    waited_s: float = 0.0  # how long it has waited here
+    waited_s: float = 0.0  # how long it has waited here (counted while its class is late)

@@ -24,7 +24,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 from admission.errors import (
@@ -211,15 +210,8 @@ class Dispatcher:
 
     async def release(self, ticket: str, actual: int, failed: bool = False, **kw: Any) -> int:
         """One release; `kw`: out, cached (-1: unknown), finish ("stop")."""
-        one = Release(
-            ticket,
-            actual,
-            failed,
-            kw.get("out", -1),
-            kw.get("cached", -1),
-            None,
-            kw.get("finish", "stop"),
-        )
+        out, cached, finish = kw.get("out", -1), kw.get("cached", -1), kw.get("finish", "stop")
+        one = Release(ticket, actual, failed, out, cached, finish=finish)
         return (await self.release_many([one]))[0]
 
     async def release_many(self, entries: list[Release]) -> list[int]:
@@ -254,19 +246,19 @@ class Dispatcher:
         """Nodes that would take `it` now, best first. Memory and prefill rules follow the class
         a request asked for: aging moves it up the queue, but does not let a long batch request
         use what is kept for realtime."""
-        q, cls = self.queue, it.requested_cls or it.cls
-        now = self.clock()
-        req = Request(it.model, cls, it.prompt, it.cost, it.tenant, it.prefix, now - it.enqueued_at)
+        q, cls, now = self.queue, it.requested_cls or it.cls, self.clock()
         late = self.overload.late(it.model, cls, now)
-        return self.nodes.eligible(
-            req, q.tenant_depth, q.waiting_kv, self.owed(it.model, cls), late
-        )
+        # The wait counts only while the class is late (routing.eligible): 0 otherwise, so
+        # that routing keeps this Request as it is.
+        waited = now - it.enqueued_at if late else 0.0
+        req = Request(it.model, cls, it.prompt, it.cost, it.tenant, it.prefix, waited)
+        owed = self.overload.owed(self.policy(), it.model, cls, now, self.place.shed.class_share)
+        return self.nodes.eligible(req, q.tenant_depth, q.waiting_kv, owed, late)
 
     def owed(self, model: str, cls: str) -> bool:
         """Whether the decode guard lets `cls` through for `model` now (Overload.owed): an urgent
         class is late and this sidecar admitted `cls` under its `min_share` lately."""
-        now = self.clock()
-        share = partial(self.place.shed.class_share, model, cls, now)
+        now, share = self.clock(), self.place.shed.class_share
         return self.overload.owed(self.policy(), model, cls, now, share)
 
     async def submit(self, item: Item) -> Admission:

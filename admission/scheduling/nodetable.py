@@ -272,7 +272,7 @@ class NodeTable:
         )
         return [clock, *res]
 
-    def _observe(self, dirty: Any, now: float) -> bool:
+    def _observe(self, dirty: set[str], now: float) -> bool:
         """Apply the states read for the `dirty` nodes; whether any node's state moved (each
         move logged: into or out of down/maintenance as a warning)."""
         wall, moved = time.time(), False

@@ -97,11 +97,16 @@ class Overload:
         return State.SHORT if short else State.WITHIN
 
     def owed(
-        self, policy: Policy, model: str, cls: str, now: float, share: Callable[[], float]
+        self,
+        policy: Policy,
+        model: str,
+        cls: str,
+        now: float,
+        share: Callable[[str, str, float], float],
     ) -> bool:
         """Whether the decode guard lets `cls` through for `model` now: an urgent class is late
         (past what any order serves) and `cls` got less than its `min_share` of the model's
-        tokens lately (`share()`, shedding.FairShed.class_share). A lower class with an SLO
+        tokens lately (`share(model, cls, now)`: shedding.FairShed.class_share). A lower class with an SLO
         only: one without gets its min_share from the queue's order while an SLO class waits,
         and has no first token to be late for."""
         c = policy.classes.get(cls)
@@ -109,7 +114,7 @@ class Overload:
             return False
         if not any(self.late(model, u, now) for u in policy.classes if policy.is_urgent(u)):
             return False
-        return share() < c.min_share
+        return share(model, cls, now) < c.min_share
 
     def snapshot(self, now: float) -> list[dict[str, str]]:
         """For the status page: every (model, class) not WITHIN now."""

@@ -101,7 +101,7 @@ def eligible(
     (Overload.owed): the decode guard lets it by."""
     model, cls, now = req.model, req.cls, facts.now
     decode_s, own_s, share = guards(views, policy, req, facts)
-    if not facts.refusing:
+    if req.waited_s and not facts.refusing:
         req = replace(req, waited_s=0.0)  # within capacity, the whole target (ask_for)
     ok = []
     for v in views:
